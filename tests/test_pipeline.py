@@ -1,0 +1,125 @@
+"""The papermill pipeline on small real notebooks: order, skipping, forcing, failures, reports."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+from nbformat.v4 import new_code_cell, new_notebook
+
+from eagle3lib import pipeline
+
+STAGE_CODE = {
+    "00_first": """
+import json, pathlib
+from eagle3lib import params as P, pipeline
+p = P.load_params(params_file, overrides)
+out = pipeline.stage_dir(run_dir, "00_first")
+(out / "made.txt").write_text(str(p.bench.max_tokens))
+pipeline.save_result(run_dir, "00_first", {"n": p.bench.max_tokens}, headline={"tokens": p.bench.max_tokens},
+                     artifacts=["made.txt"])
+""",
+    "01_second": """
+from eagle3lib import params as P, pipeline
+p = P.load_params(params_file, overrides)
+first = pipeline.load_result(run_dir, "00_first")
+if p.bench.num_prompts == 13:
+    raise ValueError("thirteen prompts are unlucky")
+pipeline.save_result(run_dir, "01_second", {"twice": 2 * first["figures"]["n"]}, headline={"twice": 2 * first["figures"]["n"]})
+""",
+}
+
+
+@pytest.fixture
+def workbook(tmp_path):
+    nbs = tmp_path / "notebooks"
+    nbs.mkdir()
+    for name, code in STAGE_CODE.items():
+        nb = new_notebook()
+        nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+        params = new_code_cell('params_file = None\nrun_dir = None\noverrides = {}')
+        params.metadata["tags"] = ["parameters"]
+        nb.cells = [params, new_code_cell(code)]
+        nbformat.write(nb, nbs / f"{name}.ipynb")
+    params_file = tmp_path / "params" / "t.yaml"
+    params_file.parent.mkdir()
+    params_file.write_text("run: {output_root: ../outputs}\nbench: {max_tokens: 7}\n")
+    return nbs, params_file, tmp_path / "outputs" / "t"
+
+
+def run(workbook, **kw):
+    nbs, params_file, _ = workbook
+    return pipeline.run_pipeline(params_file, notebooks_dir=nbs, log_output=False, **kw)
+
+
+def result(run_dir, stage):
+    return json.loads((run_dir / stage / "result.json").read_text())
+
+
+def test_stage_names():
+    names = ["00_prepare", "01_extract"]
+    assert pipeline.stage_name("extract", names) == "01_extract"
+    assert pipeline.stage_name("00", names) == "00_prepare"
+    with pytest.raises(ValueError, match="stages are: 00_prepare, 01_extract"):
+        pipeline.stage_name("train", names)
+
+
+def test_runs_in_order_then_skips_then_forces(workbook, capsys):
+    out = run(workbook)
+    first, second = result(out, "00_first"), result(out, "01_second")
+    assert first["status"] == second["status"] == "ok"
+    assert second["figures"] == {"twice": 14}
+    for stage in ("00_first", "01_second"):
+        assert (out / stage / f"{stage}.ipynb").is_file() and (out / stage / f"{stage}.html").is_file()
+    run_json = json.loads((out / "run.json").read_text())
+    assert run_json["params"]["bench"]["max_tokens"] == 7 and "torch" in run_json["versions"]
+    index = (out / "index.html").read_text()
+    assert "00_first/00_first.html" in index and "twice" in index
+
+    capsys.readouterr()
+    run(workbook)
+    assert capsys.readouterr().err.count("unchanged, skipped") == 2
+    assert result(out, "00_first")["hash"] == first["hash"]
+
+    run(workbook, only_stage="second")
+    err = capsys.readouterr().err
+    assert "01_second: running" in err and "00_first" not in err
+
+    # A changed param reruns the stages that read it; a missing artifact reruns its stage.
+    run(workbook, overrides={"bench.max_tokens": 8})
+    assert result(out, "01_second")["figures"] == {"twice": 16}
+    (out / "00_first" / "made.txt").unlink()
+    capsys.readouterr()
+    run(workbook, overrides={"bench.max_tokens": 8})
+    assert "00_first: running" in capsys.readouterr().err
+
+
+def test_failed_stage_keeps_traceback_and_earlier_work(workbook):
+    with pytest.raises(pipeline.StageError):
+        run(workbook, overrides={"bench.num_prompts": 13})
+    out = workbook[2]
+    made = (out / "00_first" / "made.txt").stat().st_mtime_ns
+    with pytest.raises(pipeline.StageError, match=r"stage 01_second failed .*ValueError: thirteen prompts are unlucky"):
+        run(workbook, overrides={"bench.num_prompts": 13})
+    failed = result(out, "01_second")
+    assert failed["status"] == "failed" and "thirteen" in failed["error"] and "hash" not in failed
+    assert "thirteen prompts are unlucky" in (out / "01_second" / "01_second.html").read_text()
+    assert "Traceback" in (out / "01_second" / "01_second.ipynb").read_text() or "ValueError" in (out / "01_second" / "01_second.ipynb").read_text()
+    assert (out / "00_first" / "made.txt").stat().st_mtime_ns == made
+    assert "thirteen prompts" in (out / "index.html").read_text()
+    # The failed stage is not skipped next time, and a later stage refuses a failed input.
+    with pytest.raises(RuntimeError, match="did not finish"):
+        pipeline.load_result(out, "01_second")
+    run(workbook)
+    assert result(out, "01_second")["status"] == "ok"
+
+
+def test_cli_exit_codes(workbook, tmp_path):
+    nbs, params_file, _ = workbook
+    bad = subprocess.run([sys.executable, "-m", "eagle3lib", "run", str(params_file), "--only", "nosuchstage"],
+                         capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown stage 'nosuchstage'" in bad.stderr
+    missing = subprocess.run([sys.executable, "-m", "eagle3lib", "run", str(tmp_path / "none.yaml")],
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and "params file not found" in missing.stderr
