@@ -23,7 +23,7 @@ import struct
 import time
 
 import torch
-from safetensors.torch import load as st_load, save as st_save
+from safetensors.torch import load as st_load
 from tqdm.auto import tqdm
 
 FORMAT = "eagle3lib.hidden_states/1"
@@ -216,35 +216,61 @@ def _fsync_dir(path):
         os.close(fd)
 
 
-def _atomic_write(path, data: bytes):
-    """Write to a temp name in the same folder, fsync, rename over path, fsync the folder."""
+def _atomic_write(path, chunks):
+    """Write bytes chunks to a temp name in the same folder, fsync, rename over path, fsync
+    the folder. Returns (sha256 hex, bytes written)."""
     folder, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(folder, f".{name}.tmp")
+    h, n = hashlib.sha256(), 0
     with open(tmp, "wb") as f:
-        f.write(data)
+        for chunk in chunks:
+            f.write(chunk)
+            h.update(chunk)
+            n += len(chunk)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     _fsync_dir(folder)
+    return h.hexdigest(), n
 
 
 def _write_json(path, obj):
-    _atomic_write(path, (json.dumps(obj, indent=1) + "\n").encode())
+    _atomic_write(path, [(json.dumps(obj, indent=1) + "\n").encode()])
 
 
 def shard_name(first_sequence):
     return f"shard_{first_sequence:09d}.safetensors"
 
 
+_ST_DTYPES = {torch.int32: "I32", torch.uint8: "U8", torch.int64: "I64", torch.bfloat16: "BF16",
+              torch.float16: "F16", torch.float32: "F32"}
+
+
+def _safetensors_chunks(tensors, metadata):
+    """The safetensors format, written here so that the same tensors give the same bytes
+    (safetensors' own writer orders the metadata at random) and streamed without a copy:
+    8-byte little-endian header size, JSON header padded to 8 bytes, the tensors' bytes
+    (widest element first, so every tensor is aligned)."""
+    tensors = dict(sorted(tensors.items(), key=lambda kv: -kv[1].element_size()))
+    header, at = {"__metadata__": metadata}, 0
+    for k, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[k] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [at, at + n]}
+        at += n
+    head = json.dumps(header, separators=(",", ":")).encode()
+    head += b" " * (-len(head) % 8)
+    yield struct.pack("<Q", len(head)) + head
+    for t in tensors.values():
+        yield t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
 def write_shard(out_dir, tensors, first_sequence, aux_layer_ids):
     """Write one shard atomically; return its manifest entry."""
     meta = {"format": FORMAT, "first_sequence": str(first_sequence), "aux_layer_ids": json.dumps(list(aux_layer_ids))}
-    data = st_save({k: tensors[k].contiguous() for k in SHARD_KEYS}, metadata=meta)
     name = shard_name(first_sequence)
-    _atomic_write(os.path.join(out_dir, name), data)
-    return {"file": name, "sha256": hashlib.sha256(data).hexdigest(), "first_sequence": first_sequence,
-            "sequences": tensors["seq_starts"].numel() - 1, "tokens": tensors["input_ids"].numel(),
-            "bytes": len(data)}
+    sha, size = _atomic_write(os.path.join(out_dir, name), _safetensors_chunks({k: tensors[k] for k in SHARD_KEYS}, meta))
+    return {"file": name, "sha256": sha, "first_sequence": first_sequence,
+            "sequences": tensors["seq_starts"].numel() - 1, "tokens": tensors["input_ids"].numel(), "bytes": size}
 
 
 def read_shard(path, expected_sha256=None):
