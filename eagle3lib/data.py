@@ -220,9 +220,11 @@ def split_conversations(conversations, val_fraction: float, bench_count: int, se
     """Split into train / val / bench by a hash of (seed, id), whatever the input order.
 
     Duplicate ids are kept once. Bench takes the `bench_count` conversations with the smallest
-    hash; train and val drop any conversation that contains a bench prompt (first user turn)
-    as one of its user turns. Of the rest, a conversation goes to val when its hash says so
-    (probability `val_fraction`). Lists come in hash order.
+    hash among those whose first user turn (the bench prompt) is unique in the input, so
+    generic prompts like "continue" or "hi" are never bench prompts; train and val then drop
+    any conversation that has a bench prompt as one of its user turns. Of the rest, a
+    conversation goes to val when its hash says so (probability `val_fraction`). Lists come
+    in hash order.
     """
     if not 0.0 <= val_fraction < 1.0:
         raise ValueError(f"Expected val_fraction in [0, 1), found {val_fraction!r}.")
@@ -232,13 +234,15 @@ def split_conversations(conversations, val_fraction: float, bench_count: int, se
     for c in sorted(conversations, key=lambda c: (c["id"], json.dumps(c["messages"], sort_keys=True))):
         unique.setdefault(c["id"], c)
     ordered = sorted(unique.values(), key=lambda c: (_unit(seed, "order", c["id"]), c["id"]))
-    bench, rest = ordered[:bench_count], ordered[bench_count:]
 
     def user_texts(c):
         return [m["content"].strip() for m in c["messages"] if m["role"] == "user"]
 
+    first_prompts = Counter(user_texts(c)[0] for c in ordered)
+    bench = [c for c in ordered if first_prompts[user_texts(c)[0]] == 1][:bench_count]
+    bench_ids = {c["id"] for c in bench}
     bench_prompts = {user_texts(c)[0] for c in bench}
-    rest = [c for c in rest if not bench_prompts.intersection(user_texts(c))]
+    rest = [c for c in ordered if c["id"] not in bench_ids and not bench_prompts.intersection(user_texts(c))]
     val = [c for c in rest if _unit(seed, "val", c["id"]) < val_fraction]
     train = [c for c in rest if _unit(seed, "val", c["id"]) >= val_fraction]
     return {"train": train, "val": val, "bench": bench}
@@ -448,7 +452,7 @@ def regenerate_responses(model, tokenizer, conversations, out_path: Path, budget
     """Replace assistant turns by the target's greedy replies, resumably, into out_path (JSONL).
 
     See the notes above for what is cut and when. Returns stats; read the result back with
-    `apply_regenerated`.
+    `read_regenerated` or `apply_regenerated`.
     """
     out_path = Path(out_path)
     ids = [c["id"] for c in conversations]
@@ -500,8 +504,8 @@ def regenerate_responses(model, tokenizer, conversations, out_path: Path, budget
         "regenerated": sum(r["regenerated"] for r in recs),
         "kept_original": len(conversations) - sum(r["regenerated"] for r in recs),
         "turns_regenerated": sum(r["turns_regenerated"] for r in recs),
-        "generated_tokens": used,
-        "generated_tokens_this_run": this_run,
+        "tokens_generated": used,
+        "tokens_generated_this_run": this_run,
         "seconds_this_run": round(seconds, 2),
         "tokens_per_s": round(this_run / seconds, 1) if seconds > 0 and this_run else 0.0,
         "stops": dict(Counter(r["stop"] for r in recs)),
@@ -511,8 +515,40 @@ def regenerate_responses(model, tokenizer, conversations, out_path: Path, budget
     }
 
 
-def apply_regenerated(conversations, out_path: Path) -> list[dict]:
-    """The conversations with regenerated messages from out_path where there are some."""
+def read_regenerated(out_path: Path) -> dict[str, dict]:
+    """{id: conversation} of the conversations regenerated in out_path (a torn tail is ignored)."""
     done = _read_done(Path(out_path), repair=False)
-    return [{"id": c["id"], "messages": done[c["id"]]["messages"]} if c["id"] in done else c
-            for c in conversations]
+    return {i: {"id": i, "messages": r["messages"]} for i, r in done.items() if r["regenerated"]}
+
+
+def apply_regenerated(conversations, out_path: Path) -> list[dict]:
+    """The conversations, with the regenerated version from out_path where there is one."""
+    regenerated = read_regenerated(out_path)
+    return [regenerated.get(c["id"], c) for c in conversations]
+
+
+# ---------------------------------------------------------------------------------------
+# Bench prompts: one JSON line per bench conversation, up to its first assistant turn
+
+
+def save_bench_prompts(path, conversations) -> Path:
+    """Write `{"id", "messages" (system/user turns before the first reply), "reference" (that
+    reply)}` per conversation as JSONL, atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for c in conversations:
+        k = next(j for j, m in enumerate(c["messages"]) if m["role"] == "assistant")
+        lines.append(json.dumps({"id": c["id"], "messages": c["messages"][:k],
+                                 "reference": c["messages"][k]["content"]}) + "\n")
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(lines), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def load_bench_prompts(path) -> list[dict]:
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"Expected bench prompts {path}, found none; rerun the prepare stage.")
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]

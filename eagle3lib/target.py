@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from importlib import metadata
 from pathlib import Path
 
@@ -113,6 +114,9 @@ def embedded_target_dir(cache_dir: Path) -> Path:
         return final
 
     cache_dir.mkdir(parents=True, exist_ok=True)
+    for old in cache_dir.glob(f".{EMBEDDED_DIR_NAME}.*-*"):  # left by a build that crashed over an hour ago
+        if time.time() - old.stat().st_mtime > 3600:
+            shutil.rmtree(old, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{EMBEDDED_DIR_NAME}.tmp-", dir=cache_dir))
     try:
         _convert_gguf(gguf, tmp)

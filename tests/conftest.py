@@ -1,0 +1,22 @@
+import os
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported (DESIGN.md §3)
+
+import pytest
+
+
+# ---- embedded target fixtures (used by test_target.py and test_data.py) -------------------
+@pytest.fixture(scope="session")
+def embedded_cache(tmp_path_factory):
+    """A fresh cache dir with the embedded SmolLM2 converted once for the session (~25 s)."""
+    from eagle3lib.target import embedded_target_dir
+    cache = tmp_path_factory.mktemp("target-cache")
+    return cache, embedded_target_dir(cache)
+
+
+@pytest.fixture(scope="session")
+def embedded_target(embedded_cache):
+    """(model fp32 eval, tokenizer) of the embedded target, loaded from the session cache."""
+    from eagle3lib.target import EMBEDDED_TARGET, load_target
+    return load_target(EMBEDDED_TARGET, embedded_cache[0])
+# ---- end of embedded target fixtures --------------------------------------------------------

@@ -1,0 +1,303 @@
+import json
+import random
+
+import pytest
+import torch
+
+from eagle3lib import data as D
+
+
+def sharegpt(cid, *turns):
+    roles = ["human", "gpt"]
+    return {"id": cid, "conversations": [{"from": roles[i % 2], "value": t} for i, t in enumerate(turns)]}
+
+
+def conv(cid, *turns):
+    roles = ["user", "assistant"]
+    return {"id": cid, "messages": [{"role": roles[i % 2], "content": t} for i, t in enumerate(turns)]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading
+
+
+def test_embedded_sharegpt_with_limit():
+    convs, stats = D.load_conversations(D.EMBEDDED_DATA, limit=500)
+    assert len(convs) == 500 and stats["kept"] == 500 and stats["stopped_at_limit"]
+    assert stats["read"] >= 500 and stats["truncated_sources"] == []
+    for c in convs:
+        roles = [m["role"] for m in c["messages"]]
+        assert set(roles) <= {"system", "user", "assistant"} and "assistant" in roles
+        assert [r for r in roles if r != "system"][0] == "user"
+        assert isinstance(c["id"], str) and all(m["content"].strip() for m in c["messages"])
+    assert convs[0]["id"] == "QWJhYvA_0"
+
+
+def test_embedded_sharegpt_whole_file_is_truncated():
+    convs, stats = D.load_conversations(D.EMBEDDED_DATA)
+    assert stats["truncated_sources"] == [D.EMBEDDED_DATA] and stats["skipped"]["truncated tail"] == 1
+    assert stats["kept"] == len(convs) > 17000
+    assert stats["read"] == stats["kept"] + sum(stats["skipped"].values())
+    assert stats["unknown_roles"] == {"bing": 4}
+
+
+def test_json_array_tolerant(tmp_path):
+    records = [
+        sharegpt("a", "hi", "hello"),
+        {"id": "b", "conversations": [{"from": "gpt", "value": "leading"}, {"from": "human", "value": "q"},
+                                       {"from": "chatgpt", "value": "r"}]},
+        {"id": "c", "conversations": [{"from": "system", "value": "sys"}, {"from": "user", "value": "q"},
+                                       {"from": "bard", "value": "r"}]},
+        sharegpt("no-answer", "only a question"),
+        {"id": "bad-role", "conversations": [{"from": "human", "value": "q"}, {"from": "bing", "value": "r"}]},
+        sharegpt("empty-turn", "q", "   "),
+        {"id": "empty", "conversations": []},
+        {"conversations": [{"from": "human", "value": "no id"}, {"from": "gpt", "value": "ok"}]},
+        {"id": "m", "messages": [{"role": "user", "content": "openai style"}, {"role": "assistant", "content": "ok"}]},
+        sharegpt("broken", "x", "y"),
+        sharegpt("after-broken", "still", "read"),
+        sharegpt("cut", "this one", "is cut in the middle of its text"),
+    ]
+    text = json.dumps(records, indent=2)
+    text = text.replace('"value": "x"', '"value": x"', 1)  # malformed element in the middle
+    text = text[:text.index("in the middle of")]  # truncated tail, as in the embedded file
+    path = tmp_path / "sg.json"
+    path.write_text(text)
+
+    convs, stats = D.load_conversations(str(path))
+    ids = [c["id"] for c in convs]
+    assert ids[:3] == ["a", "b", "c"] and ids[4:] == ["m", "after-broken"]
+    assert ids[3].startswith("sha-")
+    assert convs[1]["messages"] == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}]
+    assert [m["role"] for m in convs[2]["messages"]] == ["system", "user", "assistant"]
+    assert stats["skipped"] == {"empty": 2, "malformed JSON": 1, "no assistant turn": 1, "truncated tail": 1,
+                                "unknown role": 1}
+    assert stats["truncated_sources"] == [str(path)] and stats["unknown_roles"] == {"bing": 1}
+    assert stats["read"] == len(records)
+
+    # the same data read in small pieces (elements straddle buffer ends) gives the same result
+    old = D._CHUNK
+    try:
+        D._CHUNK = 7
+        assert D.load_conversations(str(path)) == (convs, stats)
+    finally:
+        D._CHUNK = old
+
+    limited, s = D.load_conversations([str(path), str(path)], limit=2)
+    assert [c["id"] for c in limited] == ["a", "b"] and s["stopped_at_limit"]
+    both, s = D.load_conversations([str(path), str(path)])
+    assert len(both) == 2 * len(convs)
+
+
+def test_jsonl(tmp_path):
+    lines = [json.dumps(sharegpt("a", "q", "r")), "{not json", json.dumps(sharegpt("b", "q2", "r2")),
+             json.dumps(sharegpt("c", "q3", "r3"))[:20]]
+    path = tmp_path / "sg.jsonl"
+    path.write_text("\n".join(lines))
+    convs, stats = D.load_conversations(str(path))
+    assert [c["id"] for c in convs] == ["a", "b"]
+    assert stats["skipped"] == {"malformed JSON": 1, "truncated tail": 1}
+    assert stats["truncated_sources"] == [str(path)]
+
+    path.write_text("\n".join(lines[:3]) + "\n")
+    assert D.load_conversations(str(path))[1]["truncated_sources"] == []
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nope.json"):
+        D.load_conversations(str(tmp_path / "nope.json"))
+    with pytest.raises(ValueError, match=D.EMBEDDED_DATA):
+        D.load_conversations("embedded:other")
+
+
+# ---------------------------------------------------------------------------------------------
+# Splitting
+
+
+def test_split_deterministic_and_disjoint():
+    convs = [conv(f"c{i}", f"question {i}", f"answer {i}") for i in range(300)]
+    convs += [conv("dup", "hi", "hello"), conv("dup", "hi", "hello"), conv("hi-again", "hi", "hey")]
+    convs += [conv(f"cont{i}", "continue", f"more {i}") for i in range(5)]
+    s1 = D.split_conversations(convs, val_fraction=0.1, bench_count=20, seed=0)
+    shuffled = convs[:]
+    random.Random(1).shuffle(shuffled)
+    s2 = D.split_conversations(shuffled, val_fraction=0.1, bench_count=20, seed=0)
+    assert s1 == s2
+
+    ids = {k: [c["id"] for c in v] for k, v in s1.items()}
+    assert len(ids["bench"]) == 20
+    all_ids = ids["train"] + ids["val"] + ids["bench"]
+    assert len(all_ids) == len(set(all_ids)) == 300 + 2 + 5
+    assert 10 <= len(ids["val"]) <= 50
+    bench_prompts = {c["messages"][0]["content"] for c in s1["bench"]}
+    assert not bench_prompts & {"hi", "continue"}  # shared prompts are never bench prompts
+    for c in s1["train"] + s1["val"]:
+        assert not bench_prompts & {m["content"] for m in c["messages"] if m["role"] == "user"}
+
+    s3 = D.split_conversations(convs, val_fraction=0.1, bench_count=20, seed=1)
+    assert [c["id"] for c in s3["bench"]] != ids["bench"]
+    with pytest.raises(ValueError, match="val_fraction"):
+        D.split_conversations(convs, 1.0, 0, 0)
+
+
+def test_split_bench_excludes_same_prompt_from_train():
+    convs = [conv(f"c{i}", f"q{i}", "a") for i in range(50)]
+    split = D.split_conversations(convs, 0.0, 1, seed=0)
+    prompt = split["bench"][0]["messages"][0]["content"]
+    leak = {"id": "leak", "messages": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "x"},
+                                       {"role": "user", "content": prompt}, {"role": "assistant", "content": "y"}]}
+    split2 = D.split_conversations(convs + [leak], 0.0, 1, seed=0)
+    assert split2["bench"] == split["bench"]
+    assert "leak" not in [c["id"] for c in split2["train"]]
+
+
+# ---------------------------------------------------------------------------------------------
+# Chat template and loss mask (real SmolLM2 tokenizer)
+
+
+def masked_runs(tok, ids, mask):
+    runs, cur = [], []
+    for i, m in zip(ids, mask):
+        if m:
+            cur.append(i)
+        elif cur:
+            runs.append(cur)
+            cur = []
+    if cur:
+        runs.append(cur)
+    return [tok.decode(r) for r in runs]
+
+
+MESSAGES = [
+    {"role": "system", "content": "You answer like a pirate."},
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "Arr, 'tis 4, matey."},
+    {"role": "user", "content": "And the capital of France?\n"},
+    {"role": "assistant", "content": "\nParis, ye landlubber!\n\n"},
+]
+
+
+def test_loss_mask_multi_turn_with_system(embedded_target):
+    tok = embedded_target[1]
+    ids, mask = D.tokenize_conversation(tok, MESSAGES, max_seq_len=4096)
+    assert len(ids) == len(mask) and set(mask) == {0, 1}
+    assert ids == tok.apply_chat_template(MESSAGES, tokenize=True, return_dict=True)["input_ids"]
+    # masked: exactly each assistant reply followed by <|im_end|>; the template's "\n" after it is not
+    assert masked_runs(tok, ids, mask) == ["Arr, 'tis 4, matey.<|im_end|>", "\nParis, ye landlubber!\n\n<|im_end|>"]
+    unmasked = tok.decode([i for i, m in zip(ids, mask) if not m])
+    for m in MESSAGES[:2] + MESSAGES[3:4]:
+        assert m["content"] in unmasked
+    assert unmasked.count("<|im_start|>assistant\n") == 2
+
+
+def test_loss_mask_default_system_prompt(embedded_target):
+    tok = embedded_target[1]
+    ids, mask = D.tokenize_conversation(tok, MESSAGES[1:3], max_seq_len=4096)
+    assert "You are a helpful AI assistant named SmolLM" in tok.decode(ids)  # added by the template
+    assert masked_runs(tok, ids, mask) == ["Arr, 'tis 4, matey.<|im_end|>"]
+
+
+def test_truncation(embedded_target):
+    tok = embedded_target[1]
+    full_ids, full_mask = D.tokenize_conversation(tok, MESSAGES, max_seq_len=4096)
+    ids, mask = D.tokenize_conversation(tok, MESSAGES, max_seq_len=40)
+    assert len(ids) == len(mask) == 40
+    assert (ids, mask) == (full_ids[:40], full_mask[:40])
+
+
+def test_template_must_be_prefix_stable(embedded_target):
+    tok = embedded_target[1]
+    saved = tok.chat_template
+    try:  # a template that renders the last message differently from earlier ones
+        tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                             "{% if loop.last %} (last){% endif %}<|im_end|>\n{% endfor %}"
+                             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+        with pytest.raises(ValueError, match="prefix-stabl"):
+            D.tokenize_conversation(tok, MESSAGES, 4096)
+    finally:
+        tok.chat_template = saved
+
+
+def test_tokenize_split_and_token_file_round_trip(tmp_path, embedded_target):
+    tok = embedded_target[1]
+    convs = [{"id": "pirate", "messages": MESSAGES}, conv("short", "Hi", "Hello!"),
+             conv("long-question", "word " * 300, "answer")]
+    tokens = D.tokenize_split(tok, convs, max_seq_len=64, progress=False)
+    assert tokens["ids"] == ["pirate", "short"]  # the long question leaves no loss token in 64
+    assert tokens["stats"]["skipped_no_loss_tokens"] == 1
+    assert tokens["input_ids"].dtype == torch.int32 and tokens["loss_mask"].dtype == torch.uint8
+    assert tokens["seq_starts"].dtype == torch.int64 and tokens["seq_starts"].tolist()[0] == 0
+    s = tokens["seq_starts"].tolist()
+    assert s[-1] == len(tokens["input_ids"]) == tokens["stats"]["tokens"]
+    ids1, mask1 = D.tokenize_conversation(tok, convs[1]["messages"], 64)
+    assert tokens["input_ids"][s[1]:s[2]].tolist() == ids1 and tokens["loss_mask"][s[1]:s[2]].tolist() == mask1
+
+    path = D.save_tokens(tmp_path / "train.safetensors", tokens)
+    assert [p.name for p in tmp_path.iterdir()] == ["train.safetensors"]
+    back = D.load_tokens(path)
+    assert back["ids"] == tokens["ids"] and back["stats"] == tokens["stats"]
+    for k in ("input_ids", "loss_mask", "seq_starts"):
+        assert torch.equal(back[k], tokens[k]) and back[k].dtype == tokens[k].dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# Regeneration
+
+
+REGEN_CONVS = [
+    {"id": "two-turns", "messages": [
+        {"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And of Spain?"}, {"role": "assistant", "content": "Madrid."}]},
+    {"id": "system", "messages": [
+        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."},
+        {"role": "assistant", "content": "hi"}]},
+    conv("count", "Count to three.", "1 2 3"),
+    conv("color", "Name a color.", "Blue."),
+    conv("late", "What is 1+1?", "2"),
+]
+
+
+def test_regeneration_resumes_to_the_same_result(tmp_path, embedded_target):
+    model, tok = embedded_target
+    kw = dict(budget_tokens=30, max_new_tokens=8, batch_size=2, progress=False)
+    a = tmp_path / "a.jsonl"
+    stats = D.regenerate_responses(model, tok, REGEN_CONVS, a, **kw)
+    assert stats["budget_exhausted"] and stats["kept_original"] >= 1
+    assert stats["tokens_generated"] >= 30 and stats["tokens_per_s"] > 0
+    assert tok.padding_side == "right"  # restored
+    recs = [json.loads(line) for line in a.read_text().splitlines()]
+    assert [r["id"] for r in recs] == ["two-turns", "system", "count", "color"]  # batch 2 is past the budget
+    assert recs[0]["regenerated"] and recs[0]["messages"][0] == REGEN_CONVS[0]["messages"][0]
+    assert recs[0]["messages"][1]["content"] != "Paris."
+
+    # "kill" mid-write: keep batch 0 and the first line of batch 1, tear the second line of batch 1
+    b = tmp_path / "b.jsonl"
+    text = a.read_text()
+    cut = len("".join(text.splitlines(keepends=True)[:3])) + 25
+    b.write_text(text[:cut])
+    stats_b = D.regenerate_responses(model, tok, REGEN_CONVS, b, **kw)
+    assert b.read_text() == text
+    assert stats_b["tokens_generated"] == stats["tokens_generated"]
+    assert stats_b["tokens_generated_this_run"] == recs[3]["generated_tokens"]
+
+    # finished file: rerun does nothing
+    stats_c = D.regenerate_responses(model, tok, REGEN_CONVS, b, **kw)
+    assert stats_c["tokens_generated_this_run"] == 0 and b.read_text() == text
+
+    merged = D.apply_regenerated(REGEN_CONVS, a)
+    assert [c["id"] for c in merged] == [c["id"] for c in REGEN_CONVS]
+    assert merged[0]["messages"] == recs[0]["messages"] and merged[4] == REGEN_CONVS[4]
+    assert set(D.read_regenerated(a)) == {"two-turns", "system", "count", "color"}
+
+    with pytest.raises(ValueError, match="settings"):
+        D.regenerate_responses(model, tok, REGEN_CONVS, a, **{**kw, "max_new_tokens": 9})
+
+
+def test_bench_prompts_round_trip(tmp_path):
+    bench = [REGEN_CONVS[0], REGEN_CONVS[1]]
+    D.save_bench_prompts(tmp_path / "bench.jsonl", bench)
+    back = D.load_bench_prompts(tmp_path / "bench.jsonl")
+    assert back[0] == {"id": "two-turns", "messages": REGEN_CONVS[0]["messages"][:1], "reference": "Paris."}
+    assert back[1]["messages"] == REGEN_CONVS[1]["messages"][:2] and back[1]["reference"] == "hi"
+    with pytest.raises(FileNotFoundError, match="nope.jsonl"):
+        D.load_bench_prompts(tmp_path / "nope.jsonl")
