@@ -87,6 +87,7 @@ class ExtractParams(Section):
 
 
 class TrainParams(Section):
+    source: Literal["shards", "online"] = Field("shards", description="shards: read 01_extract; online: run the target in the loop")
     ttt_steps: int = Field(7, gt=0)
     max_seq_len: int = Field(2048, gt=0)
     draft_vocab_size: int = Field(32000, gt=0)
@@ -101,6 +102,8 @@ class TrainParams(Section):
     step_weight_decay: float = Field(0.8, gt=0, le=1, description="loss weight of TTT step k is this**k")
     checkpoint_every: int = Field(500, gt=0)
     eval_every: int = Field(200, gt=0)
+    eval_max_tokens: int = Field(50_000, gt=0, description="validation tokens per evaluation")
+    init_lm_head_from_target: bool = Field(True, description="start lm_head/norm from the target's rows of the draft vocab")
     resume: bool = True
     nproc_per_node: int = Field(1, gt=0)
     activation_checkpointing: bool = False
@@ -139,7 +142,7 @@ class Params(Section):
     engine: EngineParams = EngineParams()
     bench: BenchParams = BenchParams()
 
-    source: Optional[str] = Field(None, exclude=True, description="the params file this came from")
+    file: Optional[str] = Field(None, exclude=True, description="the params file this came from")
 
     def section_dict(self, *names: str) -> dict:
         return {n: getattr(self, n).model_dump(mode="json") for n in names}
@@ -158,7 +161,7 @@ def _valid_keys(model: type[BaseModel], loc: tuple) -> list[str]:
         if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
             return []
         model = field.annotation
-    return [k for k in model.model_fields if k != "source"]
+    return [k for k in model.model_fields if not (model is Params and k == "file")]
 
 
 def _format_errors(err: ValidationError, where: str) -> str:
@@ -224,7 +227,7 @@ def load_params(path: str | Path, overrides: dict | None = None) -> Params:
         p = Params.model_validate(tree)
     except ValidationError as e:
         raise ParamsError(_format_errors(e, str(path))) from None
-    p.source = str(path.resolve())
+    p.file = str(path.resolve())
     _resolve_paths(p, path.resolve().parent)
     return p
 

@@ -104,7 +104,7 @@ def _sha256_file(path: Path) -> str:
 
 
 def stage_hash(p: Params, stage: str, run_dir: Path, earlier: list[str], notebooks_dir: Path = NOTEBOOKS_DIR) -> str:
-    sections = STAGE_SECTIONS.get(stage) or [k for k in Params.model_fields if k != "source"]
+    sections = STAGE_SECTIONS.get(stage) or [k for k in Params.model_fields if k != "file"]
     inputs = {
         "params": p.section_dict(*sections) | {"seed": p.run.seed},
         "notebook": _sha256_file(notebooks_dir / f"{stage}.ipynb"),
@@ -161,7 +161,7 @@ def execute_stage(p: Params, stage: str, run_dir: Path, overrides: dict, log_out
     try:
         papermill.execute_notebook(
             str(notebooks_dir / f"{stage}.ipynb"), str(executed),
-            parameters={"params_file": p.source, "run_dir": str(run_dir), "overrides": overrides},
+            parameters={"params_file": p.file, "run_dir": str(run_dir), "overrides": overrides},
             kernel_name="python3", cwd=str(notebooks_dir), progress_bar=False, log_output=log_output,
         )
     except Exception as e:  # papermill raises its own error type with the cell's traceback
@@ -201,7 +201,7 @@ def package_versions() -> dict:
 
 
 def write_run_json(p: Params, run_dir: Path) -> None:
-    _write_json(run_dir / "run.json", {"params": p.resolved(), "params_file": p.source,
+    _write_json(run_dir / "run.json", {"params": p.resolved(), "params_file": p.file,
                                        "versions": package_versions(), "git": _git_commit(),
                                        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
 

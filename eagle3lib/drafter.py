@@ -1,0 +1,235 @@
+"""The EAGLE-3 draft model, shaped as SGLang's and vLLM's `llama_eagle3.py` serve it.
+
+    fc:      Linear(3·H_target → H) over the concatenated aux states of the target
+    layer:   one Llama decoder layer whose attention reads concat(input_layernorm(embed), hidden_norm(h)),
+             i.e. q/k/v take 2H, with the residual taken from h
+    norm:    final RMSNorm; logits = lm_head(norm(h)) over the draft vocabulary
+    output:  the pre-norm hidden state, which the next draft step takes as its h
+
+Token embeddings are the target's (frozen, not part of the checkpoint); d2t maps
+draft ids to target ids (target = draft + d2t[draft]); t2d marks target ids in
+the draft vocabulary.
+
+Two ways to run it, which must agree (tests/test_drafter.py):
+- `ttt_forward`: training-time test, all K chain steps for every position at
+  once; step k's query at position t+k attends to step-0 keys at positions ≤ t
+  (same document) and to the keys of steps 1..k at the same t.
+- `DraftCache` + `step`: the chain as engines run it, one token at a time with
+  a KV cache, feeding the draft its own hidden states.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+ARCHITECTURE = "LlamaForCausalLMEagle3"
+
+
+@dataclass
+class DrafterConfig:
+    hidden_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int                 # the target's
+    draft_vocab_size: int
+    target_hidden_size: int
+    aux_layer_ids: list[int]        # HF hidden_states indexing (DESIGN.md §4)
+    rms_norm_eps: float = 1e-5
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 8192
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+
+    @classmethod
+    def from_target(cls, target_config, draft_vocab_size: int, aux_layer_ids: list[int]) -> "DrafterConfig":
+        """Dims default to the target's, as the engines expect."""
+        c = getattr(target_config, "text_config", None) or target_config
+        heads = c.num_attention_heads
+        rope = getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(c, "rope_theta", 10000.0)}
+        return cls(hidden_size=c.hidden_size, num_attention_heads=heads,
+                   num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+                   intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
+                   draft_vocab_size=draft_vocab_size, target_hidden_size=c.hidden_size,
+                   aux_layer_ids=list(aux_layer_ids), rms_norm_eps=c.rms_norm_eps,
+                   hidden_act=getattr(c, "hidden_act", "silu"),
+                   max_position_embeddings=getattr(c, "max_position_embeddings", 8192), rope_parameters=dict(rope))
+
+    def llama_config(self) -> LlamaConfig:
+        return LlamaConfig(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
+                           num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
+                           intermediate_size=self.intermediate_size, vocab_size=self.vocab_size,
+                           rms_norm_eps=self.rms_norm_eps, hidden_act=self.hidden_act, num_hidden_layers=1,
+                           max_position_embeddings=self.max_position_embeddings,
+                           rope_parameters=dict(self.rope_parameters), tie_word_embeddings=False)
+
+    def to_hf_dict(self) -> dict:
+        """config.json of the canonical checkpoint: flat Llama fields plus the EAGLE-3 ones."""
+        d = self.llama_config().to_dict()
+        d.update(architectures=[ARCHITECTURE], model_type="llama", draft_vocab_size=self.draft_vocab_size,
+                 target_hidden_size=self.target_hidden_size, num_hidden_layers=1, tie_word_embeddings=False,
+                 eagle_config={"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+                               "aux_layer_id_convention": "hf_hidden_states"})
+        return d
+
+    @classmethod
+    def from_hf_dict(cls, d: dict) -> "DrafterConfig":
+        rope = d.get("rope_parameters") or {"rope_type": "default", "rope_theta": d.get("rope_theta", 10000.0),
+                                            **(d.get("rope_scaling") or {})}
+        heads = d["num_attention_heads"]
+        return cls(hidden_size=d["hidden_size"], num_attention_heads=heads,
+                   num_key_value_heads=d.get("num_key_value_heads") or heads,
+                   head_dim=d.get("head_dim") or d["hidden_size"] // heads, intermediate_size=d["intermediate_size"],
+                   vocab_size=d["vocab_size"], draft_vocab_size=d.get("draft_vocab_size") or d["vocab_size"],
+                   target_hidden_size=d.get("target_hidden_size") or d["hidden_size"],
+                   aux_layer_ids=list(d["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
+                   rms_norm_eps=d["rms_norm_eps"], hidden_act=d.get("hidden_act", "silu"),
+                   max_position_embeddings=d.get("max_position_embeddings", 8192), rope_parameters=rope)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+class Attention(nn.Module):
+    """Llama attention over a 2H input; the caller supplies keys/values to attend to and the mask."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    def qkv(self, x, cos, sin):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        return q, k, v
+
+    def attend(self, q, k, v, mask):
+        """q [B,h,T,d]; k, v [B,kv,S,d]; mask bool [B,T,S] (True = may attend)."""
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=self.heads != self.kv_heads)
+        b, _, t, _ = out.shape
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        llama = cfg.llama_config()
+        self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.mlp = LlamaMLP(llama)
+
+    def attn_input(self, embeds, hidden):
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+
+    def finish(self, attn_out, hidden):
+        """Residual from h, then post-attention norm and MLP; returns the pre-norm output state."""
+        h = hidden + attn_out
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Drafter(nn.Module):
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        self.layers = nn.ModuleList([DecoderLayer(cfg)])
+        self.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
+        self.rotary = LlamaRotaryEmbedding(cfg.llama_config())
+
+    @property
+    def layer(self) -> DecoderLayer:
+        return self.layers[0]
+
+    def set_vocab(self, d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
+
+    def draft_to_target(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden))
+
+    def rope(self, x, position_ids):
+        return self.rotary(x, position_ids)
+
+    # ---------------------------------------------------------- training ----
+    def ttt_forward(self, aux, step_embeds, position_ids, doc_ids):
+        """Training-time test over K = len(step_embeds) chain steps.
+
+        aux [B,T,3H_t]: target aux states at each position t.
+        step_embeds[k] [B,T,H]: embedding of the token fed at step k for position t
+            (the ground-truth token t+1+k).
+        position_ids [B,T]: positions within each document; doc_ids [B,T]: document
+            of each position in a packed row (-1 = padding).
+        Returns the pre-norm hidden states of each step, [B,T,H] each.
+        """
+        attn, layer = self.layer.self_attn, self.layer
+        t = aux.shape[1]
+        causal = torch.tril(torch.ones(t, t, dtype=torch.bool, device=aux.device))
+        same_doc = (doc_ids[:, :, None] == doc_ids[:, None, :]) & (doc_ids[:, :, None] >= 0)
+        prefix_mask = causal & same_doc                                    # step-0 keys at s ≤ t, same document
+        diag = torch.eye(t, dtype=torch.bool, device=aux.device).expand(aux.shape[0], t, t)
+        hidden = self.fc(aux)
+        keys, values, masks, outputs = [], [], [], []
+        for k, embeds in enumerate(step_embeds):
+            cos, sin = self.rope(hidden, position_ids + k)
+            q, key, value = attn.qkv(layer.attn_input(embeds, hidden), cos, sin)
+            keys.append(key)
+            values.append(value)
+            masks.append(prefix_mask if k == 0 else diag)
+            attn_out = attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), torch.cat(masks, 2))
+            hidden = layer.finish(attn_out, hidden)
+            outputs.append(hidden)
+        return outputs
+
+    # --------------------------------------------------------- inference ----
+    def step(self, cache: "DraftCache", embeds, hidden, position_ids, from_target: bool):
+        """Append n entries (embeds [B,n,H], positions [B,n]) to the cache, attending causally to
+        everything cached. hidden is the target's concatenated aux states [B,n,3H_t] when
+        from_target (the first step after verification), else the draft's own output [B,n,H].
+        Returns (pre-norm output hidden [B,n,H], logits [B,n,V_draft])."""
+        if from_target:
+            hidden = self.fc(hidden)
+        attn, layer = self.layer.self_attn, self.layer
+        cos, sin = self.rope(hidden, position_ids)
+        q, key, value = attn.qkv(layer.attn_input(embeds, hidden), cos, sin)
+        cache.append(key, value, position_ids)
+        mask = cache.positions[:, None, :] <= position_ids[:, :, None]
+        out = layer.finish(attn.attend(q, cache.keys, cache.values, mask), hidden)
+        return out, self.logits(out)
+
+
+class DraftCache:
+    """The draft's KV cache for one chain, as an engine keeps it."""
+
+    def __init__(self):
+        self.keys: Optional[torch.Tensor] = None
+        self.values: Optional[torch.Tensor] = None
+        self.positions: Optional[torch.Tensor] = None
+
+    def append(self, key, value, positions):
+        if self.keys is None:
+            self.keys, self.values, self.positions = key, value, positions
+        else:
+            self.keys = torch.cat([self.keys, key], 2)
+            self.values = torch.cat([self.values, value], 2)
+            self.positions = torch.cat([self.positions, positions], 1)

@@ -1,0 +1,98 @@
+"""The drafter's TTT forward is exactly the chain an engine runs (the contract behind every accuracy we print)."""
+import pytest
+import torch
+
+from eagle3lib.drafter import Drafter, DrafterConfig, DraftCache
+from eagle3lib.extract import capture_hidden_states
+from eagle3lib.target import default_aux_layer_ids, num_layers
+
+STEPS = 7
+
+
+def chain_logits(drafter, embed, ids, aux, t, steps, offset=0):
+    """Logits of steps 0..steps-1 for the chain starting after position t of a document that
+    starts at `offset` in the row, run one token at a time with a KV cache; inputs forced to
+    the ground-truth continuation."""
+    doc = slice(offset, offset + t + 1)
+    cache = DraftCache()
+    positions = torch.arange(t + 1)[None]
+    hidden, logits = drafter.step(cache, embed[ids[:, offset + 1: offset + t + 2]], aux[:, doc], positions, from_target=True)
+    out = [logits[0, -1]]
+    hidden = hidden[:, -1:]
+    for k in range(1, steps):
+        token = ids[:, offset + t + 1 + k: offset + t + 2 + k]
+        hidden, logits = drafter.step(cache, embed[token], hidden, torch.tensor([[t + k]]), from_target=False)
+        out.append(logits[0, -1])
+    return out
+
+
+@pytest.fixture(scope="module")
+def real_states(embedded_target):
+    """A real conversation through the real SmolLM2: its ids, aux states and a drafter of its shape."""
+    model, tokenizer = embedded_target
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three rivers in Europe and say which is longest."},
+         {"role": "assistant", "content": "The Danube, the Rhine and the Volga. The Volga is the longest."}],
+        tokenize=False)
+    ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
+    aux_ids = default_aux_layer_ids(num_layers(model.config))
+    aux, _ = capture_hidden_states(model, ids, torch.ones_like(ids), aux_ids)
+    torch.manual_seed(0)
+    drafter = Drafter(DrafterConfig.from_target(model.config, 512, aux_ids)).eval()
+    embed = model.get_input_embeddings().weight.detach()
+    return ids, aux.float(), drafter, embed
+
+
+def test_ttt_equals_chain_on_real_states(real_states):
+    ids, aux, drafter, embed = real_states
+    n = ids.shape[1] - STEPS - 1
+    pos = torch.arange(n)[None]
+    step_embeds = [embed[ids[:, 1 + k: 1 + k + n]] for k in range(STEPS)]
+    with torch.no_grad():
+        hidden = drafter.ttt_forward(aux[:, :n], step_embeds, pos, torch.zeros_like(pos))
+        worst = 0.0
+        for t in (0, 1, n // 2, n - 1):
+            chain = chain_logits(drafter, embed, ids, aux, t, STEPS)
+            for k in range(STEPS):
+                diff = (drafter.logits(hidden[k])[0, t] - chain[k]).abs().max().item()
+                worst = max(worst, diff)
+    assert worst <= 1e-4, f"TTT and chain logits differ by {worst}"
+
+
+def test_packed_documents_do_not_see_each_other(real_states):
+    """Two documents in one row: TTT on the packed row equals the chain run on each document alone."""
+    ids, aux, drafter, embed = real_states
+    a = 12
+    n = ids.shape[1] - STEPS - 1
+    # The row: positions 0..a-1 of the conversation as doc 0, then the whole first n positions again as doc 1.
+    row_aux = torch.cat([aux[:, :a], aux[:, :n]], 1)
+    row_ids = torch.cat([ids[:, :a + STEPS + 1], ids], 1)  # token stream with each doc's continuation
+    pos = torch.cat([torch.arange(a), torch.arange(n)])[None]
+    docs = torch.cat([torch.zeros(a, dtype=torch.long), torch.ones(n, dtype=torch.long)])[None]
+    # Step-k input at row index i is the token 1+k after it inside its own document.
+    src = torch.cat([torch.arange(a), a + STEPS + 1 + torch.arange(n)])
+    step_embeds = [embed[row_ids[0, src + 1 + k]][None] for k in range(STEPS)]
+    with torch.no_grad():
+        hidden = drafter.ttt_forward(row_aux, step_embeds, pos, docs)
+        for t in (3, n - 1):
+            chain = chain_logits(drafter, embed, ids, aux, t, STEPS)
+            for k in range(STEPS):
+                diff = (drafter.logits(hidden[k])[0, a + t] - chain[k]).abs().max().item()
+                assert diff <= 1e-4, (t, k, diff)
+
+
+def test_config_round_trip_and_canonical_names(real_states):
+    _, _, drafter, _ = real_states
+    cfg = drafter.cfg
+    d = cfg.to_hf_dict()
+    assert d["architectures"] == ["LlamaForCausalLMEagle3"] and d["draft_vocab_size"] == 512
+    assert d["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [2, 15, 27]
+    assert d["tie_word_embeddings"] is False
+    assert DrafterConfig.from_hf_dict(d) == cfg
+    names = set(drafter.state_dict())
+    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
+            "layers.0.hidden_norm.weight", "layers.0.input_layernorm.weight",
+            "layers.0.self_attn.q_proj.weight", "layers.0.mlp.gate_proj.weight"} <= names
+    assert not any("embed" in n or "rotary" in n for n in names)
+    assert drafter.layers[0].self_attn.q_proj.in_features == 2 * cfg.hidden_size
+    assert drafter.fc.in_features == 3 * cfg.target_hidden_size
