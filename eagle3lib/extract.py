@@ -115,7 +115,7 @@ def as_token_tensors(tokens):
 def input_sha256(tok):
     h = hashlib.sha256()
     for k, dtype in (("input_ids", torch.int32), ("loss_mask", torch.uint8), ("seq_starts", torch.int64)):
-        h.update(tok[k].to(dtype).contiguous().numpy().tobytes())
+        h.update(tok[k].to(dtype).contiguous().numpy())
     return h.hexdigest()
 
 
@@ -147,18 +147,17 @@ def plan_batches(lengths, seq_ids, batch_tokens):
 
 def make_batch(tok, seq_ids):
     """Right-padded input_ids [B, T] (pad id 0) and attention_mask [B, T] for these sequences."""
-    starts = tok["seq_starts"]
-    lens = [int(starts[s + 1] - starts[s]) for s in seq_ids]
-    ids = torch.zeros(len(seq_ids), max(lens), dtype=torch.long)
-    mask = torch.zeros(len(seq_ids), max(lens), dtype=torch.long)
-    for b, (s, n) in enumerate(zip(seq_ids, lens)):
-        ids[b, :n] = tok["input_ids"][starts[s]:starts[s] + n]
-        mask[b, :n] = 1
+    spans = [(int(tok["seq_starts"][s]), int(tok["seq_starts"][s + 1])) for s in seq_ids]
+    T = max(b - a for a, b in spans)
+    ids = torch.zeros(len(seq_ids), T, dtype=torch.long)
+    mask = torch.zeros(len(seq_ids), T, dtype=torch.long)
+    for row, (a, b) in enumerate(spans):
+        ids[row, :b - a] = tok["input_ids"][a:b]
+        mask[row, :b - a] = 1
     return ids, mask
 
 
-def _range_batches(tok, first, end, batch_tokens):
-    lengths = (tok["seq_starts"][1:] - tok["seq_starts"][:-1]).tolist()
+def _range_batches(tok, lengths, first, end, batch_tokens):
     for seq_ids in plan_batches(lengths, range(first, end), batch_tokens):
         yield (seq_ids, *make_batch(tok, seq_ids))
 
@@ -168,7 +167,7 @@ def iter_batches(tokens, batch_tokens, shard_max_tokens):
     tok = as_token_tensors(tokens)
     lengths = (tok["seq_starts"][1:] - tok["seq_starts"][:-1]).tolist()
     for first, end in plan_shards(lengths, 0, len(lengths), shard_max_tokens):
-        yield from _range_batches(tok, first, end, batch_tokens)
+        yield from _range_batches(tok, lengths, first, end, batch_tokens)
 
 
 def bytes_per_token(hidden_size, store_dtype, n_aux=3):
@@ -261,7 +260,7 @@ def _safetensors_chunks(tensors, metadata):
     head += b" " * (-len(head) % 8)
     yield struct.pack("<Q", len(head)) + head
     for t in tensors.values():
-        yield t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+        yield t.contiguous().reshape(-1).view(torch.uint8).numpy()  # a buffer, not a copy
 
 
 def write_shard(out_dir, tensors, first_sequence, aux_layer_ids):
@@ -291,11 +290,16 @@ def read_shard(path, expected_sha256=None):
         if found != expected_sha256:
             raise bad(f"sha256 is {found}, the manifest expects {expected_sha256} (corrupt or truncated, "
                       f"{len(data)} bytes)")
-    if len(data) < 8 or 8 + struct.unpack("<Q", data[:8])[0] > len(data):
-        raise bad(f"truncated: {len(data)} bytes is shorter than its safetensors header says")
     try:
-        meta = json.loads(data[8:8 + struct.unpack("<Q", data[:8])[0]]).get("__metadata__") or {}
-        t = st_load(data)
+        k = struct.unpack("<Q", data[:8])[0]
+        header = json.loads(data[8:8 + k])
+        size = 8 + k + max([v["data_offsets"][1] for n, v in header.items() if n != "__metadata__"], default=0)
+    except Exception:
+        raise bad(f"truncated or not a safetensors file: its {len(data)} bytes do not start with a readable header") from None
+    if size != len(data):
+        raise bad(f"truncated: {len(data)} bytes, its header describes {size}")
+    try:
+        meta, t = header.get("__metadata__") or {}, st_load(data)
     except Exception as e:
         raise bad(f"not a readable safetensors file ({type(e).__name__}: {e})") from None
     if meta.get("format") != FORMAT or "first_sequence" not in meta:
@@ -412,16 +416,16 @@ def _start_manifest(out_dir, tok, aux_layer_ids, hidden_size, store_dtype, shard
     return manifest
 
 
-def _extract_shard(model, tok, first, end, aux_layer_ids, batch_tokens, store_dtype, hidden_size, bar):
+def _extract_shard(model, tok, lengths, first, end, aux_layer_ids, batch_tokens, store_dtype, hidden_size, bar):
     starts = tok["seq_starts"]
     base, n = int(starts[first]), int(starts[end] - starts[first])
     aux_buf = torch.empty(n, len(aux_layer_ids) * hidden_size, dtype=store_dtype)
     final_buf = torch.empty(n, hidden_size, dtype=store_dtype)
-    for seq_ids, ids, mask in _range_batches(tok, first, end, batch_tokens):
+    for seq_ids, ids, mask in _range_batches(tok, lengths, first, end, batch_tokens):
         aux, final = capture_hidden_states(model, ids, mask, aux_layer_ids)
         aux, final = aux.to(store_dtype).cpu(), final.to(store_dtype).cpu()
         for b, s in enumerate(seq_ids):
-            a, m = int(starts[s]) - base, int(starts[s + 1] - starts[s])
+            a, m = int(starts[s]) - base, lengths[s]
             aux_buf[a:a + m] = aux[b, :m]
             final_buf[a:a + m] = final[b, :m]
         bar.update(int(mask.sum()))
@@ -443,16 +447,19 @@ def extract(model, tokens, aux_layer_ids, out_dir, contract, batch_tokens=4096, 
     forward+capture+write), complete}.
     """
     tok = as_token_tensors(tokens)
-    hidden_size = model.config.hidden_size
-    vocab = model.config.vocab_size
+    embed = _base_model(model).embed_tokens
+    vocab, hidden_size = embed.weight.shape
+    for key, have in (("aux_layer_ids", [int(i) for i in aux_layer_ids]), ("hidden_size", hidden_size)):
+        if key in contract and contract[key] != have:
+            raise ValueError(f"contract[{key!r}] is {contract[key]!r} but this extraction has {have!r} (from the "
+                             f"arguments and the model); build the contract from the same target and aux ids")
     if tok["input_ids"].numel() and (tok["input_ids"].min() < 0 or tok["input_ids"].max() >= vocab):
         raise ValueError(f"tokens: ids range {int(tok['input_ids'].min())}..{int(tok['input_ids'].max())}, expected "
                          f"0..{vocab - 1} (the target's vocab_size); were these tokenized for another model?")
-    _base_model(model)
     shard_max_tokens = shard_max_tokens or default_shard_max_tokens(hidden_size, store_dtype, len(aux_layer_ids))
     os.makedirs(out_dir, exist_ok=True)
     _check_contract(out_dir, contract)
-    manifest = _start_manifest(out_dir, tok, aux_layer_ids, hidden_size, store_dtype, shard_max_tokens, batch_tokens)
+    _start_manifest(out_dir, tok, aux_layer_ids, hidden_size, store_dtype, shard_max_tokens, batch_tokens)
     for name, why in verify_and_repair(out_dir, check_sha256=verify_existing):
         print(f"extract: dropped {name}, will redo its sequences: {why}")
     manifest = load_manifest(out_dir)
@@ -473,7 +480,8 @@ def extract(model, tokens, aux_layer_ids, out_dir, contract, batch_tokens=4096, 
     t0 = time.perf_counter()
     with tqdm(total=todo_tokens, unit="tok", unit_scale=True, disable=not progress, desc="extract") as bar:
         for first, end in plan:
-            t = _extract_shard(model, tok, first, end, aux_layer_ids, batch_tokens, store_dtype, hidden_size, bar)
+            t = _extract_shard(model, tok, lengths, first, end, aux_layer_ids, batch_tokens, store_dtype, hidden_size,
+                               bar)
             manifest["shards"].append(write_shard(out_dir, t, first, aux_layer_ids))
             manifest["shards"].sort(key=lambda e: e["first_sequence"])
             _write_json(os.path.join(out_dir, MANIFEST), manifest)

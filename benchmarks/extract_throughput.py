@@ -1,0 +1,77 @@
+"""Extraction throughput vs the target's plain forward, on a random Llama (no downloads).
+
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/extract_throughput.py --shape tiny
+    OMP_WAIT_POLICY=PASSIVE python benchmarks/extract_throughput.py --shape smollm2 --tokens 8192
+
+Prints tokens/s of: the plain forward (model.model, no hooks), capture_hidden_states alone,
+and extract() (forward + capture + bf16 shard writes, one run), on the same batches.
+"""
+import argparse
+import os
+import tempfile
+import time
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+import torch  # noqa: E402
+import transformers  # noqa: E402
+
+from eagle3lib.extract import (capture_hidden_states, default_shard_max_tokens, extract, iter_batches,  # noqa: E402
+                               measure_forward_tokens_per_s)
+
+SHAPES = {
+    "tiny": dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                 intermediate_size=128, vocab_size=256),
+    "smollm2": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True),  # SmolLM2-135M's shape
+}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--batch-tokens", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    args = ap.parse_args()
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(**SHAPES[args.shape])
+    model = transformers.LlamaForCausalLM(cfg).to(getattr(torch, args.dtype)).eval()
+    L = cfg.num_hidden_layers
+    aux_ids = [2, L // 2, L - 3]
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(16, 512, (args.tokens // 256,), generator=g)
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    tokens = {"input_ids": torch.randint(0, cfg.vocab_size, (int(starts[-1]),), generator=g, dtype=torch.int32),
+              "loss_mask": torch.ones(int(starts[-1]), dtype=torch.uint8), "seq_starts": starts}
+    n = int(starts[-1])
+    shard_max_tokens = default_shard_max_tokens(cfg.hidden_size, torch.bfloat16)  # what extract() uses
+    batches = list(iter_batches(tokens, args.batch_tokens, shard_max_tokens))
+    padded = sum(ids.numel() for _, ids, _ in batches)
+    print(f"{args.shape} ({args.dtype}), {len(lengths)} sequences, {n:,} tokens, {len(batches)} batches, "
+          f"padding {padded / n - 1:.1%}, torch threads {torch.get_num_threads()}")
+
+    def capture_tokens_per_s():
+        t0 = time.perf_counter()
+        for _, ids, mask in batches:
+            capture_hidden_states(model, ids, mask, aux_ids)
+        return n / (time.perf_counter() - t0)
+
+    # alternate rounds and keep each one's best: this machine is shared and warms up
+    capture_hidden_states(model, batches[0][1], batches[0][2], aux_ids)
+    fwd, cap = 0.0, 0.0
+    for _ in range(args.rounds):
+        fwd = max(fwd, measure_forward_tokens_per_s(model, batches, warmup=0))
+        cap = max(cap, capture_tokens_per_s())
+    with tempfile.TemporaryDirectory() as d:
+        r = extract(model, tokens, aux_ids, d, {"target": f"random-{args.shape}"}, batch_tokens=args.batch_tokens,
+                    shard_max_tokens=shard_max_tokens, progress=False)
+    print(f"forward only   {fwd:10,.0f} tokens/s")
+    print(f"capture        {cap:10,.0f} tokens/s  ({cap / fwd:.2f}x forward)")
+    print(f"extract        {r['tokens_per_s']:10,.0f} tokens/s  ({r['tokens_per_s'] / fwd:.2f}x forward; "
+          f"{r['bytes_per_token']:,.0f} bytes/token on disk, {r['shards']} shards)")
+
+
+if __name__ == "__main__":
+    main()
