@@ -550,3 +550,7 @@ class ShardSet:
             st = t["seq_starts"].tolist()
             for a, b in zip(st[:-1], st[1:]):
                 yield t["input_ids"][a:b], t["loss_mask"][a:b], t["aux_hidden"][a:b], t["final_hidden"][a:b]
+
+    def verify_all(self) -> int:
+        """Read every shard once (sha256 and shape checks); returns the number of sequences."""
+        return sum(self.load(i)["seq_starts"].numel() - 1 for i in range(len(self.shards)))

@@ -67,6 +67,8 @@ class RegenerateParams(Section):
     budget_tokens: int = Field(0, ge=0, description="tokens the target may generate; 0 = keep the data's responses")
     max_new_tokens: int = Field(256, gt=0)
     batch_size: int = Field(8, gt=0)
+    max_prompt_tokens: int = Field(1024, gt=0, description="a conversation is cut before a turn whose prompt is longer")
+    only_regenerated: bool = Field(False, description="train/val keep only conversations the target rewrote")
 
 
 class DataParams(Section):

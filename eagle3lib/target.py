@@ -301,3 +301,62 @@ def check_contract(expected: dict, found: dict, where: str) -> None:
             + "\n".join(bad)
             + f"\nRerun the stage that produced {where} with the current params, or point this stage "
             "at inputs made with the same target, aux layers, dtype and chat template.")
+
+
+# ---------------------------------------------------------------------------------------
+# The frozen target tensors a drafter needs: input embeddings, lm_head, final norm
+
+
+def _local_folder(name_or_path: str) -> Path:
+    if Path(name_or_path).is_dir():
+        return Path(name_or_path)
+    from huggingface_hub import snapshot_download
+    # Only the index and config: the weight files are fetched one by one below.
+    return Path(snapshot_download(name_or_path, allow_patterns=["*.json"]))
+
+
+def _weight_map(folder: Path) -> dict:
+    """tensor name -> file, for a single or sharded safetensors checkpoint."""
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        return json.loads(index.read_text())["weight_map"]
+    single = folder / "model.safetensors"
+    if not single.is_file():
+        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json; "
+                                "the target must be stored as safetensors")
+    from safetensors import safe_open
+    with safe_open(str(single), "pt") as f:
+        return {k: "model.safetensors" for k in f.keys()}
+
+
+def _pick(names, wanted: list[str], suffix: str):
+    for w in wanted:
+        if w in names:
+            return w
+    found = sorted(n for n in names if n.endswith(suffix) and ".layers." not in n)
+    return found[0] if found else None
+
+
+def load_head_tensors(name_or_path: str) -> dict:
+    """{'embed': [V,H], 'lm_head': [V,H], 'norm': [H]} read from the target's safetensors without
+    loading the model (a Kimi-sized target does not fit one process)."""
+    folder = _local_folder(name_or_path)
+    weight_map = _weight_map(folder)
+    embed = _pick(weight_map, ["model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
+                               "language_model.model.embed_tokens.weight"], "embed_tokens.weight")
+    head = _pick(weight_map, ["lm_head.weight", "language_model.lm_head.weight"], "lm_head.weight")
+    norm = _pick(weight_map, ["model.norm.weight", "model.language_model.norm.weight",
+                              "language_model.model.norm.weight"], "model.norm.weight")
+    if embed is None or norm is None:
+        raise KeyError(f"{folder}: cannot find the input embeddings or the final norm among its tensors "
+                       f"(looked for names ending in embed_tokens.weight and norm.weight)")
+    from safetensors import safe_open
+    out = {}
+    for key, name in (("embed", embed), ("lm_head", head or embed), ("norm", norm)):
+        path = folder / weight_map[name]
+        if not path.is_file():
+            from huggingface_hub import hf_hub_download
+            path = Path(hf_hub_download(str(name_or_path), weight_map[name]))
+        with safe_open(str(path), "pt") as f:
+            out[key] = f.get_tensor(name)
+    return out

@@ -1,0 +1,528 @@
+"""Training-time-test (TTT) training of the EAGLE-3 drafter.
+
+Per packed row and TTT step k, position t predicts the token after t+1+k: its
+target is the target model's distribution there (lm_head(final_hidden[t+1+k])
+restricted to the draft vocabulary), its input the ground-truth token t+1+k and
+the drafter's own hidden state from step k-1. Loss: soft cross-entropy, step k
+weighted step_weight_decay**k, over positions whose predicted token is an
+assistant token of the same document.
+
+Single process or `torchrun --nproc_per_node N -m eagle3lib.train PARAMS RUN_DIR`:
+rank r takes every N-th micro-batch of the same stream, gradients are summed
+with all_reduce and the loss is normalized by the global count of positions,
+so N processes take exactly the step one process takes with the same global batch.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from .drafter import Drafter, DrafterConfig
+from .metrics import AcceptanceCounter
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+class TrainingError(RuntimeError):
+    """Training cannot go on (non-finite loss, bad inputs); the message says what to change."""
+
+
+# ------------------------------------------------------------------ data ----
+
+@dataclass
+class Sequence:
+    input_ids: torch.Tensor   # [n] int
+    loss_mask: torch.Tensor   # [n] uint8
+    aux: torch.Tensor         # [n, 3H_t]
+    final: torch.Tensor       # [n, H_t]
+
+
+def pack_rows(sequences: Iterator[Sequence], max_seq_len: int) -> Iterator[dict]:
+    """Greedy packing of whole sequences (truncated to max_seq_len) into rows of at most max_seq_len."""
+    row: list[Sequence] = []
+    used = 0
+    for seq in sequences:
+        n = min(len(seq.input_ids), max_seq_len)
+        if row and used + n > max_seq_len:
+            yield _make_row(row, max_seq_len)
+            row, used = [], 0
+        row.append(Sequence(seq.input_ids[:n], seq.loss_mask[:n], seq.aux[:n], seq.final[:n]))
+        used += n
+    if row:
+        yield _make_row(row, max_seq_len)
+
+
+def _make_row(seqs: list[Sequence], length: int) -> dict:
+    n = sum(len(s.input_ids) for s in seqs)
+    pad = length - n
+    cat = lambda xs: torch.cat(xs)  # noqa: E731
+    aux = cat([s.aux for s in seqs])
+    final = cat([s.final for s in seqs])
+    return {
+        "input_ids": F.pad(cat([s.input_ids.long() for s in seqs]), (0, pad)),
+        "loss_mask": F.pad(cat([s.loss_mask.long() for s in seqs]), (0, pad)),
+        "doc_ids": F.pad(cat([torch.full((len(s.input_ids),), i) for i, s in enumerate(seqs)]), (0, pad), value=-1),
+        "position_ids": F.pad(cat([torch.arange(len(s.input_ids)) for s in seqs]), (0, pad)),
+        "aux": F.pad(aux, (0, 0, 0, pad)),
+        "final": F.pad(final, (0, 0, 0, pad)),
+        "tokens": n,
+    }
+
+
+def stack_rows(rows: list[dict]) -> dict:
+    return {k: (torch.stack([r[k] for r in rows]) if k != "tokens" else sum(r[k] for r in rows)) for k in rows[0]}
+
+
+def epoch_order(num_items: int, seed: int, epoch: int) -> list[int]:
+    order = list(range(num_items))
+    random.Random(seed * 1_000_003 + epoch).shuffle(order)
+    return order
+
+
+def shard_sequences(shards, seed: int, epoch: int, shuffle: bool = True) -> Iterator[Sequence]:
+    """Sequences of a ShardSet, shards and sequences within a shard in a seeded order per epoch."""
+    order = epoch_order(len(shards.shards), seed, epoch) if shuffle else range(len(shards.shards))
+    for i in order:
+        t = shards.load(i)
+        starts = t["seq_starts"].tolist()
+        spans = list(zip(starts[:-1], starts[1:]))
+        if shuffle:
+            random.Random(seed * 7919 + epoch * 31 + i).shuffle(spans)
+        for a, b in spans:
+            yield Sequence(t["input_ids"][a:b], t["loss_mask"][a:b], t["aux_hidden"][a:b], t["final_hidden"][a:b])
+
+
+# ------------------------------------------------------------------ loss ----
+
+def shift_left(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
+    """x[:, t + k] at t (dim 1), padded with fill at the end."""
+    if k == 0:
+        return x
+    pad = [0, 0] * (x.dim() - 2) + [0, k]
+    return F.pad(x[:, k:], pad, value=fill)
+
+
+def target_argmax(final: torch.Tensor, head: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
+    """argmax over the full target vocab, in chunks of positions to bound memory."""
+    flat = final.reshape(-1, final.shape[-1])
+    out = torch.cat([(flat[i:i + chunk] @ head.T).argmax(-1) for i in range(0, flat.shape[0], chunk)])
+    return out.view(final.shape[:-1])
+
+
+def valid_positions(batch: dict, k: int) -> torch.Tensor:
+    """bool [B,T]: TTT step k at t has a target, the distribution at t+1+k, predicting an
+    assistant token (loss mask) of the same document."""
+    docs, mask = batch["doc_ids"], batch["loss_mask"]
+    label_ok = (shift_left(docs, 1, fill=-2) == docs) & (docs >= 0) & (shift_left(mask, 1) > 0)
+    return shift_left(label_ok, 1 + k, fill=False) & (shift_left(docs, 1 + k, fill=-2) == docs)
+
+
+def ttt_outputs(drafter: Drafter, batch: dict, embed: torch.Tensor, head_full: torch.Tensor, steps: int):
+    """Run the TTT chain on a batch; returns per-step draft logits, target probs, validity, rightness."""
+    ids, docs = batch["input_ids"], batch["doc_ids"]
+    dtype = drafter.fc.weight.dtype
+    aux, final = batch["aux"].to(dtype), batch["final"].to(dtype)
+    with torch.no_grad():
+        head_draft = head_full[drafter.t2d].to(dtype)
+        target_logits = final @ head_draft.T                      # [B,T,V_draft]
+        target_best = target_argmax(final.float(), head_full.float())  # [B,T] target ids
+    step_embeds = [F.embedding(shift_left(ids, 1 + k), embed).to(dtype) for k in range(steps)]
+    hidden = drafter.ttt_forward(aux, step_embeds, batch["position_ids"], docs)
+    out = []
+    for k in range(steps):
+        ahead = 1 + k
+        valid = valid_positions(batch, k)
+        logits = drafter.logits(hidden[k]).float()
+        with torch.no_grad():
+            right = drafter.draft_to_target(logits.argmax(-1)) == shift_left(target_best, ahead)
+        out.append((logits, shift_left(target_logits, ahead).float(), valid, right))
+    return out
+
+
+def soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
+    """Per-position cross-entropy against the target's distribution over the draft vocab."""
+    return -(torch.softmax(target_logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
+
+
+def ttt_loss_sums(drafter, batch, embed, head_full, steps):
+    """Σ over valid positions of each step's soft CE; valid counts; right/valid masks for metrics."""
+    sums, counts, rights, valids = [], [], [], []
+    for logits, target, valid, right in ttt_outputs(drafter, batch, embed, head_full, steps):
+        sums.append((soft_ce(logits, target) * valid).sum())
+        counts.append(valid.sum())
+        rights.append(right)
+        valids.append(valid)
+    return torch.stack(sums), torch.stack(counts), torch.stack(rights), torch.stack(valids)
+
+
+# ------------------------------------------------------------ optimizer ----
+
+def lr_at(step: int, total_steps: int, lr: float, warmup: int, final_fraction: float = 0.1) -> float:
+    """Linear warmup, then cosine decay to final_fraction·lr at total_steps."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    return lr * (final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * progress)))
+
+
+# ----------------------------------------------------------- checkpoints ----
+
+def drafter_state(drafter: Drafter) -> dict:
+    """Canonical tensor names (DESIGN.md §4): layers.0.*, fc, norm, lm_head, d2t, t2d."""
+    return {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+
+
+def save_drafter(drafter: Drafter, out_dir: Path, contract: dict, extra: dict | None = None) -> Path:
+    """Write the canonical checkpoint folder atomically (temp folder, then rename)."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(drafter_state(drafter), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(drafter.cfg.to_hf_dict(), indent=2) + "\n")
+    (tmp / "eagle3.json").write_text(json.dumps(contract, indent=2) + "\n")
+    for name, obj in (extra or {}).items():
+        if name.endswith(".pt"):
+            torch.save(obj, tmp / name)
+        else:
+            (tmp / name).write_text(json.dumps(obj, indent=2) + "\n")
+    old = out_dir.with_name(out_dir.name + ".old")
+    if out_dir.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+def load_drafter(folder: Path, device="cpu") -> Drafter:
+    folder = Path(folder)
+    for name in ("config.json", "model.safetensors"):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"{folder / name} missing: expected a canonical drafter checkpoint folder")
+    cfg = DrafterConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
+    drafter = Drafter(cfg)
+    state = load_file(str(folder / "model.safetensors"))
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{folder}: checkpoint does not fit the drafter: missing {missing}, unexpected {unexpected}")
+    return drafter.to(device)
+
+
+def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    done = sorted((p for p in Path(ckpt_root).glob("step_*") if (p / STATE_FILE).is_file()),
+                  key=lambda p: int(p.name.split("_")[1]))
+    return done[-1] if done else None
+
+
+# ------------------------------------------------------------ the loop ----
+
+@dataclass
+class TrainSetup:
+    """Everything the loop needs, built by the stage (see stage_setup) or a test."""
+    drafter: Drafter
+    embed: torch.Tensor          # target input embeddings [V, H] (frozen)
+    head: torch.Tensor           # target lm_head [V, H_t] (frozen)
+    train_sequences: callable    # epoch -> Iterator[Sequence]
+    val_rows: list[dict]         # packed validation rows
+    contract: dict
+    out_dir: Path
+
+
+def _dist_info():
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def micro_batches(setup: TrainSetup, tp, start_epoch: int, skip: int) -> Iterator[tuple[int, int, dict]]:
+    """(epoch, index in epoch, stacked micro-batch) for the whole stream, skipping `skip` of the first epoch."""
+    epoch = start_epoch
+    while True:
+        rows = pack_rows(setup.train_sequences(epoch), tp.max_seq_len)
+        index, chunk = 0, []
+        for row in rows:
+            chunk.append(row)
+            if len(chunk) == tp.batch_rows:
+                if index >= skip:
+                    yield epoch, index, stack_rows(chunk)
+                index, chunk = index + 1, []
+        if index == 0 and skip == 0:
+            raise TrainingError("the training data yields no full batch: lower train.batch_rows or add data")
+        epoch, skip = epoch + 1, 0
+
+
+def evaluate(setup: TrainSetup, steps: int, max_depth: int, device) -> dict:
+    drafter = setup.drafter
+    counter = AcceptanceCounter(steps)
+    loss_sum, count = torch.zeros(steps), torch.zeros(steps)
+    was_training = drafter.training
+    drafter.eval()
+    with torch.no_grad():
+        for row in setup.val_rows:
+            batch = {k: (v.unsqueeze(0).to(device) if torch.is_tensor(v) else v) for k, v in row.items()}
+            sums, counts, right, valid = ttt_loss_sums(drafter, batch, setup.embed, setup.head, steps)
+            loss_sum += sums.float().cpu()
+            count += counts.float().cpu()
+            counter.update(right.cpu(), valid.cpu())
+    drafter.train(was_training)
+    summary = counter.summary(max_depth)
+    summary["loss_per_step"] = (loss_sum / count.clamp(min=1)).tolist()
+    return summary
+
+
+def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 16, log=print) -> dict:
+    """The TTT loop with accumulation, AdamW, warmup+cosine, clipping, checkpoints, resume, and DDP."""
+    rank, world = _dist_info()
+    drafter = setup.drafter.to(device)
+    embed, head = setup.embed.to(device), setup.head.to(device)
+    setup.embed, setup.head = embed, head
+    params = [p for p in drafter.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=tp.lr, betas=(0.9, 0.95), weight_decay=tp.weight_decay)
+    rows_per_step = tp.batch_rows * tp.grad_accum * world
+    total_steps = max(1, math.ceil(tp.max_tokens / (rows_per_step * tp.max_seq_len)))
+    weights = torch.tensor([tp.step_weight_decay ** k for k in range(tp.ttt_steps)], device=device)
+    ckpt_root = setup.out_dir / CHECKPOINTS
+    log_path = setup.out_dir / "log.jsonl"
+    use_bf16 = torch.device(device).type == "cuda"
+
+    state = {"step": 0, "epoch": 0, "micro_in_epoch": 0, "tokens": 0, "train_seconds": 0.0}
+    latest = latest_checkpoint(ckpt_root) if tp.resume else None
+    if latest is not None:
+        resumed = load_drafter(latest, device)
+        drafter.load_state_dict(resumed.state_dict())
+        opt.load_state_dict(torch.load(latest / OPTIMIZER_FILE, map_location=device, weights_only=True))
+        state = json.loads((latest / STATE_FILE).read_text())
+        if rank == 0 and log_path.exists():  # drop log lines of steps the checkpoint does not hold
+            lines = [l for l in log_path.read_text().splitlines() if json.loads(l)["step"] <= state["step"]]
+            log_path.write_text("".join(l + "\n" for l in lines))
+        log(f"resumed from {latest} (step {state['step']}, {state['tokens']} tokens)")
+    elif rank == 0 and ckpt_root.exists():
+        shutil.rmtree(ckpt_root)  # a fresh run (resume off) must not mix with older checkpoints
+        log_path.unlink(missing_ok=True)
+
+    def checkpoint():
+        if rank != 0:
+            return
+        path = save_drafter(drafter, ckpt_root / f"step_{state['step']:07d}", setup.contract,
+                            extra={STATE_FILE: state, OPTIMIZER_FILE: opt.state_dict()})
+        for old in sorted(ckpt_root.glob("step_*"))[:-2]:  # keep the last two
+            shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    def write_log(entry):
+        if rank == 0:
+            with open(log_path, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+
+    stream = micro_batches(setup, tp, state["epoch"], state["micro_in_epoch"])
+    started = time.time()
+    drafter.train()
+    last_eval = None
+    while state["step"] < total_steps:
+        if tp.max_minutes and state["train_seconds"] + (time.time() - started) > tp.max_minutes * 60:
+            log(f"time budget of {tp.max_minutes} min reached at step {state['step']}")
+            break
+        # Everyone sees the step's micro-batches; each rank computes its share.
+        micro = [next(stream) for _ in range(tp.grad_accum * world)]
+        mine = micro[rank::world]
+        counts = torch.zeros(tp.ttt_steps, device=device)
+        for _, _, mb in micro:  # global normalizer, identical on every rank without communication
+            counts += torch.stack([valid_positions(mb, k).sum() for k in range(tp.ttt_steps)]).to(device)
+        lr = lr_at(state["step"], total_steps, tp.lr, tp.warmup_steps)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        opt.zero_grad(set_to_none=True)
+        step_loss = torch.zeros((), device=device)
+        for _, _, mb in mine:
+            batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in mb.items()}
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_bf16):
+                sums, _, _, _ = ttt_loss_sums(drafter, batch, embed, head, tp.ttt_steps)
+            loss = (weights * sums / counts.clamp(min=1)).sum()
+            loss.backward()
+            step_loss += loss.detach()
+        if world > 1:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                dist.all_reduce(p.grad)
+            dist.all_reduce(step_loss)
+        if not torch.isfinite(step_loss):
+            last = latest_checkpoint(ckpt_root)
+            raise TrainingError(f"loss became {step_loss.item()} at step {state['step']}; nothing after the last good "
+                                f"checkpoint ({last or 'none yet'}) was saved. Lower train.lr (now {tp.lr}) or "
+                                f"check the hidden-state shards for inf/nan, then rerun (resume continues from it).")
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, tp.grad_clip)
+        opt.step()
+        state["step"] += 1
+        state["epoch"], state["micro_in_epoch"] = micro[-1][0], micro[-1][1] + 1
+        state["tokens"] += sum(mb["tokens"] for _, _, mb in micro)
+        elapsed = state["train_seconds"] + time.time() - started
+        entry = {"step": state["step"], "loss": round(step_loss.item(), 5), "lr": lr, "grad_norm": round(grad_norm.item(), 4),
+                 "tokens": state["tokens"], "tokens_per_s": round(state["tokens"] / max(elapsed, 1e-9), 1)}
+        write_log(entry)
+        if state["step"] % tp.eval_every == 0 or state["step"] == total_steps:
+            last_eval = evaluate(setup, tp.ttt_steps, max_depth, device)
+            last_eval["at_step"] = state["step"]
+            write_log({"step": state["step"], "eval": last_eval})
+            log(f"step {state['step']}/{total_steps} loss {entry['loss']:.4f} "
+                f"est_accept_len@5 {last_eval['est_accept_len'].get('5')} cond_acc {[round(x, 3) for x in last_eval['cond_acc']]}")
+        if state["step"] % tp.checkpoint_every == 0:
+            state["train_seconds"] = state["train_seconds"] + time.time() - started
+            started = time.time()
+            checkpoint()
+    state["train_seconds"] = state["train_seconds"] + time.time() - started
+    if last_eval is None or last_eval.get("at_step") != state["step"]:
+        last_eval = evaluate(setup, tp.ttt_steps, max_depth, device)
+        last_eval["at_step"] = state["step"]
+        write_log({"step": state["step"], "eval": last_eval})
+    final = checkpoint()
+    if rank == 0:
+        save_drafter(drafter, setup.out_dir / "drafter", setup.contract)
+    return {"steps": state["step"], "total_steps": total_steps, "tokens": state["tokens"],
+            "train_seconds": round(state["train_seconds"], 1),
+            "train_tokens_per_s": round(state["tokens"] / max(state["train_seconds"], 1e-9), 1),
+            "final_checkpoint": str(final) if final else None, "eval": last_eval}
+
+
+
+# -------------------------------------------------------------- the stage ----
+
+def draft_vocab_from_tokens(train_tokens: dict, val_tokens: dict, vocab_size: int, draft_vocab_size: int):
+    from . import vocab
+    counts = vocab.token_counts(train_tokens["input_ids"], train_tokens["loss_mask"], vocab_size)
+    d2t, t2d = vocab.build_draft_vocab(counts, draft_vocab_size)
+    val_counts = vocab.token_counts(val_tokens["input_ids"], val_tokens["loss_mask"], vocab_size)
+    return d2t, t2d, {"train_coverage": round(vocab.coverage(counts, t2d), 4),
+                      "val_coverage": round(vocab.coverage(val_counts, t2d), 4),
+                      "distinct_train_tokens": int((counts > 0).sum())}
+
+
+def online_sequences(model, tokens: dict, aux_layer_ids, seed: int, epoch: int, shuffle: bool = True):
+    """Sequences with the target's states computed now (train.source: online), one forward each."""
+    from .extract import capture_hidden_states
+    starts = tokens["seq_starts"].tolist()
+    order = epoch_order(len(starts) - 1, seed, epoch) if shuffle else range(len(starts) - 1)
+    device = next(model.parameters()).device
+    for s in order:
+        ids = tokens["input_ids"][starts[s]:starts[s + 1]].long()
+        aux, final = capture_hidden_states(model, ids[None].to(device), torch.ones(1, len(ids), dtype=torch.long, device=device),
+                                           aux_layer_ids)
+        yield Sequence(ids, tokens["loss_mask"][starts[s]:starts[s + 1]], aux[0].cpu(), final[0].cpu())
+
+
+def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
+    """Everything 02_train needs from the params and the earlier stages; returns (setup, vocab stats)."""
+    from . import data, pipeline, target, vocab
+    from .extract import ShardSet
+    from .params import cache_dir
+    run_dir = Path(run_dir)
+    prep_dir = run_dir / "00_prepare"
+    pipeline.load_result(run_dir, "00_prepare")
+    train_tokens, val_tokens = data.load_tokens(prep_dir / "train.safetensors"), data.load_tokens(prep_dir / "val.safetensors")
+    target_path = target.resolve_target(p.target.name, cache_dir(p))
+    from transformers import AutoConfig
+    tcfg = AutoConfig.from_pretrained(target_path, trust_remote_code=p.target.trust_remote_code)
+    tensors = target.load_head_tensors(target_path)
+    tp = p.train
+    vocab_size = tensors["embed"].shape[0]
+    d2t, t2d, vocab_stats = draft_vocab_from_tokens(train_tokens, val_tokens, vocab_size, tp.draft_vocab_size)
+
+    if tp.source == "shards":
+        pipeline.load_result(run_dir, "01_extract")
+        train_shards, val_shards = ShardSet(run_dir / "01_extract" / "train"), ShardSet(run_dir / "01_extract" / "val")
+        contract = dict(train_shards.contract)
+        aux_ids = contract["aux_layer_ids"]
+        train_sequences = lambda epoch: shard_sequences(train_shards, p.run.seed, epoch)  # noqa: E731
+        val_sequences = shard_sequences(val_shards, p.run.seed, 0, shuffle=False)
+    else:
+        model, tokenizer = target.load_target(p.target.name, cache_dir(p), dtype=p.target.dtype, device=p.target.device,
+                                              trust_remote_code=p.target.trust_remote_code)
+        layers = target.num_layers(model.config)
+        aux_ids = target.check_aux_layer_ids(p.target.aux_layer_ids or target.default_aux_layer_ids(layers), layers)
+        contract = target.make_contract(p.target.name, model, tokenizer, aux_ids, p.target.dtype)
+        train_sequences = lambda epoch: online_sequences(model, train_tokens, aux_ids, p.run.seed, epoch)  # noqa: E731
+        val_sequences = online_sequences(model, val_tokens, aux_ids, p.run.seed, 0, shuffle=False)
+    prep_contract = target.read_contract(prep_dir)
+    target.check_contract({k: prep_contract[k] for k in ("target_fingerprint", "vocab_size")}, contract,
+                          "the hidden states' eagle3.json")
+    contract.update(draft_vocab_size=tp.draft_vocab_size, d2t_sha256=vocab.d2t_sha256(d2t))
+
+    val_rows, val_tokens_used = [], 0
+    for row in pack_rows(val_sequences, tp.max_seq_len):
+        if val_tokens_used >= tp.eval_max_tokens:
+            break
+        val_rows.append(row)
+        val_tokens_used += row["tokens"]
+    if not val_rows:
+        raise TrainingError("the validation split is empty: raise data.val_fraction so the metrics mean something")
+
+    torch.manual_seed(p.run.seed)
+    cfg = DrafterConfig.from_target(tcfg, tp.draft_vocab_size, aux_ids)
+    drafter = Drafter(cfg)
+    drafter.set_vocab(d2t, t2d)
+    if tp.init_lm_head_from_target:
+        # The draft's last hidden state plays the target's final one: start from the target's head and norm.
+        with torch.no_grad():
+            drafter.lm_head.weight.copy_(tensors["lm_head"][t2d])
+            drafter.norm.weight.copy_(tensors["norm"])
+    out_dir = Path(pipeline.stage_dir(run_dir, "02_train"))
+    setup = TrainSetup(drafter=drafter, embed=tensors["embed"].float(), head=tensors["lm_head"].float(),
+                       train_sequences=train_sequences, val_rows=val_rows, contract=contract, out_dir=out_dir)
+    vocab_stats["val_tokens"] = val_tokens_used
+    return setup, vocab_stats
+
+
+def run_stage(params_file: str, run_dir: str, overrides: dict | None = None) -> dict:
+    """Build and train in this process (rank-aware under torchrun); writes train_summary.json on rank 0."""
+    from .params import load_params
+    p = load_params(params_file, overrides)
+    rank = int(os.environ.get("RANK", 0))
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    device = p.target.device
+    if world > 1 and not dist.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend)
+    setup, vocab_stats = build_setup(p, Path(run_dir), device)
+    summary = train(setup, p.train, p.run.seed, device, max_depth=max(16, max(p.bench.depths)),
+                    log=(print if rank == 0 else (lambda *a: None)))
+    summary.update(vocab=vocab_stats, world_size=world, drafter_params=sum(x.numel() for x in setup.drafter.parameters()))
+    if rank == 0:
+        (setup.out_dir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return summary
+
+
+def launch(params_file: str, run_dir: str, overrides: dict | None, nproc: int) -> dict:
+    """Run the stage with torchrun when nproc > 1 (same entry point), else in this process."""
+    if nproc <= 1:
+        return run_stage(params_file, run_dir, overrides)
+    import subprocess
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "eagle3lib.train", params_file, run_dir, json.dumps(overrides or {})]
+    subprocess.run(cmd, check=True)
+    return json.loads((Path(run_dir) / "02_train" / "train_summary.json").read_text())
+
+
+if __name__ == "__main__":  # torchrun --nproc_per_node N -m eagle3lib.train PARAMS RUN_DIR [OVERRIDES_JSON]
+    run_stage(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else {})
