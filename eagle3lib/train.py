@@ -244,6 +244,15 @@ class TrainSetup:
     out_dir: Path
 
 
+def weights_digest(module: torch.nn.Module) -> str:
+    import hashlib
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
 def _dist_info():
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -330,6 +339,9 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
             with open(log_path, "a") as f:
                 f.write(json.dumps(entry) + "\n")
 
+    if state["step"] == 0:  # the untrained drafter, for "did training help" comparisons
+        state["initial_eval"] = evaluate(setup, tp.ttt_steps, max_depth, device)
+        write_log({"step": 0, "eval": state["initial_eval"]})
     stream = micro_batches(setup, tp, state["epoch"], state["micro_in_epoch"])
     started = time.time()
     drafter.train()
@@ -391,10 +403,16 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
         last_eval = evaluate(setup, tp.ttt_steps, max_depth, device)
         last_eval["at_step"] = state["step"]
         write_log({"step": state["step"], "eval": last_eval})
+    digests = [weights_digest(drafter)]
+    if world > 1:  # data parallel must leave every rank with the same weights
+        digests = [None] * world
+        dist.all_gather_object(digests, weights_digest(drafter))
+        if len(set(digests)) != 1:
+            raise TrainingError(f"ranks hold different weights after training: {digests}")
     final = checkpoint()
     if rank == 0:
         save_drafter(drafter, setup.out_dir / "drafter", setup.contract)
-    return {"steps": state["step"], "total_steps": total_steps, "tokens": state["tokens"],
+    return {"initial_eval": state.get("initial_eval"), "rank_weight_digests": digests, "steps": state["step"], "total_steps": total_steps, "tokens": state["tokens"],
             "train_seconds": round(state["train_seconds"], 1),
             "train_tokens_per_s": round(state["tokens"] / max(state["train_seconds"], 1e-9), 1),
             "final_checkpoint": str(final) if final else None, "eval": last_eval}

@@ -1,0 +1,74 @@
+"""End-to-end: the stage notebooks under papermill on params/ci.yaml with the real SmolLM2 and ShareGPT."""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3lib import extract, pipeline
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ci_run(tmp_path_factory, embedded_cache):
+    out_root = tmp_path_factory.mktemp("outputs")
+    overrides = {"run.output_root": str(out_root), "run.cache_dir": str(embedded_cache[0])}
+    run_dir = pipeline.run_pipeline(ROOT / "params" / "ci.yaml", overrides, log_output=False)
+    return run_dir, overrides
+
+
+def result(run_dir, stage):
+    return json.loads((run_dir / stage / "result.json").read_text())
+
+
+def test_every_stage_ran_and_reported(ci_run):
+    run_dir, _ = ci_run
+    for stage in pipeline.stages():
+        r = result(run_dir, stage)
+        assert r["status"] == "ok", (stage, r.get("error"))
+        assert (run_dir / stage / f"{stage}.html").is_file()
+    run = json.loads((run_dir / "run.json").read_text())
+    assert run["params"]["run"]["name"] == "ci" and run["versions"]["torch"].startswith("2.")
+    index = (run_dir / "index.html").read_text()
+    assert all(f"{s}/{s}.html" in index for s in pipeline.stages())
+
+
+def test_prepare_used_the_embedded_data_and_target(ci_run):
+    r = result(ci_run[0], "00_prepare")["figures"]
+    assert r["read"]["kept"] == 40 and r["splits"]["bench"] == 4
+    assert r["tokens"]["train"]["loss_tokens"] > 0 and r["target"]["aux_layer_ids"] == [2, 15, 27]
+    assert r["regenerate"]["tokens_generated"] > 0
+
+
+def test_extract_wrote_checksummed_shards(ci_run):
+    run_dir, _ = ci_run
+    r = result(run_dir, "01_extract")["figures"]
+    for key in ("sequences", "tokens", "bytes_per_token", "tokens_per_s", "forward_tokens_per_s"):
+        assert r[key] and r[key] > 0, key
+    # bf16: input id (4) + mask (1) + 3 aux + 1 final states of 576 (2 bytes each), plus headers.
+    assert 4 + 1 + 4 * 576 * 2 <= r["bytes_per_token"] < 4 + 1 + 4 * 576 * 2 + 64
+    shards = extract.ShardSet(run_dir / "01_extract" / "train")
+    assert shards.contract["aux_layer_ids"] == [2, 15, 27] and shards.num_tokens == r["splits"]["train"]["total_tokens"]
+
+
+def test_training_beats_the_untrained_drafter(ci_run):
+    r = result(ci_run[0], "02_train")["figures"]
+    before, after = r["initial_eval"], r["eval"]
+    assert after["loss_per_step"][0] < 0.85 * before["loss_per_step"][0]
+    assert after["step_acc"][0] > before["step_acc"][0] + 0.05
+    assert float(after["est_accept_len"]["5"]) > float(before["est_accept_len"]["5"])
+
+
+def test_rerun_skips_and_a_deleted_shard_is_redone(ci_run, capsys):
+    run_dir, overrides = ci_run
+    capsys.readouterr()
+    pipeline.run_pipeline(ROOT / "params" / "ci.yaml", overrides, log_output=False)
+    assert capsys.readouterr().err.count("unchanged, skipped") == len(pipeline.stages())
+    manifest = json.loads((run_dir / "01_extract" / "train" / "manifest.json").read_text())
+    victim = run_dir / "01_extract" / "train" / manifest["shards"][0]["file"]
+    victim.write_bytes(victim.read_bytes()[:1000])  # truncated
+    pipeline.run_pipeline(ROOT / "params" / "ci.yaml", overrides, only_stage="extract", log_output=False)
+    assert extract.ShardSet(run_dir / "01_extract" / "train").verify_all() == manifest["num_sequences"]

@@ -1,0 +1,185 @@
+"""TTT training on a small random Llama target with real shards on disk: learning, checkpoints,
+resume after kill -9, torchrun data parallel, non-finite loss, online mode, a DeepSeek-V3 (Kimi-shaped) target."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+from eagle3lib import data, extract, pipeline, target, train
+from eagle3lib.params import load_params
+
+AUX = [1, 3, 5]
+
+
+def random_tokens(n, vocab, seed):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(20, 90, (n,), generator=g).tolist()
+    ids = torch.randint(0, vocab, (sum(lengths),), generator=g, dtype=torch.int32)
+    mask = torch.zeros(sum(lengths), dtype=torch.uint8)
+    starts = [0]
+    for n_tok in lengths:
+        mask[starts[-1] + n_tok // 3: starts[-1] + n_tok] = 1  # the "assistant" part
+        starts.append(starts[-1] + n_tok)
+    return {"input_ids": ids, "loss_mask": mask, "seq_starts": torch.tensor(starts), "ids": [str(i) for i in range(n)]}
+
+
+def make_run(root: Path, model, tokenizer, train_params: dict, n_train=40) -> Path:
+    """A run folder whose 00_prepare and 01_extract were made by the library from a real (random) target."""
+    tdir = root / "target"
+    if not tdir.exists():
+        model.save_pretrained(tdir)
+        tokenizer.save_pretrained(tdir)
+    run_dir = root / "outputs" / "t"
+    prep = run_dir / "00_prepare"
+    contract = target.make_contract(str(tdir), model, tokenizer, AUX, "float32")
+    for split, n, seed in (("train", n_train, 1), ("val", 8, 2)):
+        tokens = random_tokens(n, model.config.vocab_size, seed)
+        data.save_tokens(prep / f"{split}.safetensors", tokens)
+        extract.extract(model, tokens, AUX, run_dir / "01_extract" / split, contract, batch_tokens=1024,
+                        shard_max_tokens=700, store_dtype=torch.float32, progress=False)
+    target.write_contract(prep, contract)
+    pipeline.save_result(run_dir, "00_prepare", {})
+    pipeline.save_result(run_dir, "01_extract", {})
+    tp = {"ttt_steps": 3, "max_seq_len": 128, "draft_vocab_size": 96, "max_tokens": 128 * 12, "lr": 3e-3,
+          "warmup_steps": 2, "checkpoint_every": 4, "eval_every": 4, "eval_max_tokens": 2000} | train_params
+    (root / "params.yaml").write_text(json.dumps({
+        "run": {"name": "t", "output_root": "outputs", "seed": 0},
+        "target": {"name": str(tdir), "dtype": "float32", "num_layers": 6, "aux_layer_ids": AUX},
+        "train": tp, "bench": {"depths": [5]}}))
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def small_target(embedded_cache):
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+                      intermediate_size=128, vocab_size=256, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    tokenizer = AutoTokenizer.from_pretrained(embedded_cache[1])  # only its chat template enters the contract
+    return model, tokenizer
+
+
+def params_file(root):
+    return str(root / "params.yaml")
+
+
+def state(folder):
+    return train.load_drafter(folder).state_dict()
+
+
+def test_training_learns_and_writes_the_canonical_checkpoint(tmp_path, small_target):
+    run_dir = make_run(tmp_path, *small_target, {"max_tokens": 128 * 40, "eval_every": 40})
+    p = load_params(params_file(tmp_path))
+    setup, vocab_stats = train.build_setup(p, run_dir)
+    before = train.evaluate(setup, 3, 5, "cpu")
+    summary = train.train(setup, p.train, log=lambda *a: None)
+    after = summary["eval"]
+    assert after["loss_per_step"][0] < 0.8 * before["loss_per_step"][0]
+    assert after["step_acc"][0] > before["step_acc"][0]
+    folder = run_dir / "02_train" / "drafter"
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 96
+    contract = json.loads((folder / "eagle3.json").read_text())
+    assert contract["draft_vocab_size"] == 96 and len(contract["d2t_sha256"]) == 64
+    assert contract["aux_layer_ids"] == AUX
+    loaded = state(folder)
+    assert all(torch.equal(loaded[k], v) for k, v in setup.drafter.state_dict().items())
+    log = [json.loads(l) for l in (run_dir / "02_train" / "log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in log if "eval" not in e] == list(range(1, 41))
+    assert 0 < vocab_stats["val_coverage"] <= 1
+
+
+def test_resume_after_kill_ends_where_an_uninterrupted_run_does(tmp_path, small_target):
+    slow = {"batch_rows": 4, "max_seq_len": 256, "max_tokens": 1024 * 16, "checkpoint_every": 4, "eval_every": 100}
+    ref_dir = make_run(tmp_path / "ref", *small_target, slow)
+    train.run_stage(params_file(tmp_path / "ref"), str(ref_dir))
+    run_dir = make_run(tmp_path / "killed", *small_target, slow)
+    proc = subprocess.Popen([sys.executable, "-m", "eagle3lib.train", params_file(tmp_path / "killed"), str(run_dir)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ckpt = run_dir / "02_train" / "checkpoints"
+    deadline = time.time() + 120
+    while not (ckpt / "step_0000004" / train.STATE_FILE).exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "training finished before it could be killed"
+    assert not (run_dir / "02_train" / "drafter").exists()
+    summary = train.run_stage(params_file(tmp_path / "killed"), str(run_dir))
+    assert summary["steps"] == 16
+    ref, resumed = state(ref_dir / "02_train" / "drafter"), state(run_dir / "02_train" / "drafter")
+    for k in ref:
+        assert torch.allclose(ref[k].float(), resumed[k].float(), atol=1e-6, rtol=0), k
+    entries = [json.loads(l) for l in (run_dir / "02_train" / "log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in entries if "eval" not in e] == list(range(1, 17))
+
+
+def test_torchrun_two_processes_equal_one_with_the_same_global_batch(tmp_path, small_target):
+    common = {"max_tokens": 128 * 2 * 3, "checkpoint_every": 100, "eval_every": 100, "warmup_steps": 1}
+    single = make_run(tmp_path / "single", *small_target, common | {"grad_accum": 2})
+    s1 = train.launch(params_file(tmp_path / "single"), str(single), {}, 1)
+    ddp = make_run(tmp_path / "ddp", *small_target, common | {"grad_accum": 1})
+    s2 = train.launch(params_file(tmp_path / "ddp"), str(ddp), {}, 2)
+    assert s2["world_size"] == 2 and len(s2["rank_weight_digests"]) == 2
+    assert len(set(s2["rank_weight_digests"])) == 1, "ranks diverged"
+    assert s1["steps"] == s2["steps"] == 3 and s1["tokens"] == s2["tokens"]
+    a, b = state(single / "02_train" / "drafter"), state(ddp / "02_train" / "drafter")
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), atol=1e-6, rtol=0), k
+
+
+def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, small_target):
+    run_dir = make_run(tmp_path, *small_target, {"max_tokens": 128 * 4})
+    p = load_params(params_file(tmp_path))
+    setup, _ = train.build_setup(p, run_dir)
+    train.train(setup, p.train, log=lambda *a: None)
+    good = run_dir / "02_train" / "checkpoints" / "step_0000004"
+    before = (good / "model.safetensors").read_bytes()
+    p = load_params(params_file(tmp_path), {"train.max_tokens": 128 * 12})
+    setup, _ = train.build_setup(p, run_dir)
+    setup.head[5] = float("nan")  # a corrupt target head: every target distribution turns nan
+    with pytest.raises(train.TrainingError, match=r"loss became nan at step 4.*step_0000004.*train.lr"):
+        train.train(setup, p.train, log=lambda *a: None)
+    assert (good / "model.safetensors").read_bytes() == before
+    assert train.latest_checkpoint(run_dir / "02_train" / "checkpoints") == good
+
+
+def test_online_mode_trains_on_the_same_states_as_shards(tmp_path, small_target):
+    run_dir = make_run(tmp_path, *small_target, {})
+    p = load_params(params_file(tmp_path))
+    shards_setup, _ = train.build_setup(p, run_dir)
+    online_setup, _ = train.build_setup(load_params(params_file(tmp_path), {"train.source": "online"}), run_dir)
+    a = train.evaluate(shards_setup, 3, 3, "cpu")
+    b = train.evaluate(online_setup, 3, 3, "cpu")
+    assert a["loss_per_step"] == pytest.approx(b["loss_per_step"], rel=1e-5)
+    assert a["step_acc"] == b["step_acc"]
+    s = train.train(online_setup, p.train, log=lambda *x: None)
+    assert s["steps"] == 12
+
+
+def test_deepseek_v3_shaped_target_extracts_and_trains(tmp_path, embedded_cache):
+    from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+    torch.manual_seed(0)
+    cfg = DeepseekV3Config(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                           num_hidden_layers=6, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+                           n_shared_experts=1, n_group=2, topk_group=1, num_attention_heads=4, num_key_value_heads=4,
+                           kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
+                           tie_word_embeddings=False)
+    model = DeepseekV3ForCausalLM(cfg).eval()
+    tokenizer = AutoTokenizer.from_pretrained(embedded_cache[1])
+    ids = torch.randint(0, 256, (1, 30))
+    aux, final = extract.capture_hidden_states(model, ids, torch.ones_like(ids), AUX)
+    with torch.no_grad():
+        ref = model(ids, output_hidden_states=True)
+    assert torch.equal(aux[0, :, :64], ref.hidden_states[1][0])
+    assert torch.allclose(model.lm_head(final), ref.logits, atol=1e-5)
+    run_dir = make_run(tmp_path, model, tokenizer, {"max_tokens": 128 * 3, "eval_every": 3})
+    summary = train.run_stage(params_file(tmp_path), str(run_dir))
+    assert summary["steps"] == 3 and torch.isfinite(torch.tensor(summary["eval"]["loss_per_step"])).all()
