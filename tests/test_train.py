@@ -63,6 +63,8 @@ def small_target(embedded_cache):
     cfg = LlamaConfig(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
                       intermediate_size=128, vocab_size=256, tie_word_embeddings=False)
     model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # a sharp next-token distribution, as trained models have, gives the drafter something to learn
+        model.lm_head.weight.mul_(40)
     tokenizer = AutoTokenizer.from_pretrained(embedded_cache[1])  # only its chat template enters the contract
     return model, tokenizer
 
@@ -178,8 +180,8 @@ def test_deepseek_v3_shaped_target_extracts_and_trains(tmp_path, embedded_cache)
     aux, final = extract.capture_hidden_states(model, ids, torch.ones_like(ids), AUX)
     with torch.no_grad():
         ref = model(ids, output_hidden_states=True)
+        assert torch.allclose(model.lm_head(final.clone()), ref.logits, atol=1e-5)
     assert torch.equal(aux[0, :, :64], ref.hidden_states[1][0])
-    assert torch.allclose(model.lm_head(final), ref.logits, atol=1e-5)
     run_dir = make_run(tmp_path, model, tokenizer, {"max_tokens": 128 * 3, "eval_every": 3})
     summary = train.run_stage(params_file(tmp_path), str(run_dir))
     assert summary["steps"] == 3 and torch.isfinite(torch.tensor(summary["eval"]["loss_per_step"])).all()
