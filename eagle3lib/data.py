@@ -552,3 +552,10 @@ def load_bench_prompts(path) -> list[dict]:
     if not path.is_file():
         raise FileNotFoundError(f"Expected bench prompts {path}, found none; rerun the prepare stage.")
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def interleave(*lists: list) -> list:
+    """Items of several lists merged so each keeps its share at every prefix (order kept within each)."""
+    total = sum(len(x) for x in lists)
+    keyed = [((i + 0.5) / len(x), j, item) for j, x in enumerate(lists) for i, item in enumerate(x)]
+    return [item for _, _, item in sorted(keyed, key=lambda k: (k[0], k[1]))][:total]

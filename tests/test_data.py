@@ -301,3 +301,12 @@ def test_bench_prompts_round_trip(tmp_path):
     assert back[1]["messages"] == REGEN_CONVS[1]["messages"][:2] and back[1]["reference"] == "hi"
     with pytest.raises(FileNotFoundError, match="nope.jsonl"):
         D.load_bench_prompts(tmp_path / "nope.jsonl")
+
+
+def test_interleave_keeps_each_lists_share_at_every_prefix():
+    from eagle3lib.data import interleave
+    train, val = [f"t{i}" for i in range(19)], ["v0"]
+    mixed = interleave(train, val)
+    assert sorted(mixed) == sorted(train + val) and 9 <= mixed.index("v0") <= 10
+    assert [x for x in mixed if x.startswith("t")] == train
+    assert interleave([], [1, 2]) == [1, 2]
