@@ -30,7 +30,21 @@ def main(argv: list[str] | None = None) -> int:
     check.add_argument("file")
     check.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
+    convert = sub.add_parser("convert", help="export a drafter checkpoint for an engine")
+    convert.add_argument("checkpoint", help="canonical, speculators or EAGLE/SpecForge checkpoint folder")
+    convert.add_argument("--to", required=True, choices=["sglang", "vllm", "speculators"])
+    convert.add_argument("--out", required=True, help="output folder")
+    convert.add_argument("--target", help="refuse unless this target matches the checkpoint's contract")
+
+    verify = sub.add_parser("verify", help="load-back gate: exit 0 only when the engine would load the export")
+    verify.add_argument("folder")
+    verify.add_argument("--engine", required=True, choices=["vllm", "sglang"])
+    verify.add_argument("--target", help="target to serve with (default: the contract's)")
+    verify.add_argument("--python", help="interpreter with the engine (default: .venv-<engine>/bin/python)")
+
     args = parser.parse_args(argv)
+    if args.command in ("convert", "verify"):
+        return _export_command(args)
     from .params import ParamsError, dumps, load_params
 
     try:
@@ -52,6 +66,24 @@ def main(argv: list[str] | None = None) -> int:
     except (ParamsError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+
+
+def _export_command(args) -> int:
+    from . import export
+    try:
+        if args.command == "convert":
+            print(export.export(args.checkpoint, args.to, args.out, target=args.target))
+            return 0
+        report = export.verify(args.folder, args.engine, target=args.target, python=args.python)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    c = report["counts"]
+    print(f"{args.engine} gate: {'PASS' if report['ok'] else 'FAIL'} ({c['loaded']}/{c['expected']} loaded, "
+          f"{c['skipped']} skipped, {c['extra']} extra)")
+    for problem in report["problems"]:
+        print(f"  - {problem}", file=sys.stderr)
+    return 0 if report["ok"] else 1
 
 
 if __name__ == "__main__":

@@ -181,22 +181,40 @@ class Drafter(nn.Module):
         position_ids [B,T]: positions within each document; doc_ids [B,T]: document
             of each position in a packed row (-1 = padding).
         Returns the pre-norm hidden states of each step, [B,T,H] each.
+
+        Step k's query at t attends to the step-0 keys at s ≤ t (same document) and to
+        the step-1..k keys at t itself. Those are diagonals, so they are scored as
+        dot products instead of T×T blocks (K× less attention work than a dense mask).
         """
         attn, layer = self.layer.self_attn, self.layer
         t = aux.shape[1]
         causal = torch.tril(torch.ones(t, t, dtype=torch.bool, device=aux.device))
         same_doc = (doc_ids[:, :, None] == doc_ids[:, None, :]) & (doc_ids[:, :, None] >= 0)
-        prefix_mask = causal & same_doc                                    # step-0 keys at s ≤ t, same document
-        diag = torch.eye(t, dtype=torch.bool, device=aux.device).expand(aux.shape[0], t, t)
+        eye = torch.eye(t, dtype=torch.bool, device=aux.device)
+        prefix_mask = ((causal & same_doc) | eye)[:, None]                # [B,1,T,T]; padding sees itself
+        groups = attn.heads // attn.kv_heads
         hidden = self.fc(aux)
-        keys, values, masks, outputs = [], [], [], []
+        prefix_k = prefix_v = None
+        diag_k, diag_v, outputs = [], [], []
         for k, embeds in enumerate(step_embeds):
             cos, sin = self.rope(hidden, position_ids + k)
             q, key, value = attn.qkv(layer.attn_input(embeds, hidden), cos, sin)
-            keys.append(key)
-            values.append(value)
-            masks.append(prefix_mask if k == 0 else diag)
-            attn_out = attn.attend(q, torch.cat(keys, 2), torch.cat(values, 2), torch.cat(masks, 2))
+            key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+            if k == 0:
+                prefix_k, prefix_v = key, value
+            else:
+                diag_k.append(key)
+                diag_v.append(value)
+            scale = attn.head_dim ** -0.5
+            scores = (q @ prefix_k.transpose(-1, -2)) * scale                # [B,h,T,T]
+            scores = scores.masked_fill(~prefix_mask, float("-inf"))
+            diag = [(q * dk).sum(-1, keepdim=True) * scale for dk in diag_k]  # [B,h,T,1] each
+            probs = torch.softmax(torch.cat([scores] + diag, -1), -1)
+            out = probs[..., :t] @ prefix_v
+            for j, dv in enumerate(diag_v):
+                out = out + probs[..., t + j:t + j + 1] * dv
+            b = out.shape[0]
+            attn_out = attn.o_proj(out.transpose(1, 2).reshape(b, t, attn.heads * attn.head_dim))
             hidden = layer.finish(attn_out, hidden)
             outputs.append(hidden)
         return outputs

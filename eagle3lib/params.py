@@ -108,7 +108,8 @@ class TrainParams(Section):
     init_lm_head_from_target: bool = Field(True, description="start lm_head/norm from the target's rows of the draft vocab")
     resume: bool = True
     nproc_per_node: int = Field(1, gt=0)
-    activation_checkpointing: bool = False
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="compute dtype: auto = bf16 autocast on GPU, fp32 on CPU; bfloat16 autocasts on CPU too")
 
 
 class EngineParams(Section):

@@ -132,15 +132,18 @@ def valid_positions(batch: dict, k: int) -> torch.Tensor:
     return shift_left(label_ok, 1 + k, fill=False) & (shift_left(docs, 1 + k, fill=-2) == docs)
 
 
-def ttt_outputs(drafter: Drafter, batch: dict, embed: torch.Tensor, head_full: torch.Tensor, steps: int):
-    """Run the TTT chain on a batch; returns per-step draft logits, target probs, validity, rightness."""
+def ttt_outputs(drafter: Drafter, batch: dict, embed: torch.Tensor, head_full: torch.Tensor, steps: int,
+                with_metrics: bool = True):
+    """Run the TTT chain on a batch; returns per-step draft logits, target logits on the draft vocab,
+    validity, and (with_metrics) whether the draft's argmax is the target's argmax over the full vocab."""
     ids, docs = batch["input_ids"], batch["doc_ids"]
     dtype = drafter.fc.weight.dtype
     aux, final = batch["aux"].to(dtype), batch["final"].to(dtype)
     with torch.no_grad():
         head_draft = head_full[drafter.t2d].to(dtype)
         target_logits = final @ head_draft.T                      # [B,T,V_draft]
-        target_best = target_argmax(final.float(), head_full.float())  # [B,T] target ids
+        # The full-vocab argmax costs as much as a target lm_head; only metrics need it.
+        target_best = target_argmax(final.float(), head_full.float()) if with_metrics else None
     step_embeds = [F.embedding(shift_left(ids, 1 + k), embed).to(dtype) for k in range(steps)]
     hidden = drafter.ttt_forward(aux, step_embeds, batch["position_ids"], docs)
     out = []
@@ -148,8 +151,10 @@ def ttt_outputs(drafter: Drafter, batch: dict, embed: torch.Tensor, head_full: t
         ahead = 1 + k
         valid = valid_positions(batch, k)
         logits = drafter.logits(hidden[k]).float()
-        with torch.no_grad():
-            right = drafter.draft_to_target(logits.argmax(-1)) == shift_left(target_best, ahead)
+        right = None
+        if with_metrics:
+            with torch.no_grad():
+                right = drafter.draft_to_target(logits.argmax(-1)) == shift_left(target_best, ahead)
         out.append((logits, shift_left(target_logits, ahead).float(), valid, right))
     return out
 
@@ -159,15 +164,15 @@ def soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
     return -(torch.softmax(target_logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
 
 
-def ttt_loss_sums(drafter, batch, embed, head_full, steps):
+def ttt_loss_sums(drafter, batch, embed, head_full, steps, with_metrics: bool = True):
     """Σ over valid positions of each step's soft CE; valid counts; right/valid masks for metrics."""
     sums, counts, rights, valids = [], [], [], []
-    for logits, target, valid, right in ttt_outputs(drafter, batch, embed, head_full, steps):
-        sums.append((soft_ce(logits, target) * valid).sum())
+    for logits, target, valid, right in ttt_outputs(drafter, batch, embed, head_full, steps, with_metrics):
+        sums.append(torch.where(valid, soft_ce(logits, target), 0.0).sum())
         counts.append(valid.sum())
         rights.append(right)
         valids.append(valid)
-    return torch.stack(sums), torch.stack(counts), torch.stack(rights), torch.stack(valids)
+    return torch.stack(sums), torch.stack(counts), torch.stack(rights) if with_metrics else None, torch.stack(valids)
 
 
 # ------------------------------------------------------------ optimizer ----
@@ -308,7 +313,8 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
     weights = torch.tensor([tp.step_weight_decay ** k for k in range(tp.ttt_steps)], device=device)
     ckpt_root = setup.out_dir / CHECKPOINTS
     log_path = setup.out_dir / "log.jsonl"
-    use_bf16 = torch.device(device).type == "cuda"
+    use_bf16 = tp.dtype == "bfloat16" or (tp.dtype == "auto" and torch.device(device).type == "cuda")
+    autocast_device = torch.device(device).type
 
     state = {"step": 0, "epoch": 0, "micro_in_epoch": 0, "tokens": 0, "train_seconds": 0.0}
     latest = latest_checkpoint(ckpt_root) if tp.resume else None
@@ -363,8 +369,8 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
         step_loss = torch.zeros((), device=device)
         for _, _, mb in mine:
             batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in mb.items()}
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_bf16):
-                sums, _, _, _ = ttt_loss_sums(drafter, batch, embed, head, tp.ttt_steps)
+            with torch.autocast(autocast_device, dtype=torch.bfloat16, enabled=use_bf16):
+                sums, _, _, _ = ttt_loss_sums(drafter, batch, embed, head, tp.ttt_steps, with_metrics=False)
             loss = (weights * sums / counts.clamp(min=1)).sum()
             loss.backward()
             step_loss += loss.detach()
@@ -424,7 +430,8 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
 def draft_vocab_from_tokens(train_tokens: dict, val_tokens: dict, vocab_size: int, draft_vocab_size: int):
     from . import vocab
     counts = vocab.token_counts(train_tokens["input_ids"], train_tokens["loss_mask"], vocab_size)
-    d2t, t2d = vocab.build_draft_vocab(counts, draft_vocab_size)
+    all_counts = vocab.token_counts(train_tokens["input_ids"], torch.ones_like(train_tokens["loss_mask"]), vocab_size)
+    d2t, t2d = vocab.build_draft_vocab(counts, draft_vocab_size, fallback_counts=all_counts)
     val_counts = vocab.token_counts(val_tokens["input_ids"], val_tokens["loss_mask"], vocab_size)
     return d2t, t2d, {"train_coverage": round(vocab.coverage(counts, t2d), 4),
                       "val_coverage": round(vocab.coverage(val_counts, t2d), 4),

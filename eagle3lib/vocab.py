@@ -16,17 +16,22 @@ def token_counts(input_ids: torch.Tensor, loss_mask: torch.Tensor, vocab_size: i
     return torch.bincount(ids, minlength=vocab_size)[:vocab_size]
 
 
-def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int,
+                      fallback_counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t int64 [draft_vocab_size], t2d bool [vocab]) from token counts over the target vocab.
 
-    Ties (and tokens never seen, when the data has fewer distinct tokens than the
-    draft vocab) go to the lower target id, so the result is deterministic.
+    Tokens are ranked by `counts`; ties, and the slots left when the data has fewer
+    distinct tokens than the draft vocab, go by `fallback_counts` (e.g. counts over
+    all tokens, prompts included), then to the lower target id: deterministic.
     """
     vocab_size = counts.numel()
     if not 0 < draft_vocab_size <= vocab_size:
         raise ValueError(f"draft_vocab_size must be in 1..{vocab_size} (the target vocab), got {draft_vocab_size}")
-    # Stable sort on -count keeps ascending ids among equal counts.
-    order = torch.sort(-counts.long(), stable=True).indices
+    order = torch.arange(vocab_size)
+    # Stable sorts, least significant key first: lower id, then fallback count, then count.
+    if fallback_counts is not None:
+        order = order[torch.sort(-fallback_counts.long()[order], stable=True).indices]
+    order = order[torch.sort(-counts.long()[order], stable=True).indices]
     chosen = torch.sort(order[:draft_vocab_size]).values
     d2t = chosen - torch.arange(draft_vocab_size)
     t2d = torch.zeros(vocab_size, dtype=torch.bool)

@@ -52,3 +52,10 @@ def test_invalid_positions_are_not_counted():
     c.update(right, valid)
     assert c.summary()["step_acc"] == [1.0, 1.0]
     assert acceptance_summary([0.5], [0.5], 2)["est_accept_len"] == {"1": 1.5, "2": 1.75}
+
+
+def test_unfilled_slots_go_to_the_fallback_ranking():
+    counts = torch.tensor([0, 3, 0, 0, 1, 0])
+    fallback = torch.tensor([0, 9, 0, 5, 1, 7])
+    d2t, _ = build_draft_vocab(counts, 4, fallback_counts=fallback)
+    assert draft_ids_to_target(d2t).tolist() == [1, 3, 4, 5]

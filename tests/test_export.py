@@ -1,0 +1,241 @@
+"""03_convert: engine exports, imports, round trips, and the load-back gate.
+
+A real drafter checkpoint for the embedded SmolLM2 (random weights, a real draft vocabulary and
+contract), real files, and the engines' own code: vLLM's CPU build loads the exports in .venv-vllm,
+SGLang's ServerArgs resolves the launch flags in .venv-sglang (`make vllm-env sglang-env`); those
+tests skip, saying so, when the environment is missing.
+"""
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3lib import export as ex
+from eagle3lib.__main__ import main as cli
+from eagle3lib.drafter import Drafter, DrafterConfig
+from eagle3lib.target import EMBEDDED_TARGET, make_contract
+from eagle3lib.train import save_drafter
+from eagle3lib.vocab import build_draft_vocab, d2t_sha256
+
+AUX = [2, 15, 27]
+DRAFT_VOCAB = 2048
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory, embedded_cache, embedded_target):
+    """(canonical checkpoint folder, cache_dir, target folder)."""
+    cache, target_dir = embedded_cache
+    model, tokenizer = embedded_target
+    torch.manual_seed(0)
+    drafter = Drafter(DrafterConfig.from_target(model.config, DRAFT_VOCAB, AUX))
+    d2t, t2d = build_draft_vocab(torch.randint(0, 1000, (model.config.vocab_size,)), DRAFT_VOCAB)
+    drafter.set_vocab(d2t, t2d)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.normal_(0, 0.02)
+    contract = make_contract(EMBEDDED_TARGET, model, tokenizer, AUX, "float32")
+    contract.update(draft_vocab_size=DRAFT_VOCAB, d2t_sha256=d2t_sha256(d2t))
+    folder = save_drafter(drafter, tmp_path_factory.mktemp("ckpt") / "drafter", contract)
+    return folder, cache, target_dir
+
+
+@pytest.fixture(scope="module")
+def exports(ckpt, tmp_path_factory):
+    folder, cache, _ = ckpt
+    out = tmp_path_factory.mktemp("exports")
+    return {e: ex.export(folder, e, out / e, target=EMBEDDED_TARGET, cache_dir=cache) for e in ex.ENGINES}
+
+
+def same_tensors(a: Path, b: Path) -> None:
+    ta, tb = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    assert sorted(ta) == sorted(tb)
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape, k
+        assert ta[k].contiguous().view(torch.uint8).equal(tb[k].contiguous().view(torch.uint8)), k  # bit-identical
+
+
+def edited(src: Path, dst: Path, config=None, tensors=None) -> Path:
+    """A copy of an export with config and/or tensors changed by the given functions."""
+    shutil.copytree(src, dst)
+    if config:
+        c = json.loads((dst / "config.json").read_text())
+        config(c)
+        (dst / "config.json").write_text(json.dumps(c))
+    if tensors:
+        t = load_file(str(dst / "model.safetensors"))
+        save_file(tensors(t), str(dst / "model.safetensors"))
+    return dst
+
+
+# --------------------------------------------------------------------------- layouts ----
+
+def test_exports_carry_contract_and_engine_conventions(ckpt, exports):
+    folder = ckpt[0]
+    contract = json.loads((folder / "eagle3.json").read_text())
+    for e, path in exports.items():
+        assert json.loads((path / "eagle3.json").read_text()) == contract, e
+    sg = json.loads((exports["sglang"] / "config.json").read_text())
+    assert sg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert sg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in AUX]      # SGLang = ours - 1
+    names = load_file(str(exports["sglang"] / "model.safetensors")).keys()
+    assert any(n.startswith("midlayer.") for n in names) and not any(n.startswith("layers.") for n in names)
+    vl = json.loads((exports["vllm"] / "config.json").read_text())
+    assert vl["eagle_aux_hidden_state_layer_ids"] == AUX == vl["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    sp = json.loads((exports["speculators"] / "config.json").read_text())
+    assert sp["speculators_model_type"] == "eagle3" and sp["eagle_aux_hidden_state_layer_ids"] == AUX
+    assert sp["norm_before_residual"] is False and "transformer_layer_config" in sp
+    assert sp["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+
+
+@pytest.mark.parametrize("engine", ["sglang", "vllm", "speculators"])
+def test_round_trip_is_bit_identical(ckpt, exports, engine, tmp_path):
+    back = ex.import_checkpoint(exports[engine], tmp_path / "back")
+    assert ex.detect_layout(exports[engine]) == {"sglang": "specforge", "vllm": "canonical",
+                                                 "speculators": "speculators"}[engine]
+    same_tensors(ckpt[0], back)
+    assert json.loads((back / "config.json").read_text()) == json.loads((ckpt[0] / "config.json").read_text())
+    assert json.loads((back / "eagle3.json").read_text()) == json.loads((ckpt[0] / "eagle3.json").read_text())
+    # and back out again: export of the imported checkpoint equals the first export
+    again = ex.export(back, engine, tmp_path / "again")
+    same_tensors(exports[engine], again)
+
+
+def test_import_specforge_and_speculators_foreign_checkpoints(ckpt, exports, tmp_path):
+    contract = json.loads((ckpt[0] / "eagle3.json").read_text())
+    # EAGLE/SpecForge: midlayer.*, plain LlamaForCausalLM architectures, no eagle3.json, ids in SGLang's meaning
+    def specforge(c):
+        c["architectures"] = ["LlamaForCausalLM"]
+        c["eagle_config"].pop("aux_layer_id_convention")
+    sf = edited(exports["sglang"], tmp_path / "specforge", config=specforge)
+    (sf / "eagle3.json").unlink()
+    with pytest.raises(FileNotFoundError, match="contract"):
+        ex.import_checkpoint(sf, tmp_path / "x")
+    same_tensors(ckpt[0], ex.import_checkpoint(sf, tmp_path / "sf-back", contract=contract))
+    # speculators with embed_tokens (the engines take the target's; dropped on import)
+    sp = edited(exports["speculators"], tmp_path / "spec-embed",
+                tensors=lambda t: {**t, "embed_tokens.weight": torch.zeros(49152, 576)})
+    same_tensors(ckpt[0], ex.import_checkpoint(sp, tmp_path / "sp-back"))
+    # speculators default norm_before_residual=true when absent: refused, not silently mis-imported
+    nb = edited(exports["speculators"], tmp_path / "spec-nbr", config=lambda c: c.pop("norm_before_residual"))
+    with pytest.raises(ValueError, match="norm_before_residual"):
+        ex.import_checkpoint(nb, tmp_path / "y")
+
+
+def test_export_refuses_another_target(ckpt, tmp_path):
+    folder, cache, target_dir = ckpt
+    other = tmp_path / "other-target"
+    other.mkdir()
+    cfg = json.loads((target_dir / "config.json").read_text())
+    cfg["num_hidden_layers"] = 24
+    (other / "config.json").write_text(json.dumps(cfg))
+    contract = json.loads((folder / "eagle3.json").read_text())
+    with pytest.raises(ValueError) as err:
+        ex.export(folder, "vllm", tmp_path / "out", target=str(other), cache_dir=cache)
+    assert contract["target_fingerprint"] in str(err.value) and "fingerprint" in str(err.value)
+    found = str(err.value).split("has fingerprint ")[1].split(".")[0]
+    assert len(found) == 64 and found != contract["target_fingerprint"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_launch_flags():
+    assert ex.sglang_launch_args("/d", 5) == [
+        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/d", "--speculative-num-steps", "5",
+        "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "6"]
+    flag, spec = ex.vllm_launch_args("/d", 5)
+    assert flag == "--speculative-config"
+    assert json.loads(spec) == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 5}
+    assert ex.check_sglang_args(ex.sglang_launch_args("/d", 5)) == []
+    eagle = ex.sglang_launch_args("/d", 5)
+    eagle[1] = "EAGLE"
+    assert any("'EAGLE3'" in p and "acceptance 1.00" in p for p in ex.check_sglang_args(eagle))
+
+
+# ----------------------------------------------------------------- SGLang name/shape gate ----
+
+def test_sglang_gate_passes_export(exports):
+    report = ex.check_sglang(exports["sglang"])
+    assert report["ok"], report["problems"]
+    assert report["counts"] == {"expected": 14, "loaded": 14, "skipped": 0, "missing": 0, "extra": 0}
+
+
+def _drop(key):
+    return lambda t: {k: v for k, v in t.items() if k != key}
+
+
+BROKEN = {
+    "renamed keys": (None, lambda t: {k.replace("midlayer.", "decoder."): v for k, v in t.items()}, "not bound"),
+    "missing d2t": (None, _drop("d2t"), "d2t is missing"),
+    "wrong target_hidden_size": (lambda c: c.update(target_hidden_size=960), None, "target_hidden_size"),
+    "wrong architectures": (lambda c: c.update(architectures=["LlamaForCausalLM"]), None, "architectures"),
+    "aux ids out of range": (lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 14, 30]), None,
+                             "out of range"),
+    "wrong-shaped tensor": (None, lambda t: {**t, "lm_head.weight": t["lm_head.weight"][:1000]}, "shape"),
+    "layers.0 names": (None, lambda t: {k.replace("midlayer.", "layers.0."): v for k, v in t.items()}, "midlayer"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN))
+def test_sglang_gate_rejects_broken(exports, tmp_path, case):
+    config, tensors, words = BROKEN[case]
+    bad = edited(exports["sglang"], tmp_path / "bad", config=config, tensors=tensors)
+    report = ex.check_sglang(bad)
+    assert not report["ok"]
+    assert any(words in p for p in report["problems"]), report["problems"]
+
+
+def test_cli_convert_and_verify(ckpt, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("EAGLE3_CACHE_DIR", str(ckpt[1]))
+    out = tmp_path / "sg"
+    assert cli(["convert", str(ckpt[0]), "--to", "sglang", "--out", str(out)]) == 0
+    assert cli(["verify", str(out), "--engine", "sglang", "--python", "/nonexistent/python"]) == 2  # no such engine
+    bad = edited(out, tmp_path / "bad", tensors=_drop("d2t"))
+    monkeypatch.setattr(ex, "engine_python", lambda engine, python=None: None)  # name/shape gate only
+    assert cli(["verify", str(out), "--engine", "sglang"]) == 0
+    assert cli(["verify", str(bad), "--engine", "sglang"]) == 1
+    assert "d2t is missing" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------ engines' own code ----
+
+def need(engine):
+    py = ex.engine_python(engine)
+    if py is None:
+        pytest.skip(f"no .venv-{engine}: run `make {engine}-env` to run the {engine} gate against the engine's code")
+    return py
+
+
+@pytest.mark.parametrize("engine", ["vllm", "speculators"])
+def test_vllm_loads_export(ckpt, exports, engine):
+    need("vllm")
+    report = ex.verify(exports[engine], "vllm", cache_dir=ckpt[1])
+    assert report["ok"], report["problems"]
+    assert report["model_class"] == "Eagle3LlamaForCausalLM" and report["captured_hf_layers"] == AUX
+    assert report["counts"] == {"expected": 11, "loaded": 11, "skipped": 0, "missing": 0, "extra": 0}
+
+
+def test_vllm_rejects_broken(ckpt, exports, tmp_path):
+    need("vllm")
+    bad = edited(exports["vllm"], tmp_path / "renamed",
+                 tensors=lambda t: {k.replace("mlp.down_proj", "mlp.out_proj"): v for k, v in t.items()})
+    report = ex.verify(bad, "vllm", cache_dir=ckpt[1])
+    assert not report["ok"] and any("out_proj" in p for p in report["problems"]), report["problems"]
+    nbr = edited(exports["speculators"], tmp_path / "nbr", config=lambda c: c.pop("norm_before_residual"))
+    report = ex.verify(nbr, "vllm", cache_dir=ckpt[1])
+    assert not report["ok"] and any("norm_before_residual" in p for p in report["problems"]), report["problems"]
+
+
+def test_sglang_server_args_resolve(ckpt, exports):
+    py = need("sglang")
+    report = ex.verify(exports["sglang"], "sglang", cache_dir=ckpt[1], depth=5)
+    assert report["ok"], report["problems"]
+    assert report["server_args"]["resolved"]["speculative_num_draft_tokens"] == 6
+    assert report["server_args"]["captured_hf_layers"] == AUX
+    # SGLang itself takes EAGLE for an EAGLE-3 drafter without a word, and then feeds no aux states:
+    args = ["--model-path", str(ckpt[2]), "--device", "cpu"] + ex.sglang_launch_args(exports["sglang"], 3)
+    args[args.index("EAGLE3")] = "EAGLE"
+    resolved = ex.run_engine_check(["sglang", str(exports["sglang"]), "--args", json.dumps(args)], py)
+    assert resolved["resolved"]["speculative_algorithm"] == "EAGLE"
+    assert any("EAGLE3" in p for p in resolved["problems"])
