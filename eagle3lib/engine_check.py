@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
@@ -75,7 +76,11 @@ def check_vllm(draft, target, depth):
             loader.load_weights(model, draft_cfg)
         except (ValueError, KeyError, AssertionError, RuntimeError) as e:
             # AutoWeightsLoader refuses a tensor name it cannot place; a shape mismatch asserts.
-            problems.append(f"vLLM's loader rejected the checkpoint: {type(e).__name__}: {e}")
+            import traceback
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            problems.append(f"vLLM's loader rejected the checkpoint: {type(e).__name__}: {str(e) or '(no message)'} at "
+                            f"{Path(where.filename).name}:{where.lineno} `{where.line}` (a tensor name vLLM cannot "
+                            "place, or a shape that does not fit its parameter; see the per-parameter lines).")
             skipped = 1
         else:
             skipped = 0

@@ -29,7 +29,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -153,6 +152,11 @@ def import_checkpoint(src_dir, out_dir, contract: dict | None = None) -> Path:
     Tensors keep their bytes (names only change; embed_tokens, which the engines take from the target,
     is dropped). The contract is src/eagle3.json, else `contract` (from the stage that knows the target).
     """
+    return _write_folder(out_dir, *to_canonical(src_dir, contract))
+
+
+def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dict]:
+    """(canonical config, canonical tensors, contract) of any layout import_checkpoint reads, in memory."""
     src_dir = Path(src_dir)
     layout = detect_layout(src_dir)
     config, tensors = read_config(src_dir), read_tensors(src_dir)
@@ -216,10 +220,15 @@ def import_checkpoint(src_dir, out_dir, contract: dict | None = None) -> Path:
         raise ValueError(f"{src_dir}: its config reads target layers {aux} (HF hidden_states indexing) but the "
                          f"contract says {contract['aux_layer_ids']}; fix the config or the contract.")
     from .vocab import d2t_sha256
-    contract.update(aux_layer_ids=aux, aux_layer_id_convention=AUX_LAYER_ID_CONVENTION,
-                    draft_vocab_size=int(draft_vocab), d2t_sha256=d2t_sha256(renamed["d2t"]))
+    found = {"draft_vocab_size": int(draft_vocab), "d2t_sha256": d2t_sha256(renamed["d2t"]),
+             "hidden_size": int(target_hidden), "vocab_size": llama.get("vocab_size")}
+    bad = [f"{k}: contract {contract[k]!r}, checkpoint {v!r}" for k, v in found.items() if contract.get(k) not in (None, v)]
+    if bad:
+        raise ValueError(f"{src_dir}: the checkpoint does not match its contract ({'; '.join(bad)}). It was changed "
+                         "after training or the contract belongs to another drafter; re-export from the trained checkpoint.")
+    contract.update(found, aux_layer_ids=aux, aux_layer_id_convention=AUX_LAYER_ID_CONVENTION)
     out = {n: renamed[n] for n in CANONICAL_TENSORS}
-    return _write_folder(out_dir, _canonical_config(llama, int(draft_vocab), int(target_hidden), aux), out, contract)
+    return _canonical_config(llama, int(draft_vocab), int(target_hidden), aux), out, contract
 
 
 # ----------------------------------------------------------------------------- exports ----
@@ -246,17 +255,10 @@ def export(checkpoint_dir, engine: str, out_dir, target=None, cache_dir=None, de
     """
     if engine not in ENGINES:
         raise ValueError(f"Expected engine one of {ENGINES}, found {engine!r}.")
-    src = Path(checkpoint_dir)
-    if detect_layout(src) != "canonical" or read_config(src).get("architectures") != [ARCHITECTURE]:
-        canonical = Path(out_dir).with_name(Path(out_dir).name + ".canonical")
-        src = import_checkpoint(src, canonical)
-    config, tensors, contract = read_config(src), read_tensors(src), read_contract(src)
+    config, tensors, contract = to_canonical(checkpoint_dir)
     if target is not None:
         check_target(contract, target, cache_dir)
-    aux = _aux_ids_from_config(config)
-    if aux != contract.get("aux_layer_ids"):
-        raise ValueError(f"{src}: config aux ids {aux} differ from the contract's {contract.get('aux_layer_ids')}; "
-                         "the checkpoint was edited by hand or written by another tool. Re-save it with train.save_drafter.")
+    aux = contract["aux_layer_ids"]
 
     if engine == "sglang":
         cfg = copy.deepcopy(config)
@@ -500,7 +502,8 @@ def verify(folder, engine: str, target=None, cache_dir=None, python=None, depth:
             resolved = run_engine_check(["sglang", str(folder), "--args", json.dumps(args)], py)
             report["server_args"] = resolved
             report["problems"] += report["launch_problems"] + resolved["problems"]
-            if resolved.get("captured_hf_layers") not in (None, contract["aux_layer_ids"]):
+            already = any(p.startswith("SGLang will capture") for p in report["problems"])
+            if not already and resolved.get("captured_hf_layers") not in (None, contract["aux_layer_ids"]):
                 report["problems"].append(
                     f"SGLang will capture HF hidden_states {resolved['captured_hf_layers']} from the target, the "
                     f"drafter was trained on {contract['aux_layer_ids']}.")

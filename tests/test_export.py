@@ -192,9 +192,7 @@ def test_cli_convert_and_verify(ckpt, tmp_path, capsys, monkeypatch):
     assert cli(["convert", str(ckpt[0]), "--to", "sglang", "--out", str(out)]) == 0
     assert cli(["verify", str(out), "--engine", "sglang", "--python", "/nonexistent/python"]) == 2  # no such engine
     bad = edited(out, tmp_path / "bad", tensors=_drop("d2t"))
-    monkeypatch.setattr(ex, "engine_python", lambda engine, python=None: None)  # name/shape gate only
-    assert cli(["verify", str(out), "--engine", "sglang"]) == 0
-    assert cli(["verify", str(bad), "--engine", "sglang"]) == 1
+    assert cli(["verify", str(bad), "--engine", "sglang"]) == 1     # with or without .venv-sglang
     assert "d2t is missing" in capsys.readouterr().err
 
 
