@@ -72,3 +72,11 @@ def test_rerun_skips_and_a_deleted_shard_is_redone(ci_run, capsys):
     victim.write_bytes(victim.read_bytes()[:1000])  # truncated
     pipeline.run_pipeline(ROOT / "params" / "ci.yaml", overrides, only_stage="extract", log_output=False)
     assert extract.ShardSet(run_dir / "01_extract" / "train").verify_all() == manifest["num_sequences"]
+
+
+def test_convert_exports_pass_the_load_back_gate(ci_run):
+    r = result(ci_run[0], "03_convert")["figures"]
+    assert set(r["exports"]) == {"sglang", "vllm", "speculators"}
+    for name, v in r["verified"].items():
+        assert v["ok"] and v["loaded"] == v["expected"] and v["skipped"] == 0, (name, v)
+    assert any("--speculative-num-draft-tokens 6" in c for c in r["launch_commands"].values())
