@@ -127,6 +127,9 @@ class BenchParams(Section):
     concurrency: list[int] = [1, 8]
     num_prompts: int = Field(16, gt=0)
     max_tokens: int = Field(128, gt=0)
+    dtype: Optional[Dtype] = Field(
+        None, description="engine --dtype for the benchmark; null = the engine's default (bf16 on CPU). float32 "
+                          "checks losslessness token for token (bf16 kernels round differently per batch shape)")
 
     @field_validator("depths", "concurrency")
     @classmethod

@@ -32,7 +32,7 @@ STAGE_SECTIONS = {
     "01_extract": ["target", "extract"],
     "02_train": ["target", "train"],
     "03_convert": ["target", "train", "engine", "bench"],
-    "04_deploy": ["target", "engine"],
+    "04_deploy": ["target", "engine", "bench"],
     "05_benchmark": ["target", "engine", "bench"],
 }
 VERSION_PACKAGES = ["eagle3-workbook", "torch", "transformers", "safetensors", "papermill", "nbconvert",

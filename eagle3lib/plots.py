@@ -69,3 +69,72 @@ def acceptance_vs_depth(summary: dict, title: str = ""):
         ax.set_title(title)
     fig.tight_layout()
     return fig
+
+
+# ---- 05_benchmark ------------------------------------------------------------------------------
+
+def bench_throughput(rows: list[dict]):
+    """Output tokens/s versus speculative depth, one line per concurrency, the baseline as a dashed line."""
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    for i, c in enumerate(sorted({r["concurrency"] for r in rows})):
+        color = f"C{i}"
+        spec = sorted((r for r in rows if r["concurrency"] == c and r["depth"]), key=lambda r: r["depth"])
+        base = [r for r in rows if r["concurrency"] == c and not r["depth"]]
+        ax.plot([r["depth"] for r in spec], [r["tokens_per_s"] for r in spec], "o-", color=color,
+                label=f"EAGLE-3, concurrency {c}")
+        if base:
+            ax.axhline(base[0]["tokens_per_s"], color=color, ls="--", lw=1, label=f"no speculation, concurrency {c}")
+    ax.set_xlabel("speculative depth (draft tokens per step)")
+    ax.set_ylabel("output tokens/s")
+    ax.set_ylim(0, 1.15 * max(r["tokens_per_s"] for r in rows))
+    ax.set_xticks(sorted({r["depth"] for r in rows if r["depth"]}))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def bench_acceptance(rows: list[dict]):
+    """Acceptance length versus depth: measured per concurrency and predicted from training."""
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    spec = [r for r in rows if r["depth"]]
+    for i, c in enumerate(sorted({r["concurrency"] for r in spec})):
+        pts = sorted((r for r in spec if r["concurrency"] == c and r.get("accept_len")), key=lambda r: r["depth"])
+        ax.plot([r["depth"] for r in pts], [r["accept_len"] for r in pts], "o-", color=f"C{i}",
+                label=f"measured, concurrency {c}")
+    pred = sorted({r["depth"]: r["predicted_accept_len"] for r in spec if r.get("predicted_accept_len")}.items())
+    if pred:
+        ax.plot([d for d, _ in pred], [v for _, v in pred], "k^--", label="predicted (training cond_acc)")
+    ax.axhline(1, color="grey", lw=0.8)
+    ax.set_xticks(sorted({r["depth"] for r in spec}))
+    ax.set_xlabel("speculative depth")
+    ax.set_ylabel("acceptance length (tokens per target step)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+def bench_per_position(rows: list[dict], eval_summary: dict | None = None):
+    """Per-position acceptance (engine: accepted at position k / drafts = joint_acc[k]) per depth, against
+    training's joint_acc (predicted, extrapolated past the trained steps) and step_acc."""
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    spec = [r for r in rows if r["depth"] and r.get("per_pos")]
+    c0 = min((r["concurrency"] for r in spec), default=None)
+    for i, r in enumerate(sorted((r for r in spec if r["concurrency"] == c0), key=lambda r: -r["depth"])):
+        ax.plot(range(1, len(r["per_pos"]) + 1), r["per_pos"], "o-", color=f"C{i}", ms=4,
+                label=f"measured, depth {r['depth']} (concurrency {c0})")
+    longest = max((r for r in rows if r.get("predicted_per_pos")), key=lambda r: r["depth"], default=None)
+    if longest:
+        ax.plot(range(1, len(longest["predicted_per_pos"]) + 1), longest["predicted_per_pos"], "k--",
+                label="predicted joint_acc (training)")
+    if eval_summary:
+        ax.plot(range(1, len(eval_summary["step_acc"]) + 1), eval_summary["step_acc"], "s:", color="grey",
+                label="training step_acc")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance (share of drafts)")
+    ax.set_ylim(0, 1)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,181 @@
+"""Depth sweeps against a no-speculation baseline (issue 5, DESIGN.md §5).
+
+Configurations: the baseline (no speculation), then each depth in bench.depths in order. A depth is a
+launch flag, so each configuration gets its own server (restarted); inside one server every
+concurrency level is measured with the engine's statistics diffed around it (vLLM's cumulative
+/metrics counters; SGLang's per-request meta_info). One warm-up request precedes the measurements.
+
+Prompts: the prepare stage's held-out bench split up to its first reply, rendered with the target's
+chat template and sent as token ids (every engine sees the same tokens); greedy, ignore_eos,
+fixed max_tokens. Losslessness: the share of prompts whose output tokens equal the baseline's at the
+same concurrency (in bf16 the kernels of a batch of 1 and of a verify step round differently, so
+run with bench.dtype float32 to check it token for token; DESIGN.md §3).
+"""
+from __future__ import annotations
+
+import html
+import shlex
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from . import engines, export
+
+
+# ------------------------------------------------------------------------------ inputs ----
+
+def prompt_ids(tokenizer, bench: list[dict], n: int) -> list[dict]:
+    """[{id, prompt_ids}] for the first n bench conversations, with the chat template's generation prompt."""
+    out = []
+    for b in bench[:n]:
+        ids = tokenizer.apply_chat_template(b["messages"], add_generation_prompt=True, tokenize=True)
+        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
+        out.append({"id": b["id"], "prompt_ids": [int(i) for i in ids]})
+    if not out:
+        raise ValueError("Expected bench prompts, found none: data.bench_count is 0 or the bench split is empty.")
+    return out
+
+
+def predicted(eval_summary: dict, depth: int) -> dict:
+    """Acceptance a chain of `depth` should get from the training eval's cond_acc (DESIGN.md §5):
+    per_pos[k] = joint_acc[k] = Π_{j≤k} cond_acc[j] (positions past the trained steps reuse the last
+    cond_acc), accept_len = 1 + Σ per_pos."""
+    cond = list(eval_summary["cond_acc"])
+    cond += [cond[-1]] * max(0, depth - len(cond))
+    joint, run = [], 1.0
+    for c in cond[:depth]:
+        run *= c
+        joint.append(run)
+    return {"accept_len": 1 + sum(joint), "per_pos": joint, "extrapolated_from": len(eval_summary["cond_acc"])}
+
+
+# ------------------------------------------------------------------------- measurement ----
+
+def run_requests(server, prompts: list[dict], max_tokens: int, concurrency: int) -> tuple[list[dict], float]:
+    """All prompts through server.generate with `concurrency` requests in flight; (outputs in prompt order, wall s)."""
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        outputs = list(pool.map(lambda pr: server.generate(pr["prompt_ids"], max_tokens), prompts))
+    return outputs, time.perf_counter() - t0
+
+
+def measure(server, prompts: list[dict], max_tokens: int, concurrency: int) -> dict:
+    """One measurement: throughput, time per output token and the speculative statistics over it."""
+    before = server.stats() if server.name == "vllm" else None
+    outputs, wall = run_requests(server, prompts, max_tokens, concurrency)
+    if server.name == "vllm":
+        spec = engines.vllm.stats_diff(before, server.stats())
+    else:
+        spec = engines.sglang.aggregate_meta([o["meta"] | {"completion_tokens": o["completion_tokens"]} for o in outputs])
+    tokens = sum(o["completion_tokens"] for o in outputs)
+    return {"concurrency": concurrency, "requests": len(outputs), "completion_tokens": tokens, "wall_s": round(wall, 3),
+            "tokens_per_s": tokens / wall,
+            # request latency / its output tokens (prefill included), mean over requests
+            "tpot_ms": 1000 * sum(o["seconds"] / max(o["completion_tokens"], 1) for o in outputs) / len(outputs),
+            "accept_len": spec.get("accept_len"), "per_pos": spec.get("per_pos", []), "drafts": spec.get("drafts", 0),
+            "outputs": [{"id": p["id"], "token_ids": o["token_ids"], "text": o["text"]} for p, o in zip(prompts, outputs)]}
+
+
+def run_config(engine_params, target_dir, draft_dir, depth: int | None, prompts: list[dict], max_tokens: int,
+               concurrency: list[int], log_dir, dtype: str | None = None) -> list[dict]:
+    """Start a server for one configuration, warm it up, measure each concurrency, stop it (always)."""
+    server = engines.make(engine_params, target_dir, draft_dir, depth, log_dir, dtype)
+    with server:
+        server.generate(prompts[0]["prompt_ids"], min(8, max_tokens))          # warm-up, not measured
+        rows = [measure(server, prompts, max_tokens, c) for c in concurrency]
+    for r in rows:
+        r.update(engine=engine_params.name, depth=depth or 0, config=engines.config_name(depth, dtype),
+                 ready_s=server.ready_s, log=str(server.log_path), group=server.group)
+    return rows
+
+
+def compare_outputs(outputs: list[dict], baseline: list[dict]) -> dict:
+    """{lossless_frac, differences: [{id, first_diff, baseline, speculative}]} by output tokens."""
+    diffs = []
+    for o, b in zip(outputs, baseline):
+        if o["token_ids"] != b["token_ids"]:
+            k = next((i for i, (x, y) in enumerate(zip(o["token_ids"], b["token_ids"])) if x != y),
+                     min(len(o["token_ids"]), len(b["token_ids"])))
+            diffs.append({"id": o["id"], "first_diff": k, "baseline": b["text"][:200], "speculative": o["text"][:200]})
+    return {"lossless_frac": 1 - len(diffs) / len(outputs), "differences": diffs}
+
+
+def benchmark(engine_params, bench_params, target_dir, draft_dir, prompts: list[dict], log_dir,
+              eval_summary: dict | None = None, progress=print) -> dict:
+    """The sweep: baseline, then bench.depths in order, at each concurrency. Returns {rows, differences,
+    recommendation, ...}; rows carry the fields of issue 5 plus tpot_ms, drafts, efficiency, ready_s, log."""
+    dtype = bench_params.dtype
+    started = time.time()
+    rows, outputs, differences = [], {}, []
+    for depth in [None] + list(bench_params.depths):
+        progress(f"[bench] {engines.config_name(depth, dtype)}: starting {engine_params.name}")
+        for r in run_config(engine_params, target_dir, draft_dir, depth, prompts, bench_params.max_tokens,
+                            bench_params.concurrency, log_dir, dtype):
+            outs = r.pop("outputs")
+            if depth is None:
+                outputs[r["concurrency"]] = outs
+                base = r
+            else:
+                base = next(x for x in rows if x["depth"] == 0 and x["concurrency"] == r["concurrency"])
+                cmp = compare_outputs(outs, outputs[r["concurrency"]])
+                r["lossless_frac"] = cmp["lossless_frac"]
+                differences += [d | {"depth": depth, "concurrency": r["concurrency"]} for d in cmp["differences"]]
+            r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+            r.setdefault("lossless_frac", 1.0)
+            if depth is None:
+                r.update(accept_len=None, per_pos=[], predicted_accept_len=None, predicted_per_pos=[])
+            elif eval_summary is not None:
+                pred = predicted(eval_summary, depth)
+                r.update(predicted_accept_len=pred["accept_len"], predicted_per_pos=pred["per_pos"])
+            # issue 5's goal: tokens/s >= 0.8 x acceptance length x baseline tokens/s, i.e. efficiency >= 0.8
+            r["efficiency"] = r["speedup"] / r["accept_len"] if r.get("accept_len") else None
+            rows.append(r)
+            progress(f"[bench]   concurrency {r['concurrency']}: {r['tokens_per_s']:.1f} tokens/s, speedup "
+                     f"{r['speedup']:.2f}, acceptance {_fmt(r.get('accept_len'))}, lossless {r['lossless_frac']:.2f}")
+    baseline_agree = None
+    if len(outputs) > 1:   # the baseline against itself across concurrency: batching's own rounding
+        cs = sorted(outputs)
+        baseline_agree = compare_outputs(outputs[cs[-1]], outputs[cs[0]])["lossless_frac"]
+    return {"rows": rows, "differences": differences, "baseline_agreement_across_concurrency": baseline_agree,
+            "dtype": dtype or "engine default", "restart_per_configuration": True,
+            "lossless_reference": f"baseline (no speculation) at the same concurrency, dtype {dtype or 'engine default (bf16 on CPU)'}",
+            "seconds": round(time.time() - started, 1)}
+
+
+# ------------------------------------------------------------------------------ report ----
+
+def recommend(rows: list[dict], target_dir, drafts: dict) -> dict:
+    """{concurrency: {config, depth, tokens_per_s, speedup, vllm, sglang}}: the fastest configuration per
+    concurrency with ready-to-paste launch commands (drafts: engine -> its export folder)."""
+    out = {}
+    for c in sorted({r["concurrency"] for r in rows}):
+        best = max((r for r in rows if r["concurrency"] == c), key=lambda r: r["tokens_per_s"])
+        d = best["depth"] or None
+        out[str(c)] = {"config": best["config"], "depth": best["depth"], "tokens_per_s": round(best["tokens_per_s"], 1),
+                       "speedup": round(best["speedup"], 3), "accept_len": best.get("accept_len"),
+                       **{e: shlex.join(export.launch_command(e, target_dir, drafts.get(e, f"<{e} export>"), d, "python"))
+                          for e in ("vllm", "sglang")}}
+    return out
+
+
+def _fmt(x, digits=2):
+    return "–" if x is None else f"{x:.{digits}f}"
+
+
+def table(rows: list[dict]) -> list[dict]:
+    """Rows as display records (rounded; per-position acceptance as text)."""
+    return [{"config": r["config"], "depth": r["depth"], "concurrency": r["concurrency"],
+             "tokens/s": round(r["tokens_per_s"], 1), "ms/token": round(r["tpot_ms"], 1),
+             "speedup": round(r["speedup"], 2), "accept len": _fmt(r.get("accept_len")),
+             "predicted": _fmt(r.get("predicted_accept_len")),
+             "per position": " ".join(f"{x:.2f}" for x in r.get("per_pos") or []),
+             "lossless": f"{r['lossless_frac']:.0%}", "efficiency": _fmt(r.get("efficiency"))} for r in rows]
+
+
+def table_html(rows: list[dict]) -> str:
+    """An HTML table of table(rows) (nbconvert keeps it in the stage report)."""
+    recs = table(rows)
+    if not recs:
+        return "<p>no rows</p>"
+    head = "".join(f"<th>{html.escape(k)}</th>" for k in recs[0])
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in r.values()) + "</tr>" for r in recs)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"

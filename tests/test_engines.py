@@ -1,0 +1,216 @@
+"""Engine servers: the real vLLM CPU server on 127.0.0.1 (.venv-vllm), SGLang up to the launch.
+
+A real drafter export for the embedded SmolLM2 (random weights: the engine drafts, accepts ~nothing).
+No process may outlive a test: every test that starts a server checks its process group is empty.
+"""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from eagle3lib import engines, export as ex
+from eagle3lib.drafter import Drafter, DrafterConfig
+from eagle3lib.engines import EngineError, alive_in_group
+from eagle3lib.params import EngineParams
+from eagle3lib.target import EMBEDDED_TARGET, make_contract
+from eagle3lib.train import save_drafter
+from eagle3lib.vocab import build_draft_vocab, d2t_sha256
+
+AUX = [2, 15, 27]
+
+
+def need(engine):
+    py = ex.engine_python(engine)
+    if py is None:
+        pytest.skip(f"no .venv-{engine}: run `make {engine}-env`")
+    return py
+
+
+@pytest.fixture(scope="module")
+def drafts(tmp_path_factory, embedded_cache, embedded_target):
+    """{engine: export folder} of a random drafter for the embedded target, plus 'target'."""
+    cache, target_dir = embedded_cache
+    model, tokenizer = embedded_target
+    torch.manual_seed(0)
+    drafter = Drafter(DrafterConfig.from_target(model.config, 1024, AUX))
+    d2t, t2d = build_draft_vocab(torch.randint(0, 1000, (model.config.vocab_size,)), 1024)
+    drafter.set_vocab(d2t, t2d)
+    contract = make_contract(EMBEDDED_TARGET, model, tokenizer, AUX, "float32")
+    contract.update(draft_vocab_size=1024, d2t_sha256=d2t_sha256(d2t))
+    ckpt = save_drafter(drafter, tmp_path_factory.mktemp("ckpt") / "drafter", contract)
+    out = tmp_path_factory.mktemp("exports")
+    found = {e: ex.export(ckpt, e, out / e, target=EMBEDDED_TARGET, cache_dir=cache) for e in ("vllm", "sglang")}
+    return found | {"target": target_dir}
+
+
+def prompt(tokenizer, text="Name three colors."):
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+
+# ------------------------------------------------------------------------ no server ----
+
+def test_commands_and_logs(tmp_path):
+    s = engines.make(EngineParams(name="vllm", env={"VLLM_CPU_KVCACHE_SPACE": "2"}), "/t", "/d", 5, tmp_path)
+    assert s.base_command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    spec = json.loads(s.base_command[s.base_command.index("--speculative-config") + 1])
+    assert spec == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 5}
+    assert s.env["VLLM_CPU_KVCACHE_SPACE"] == "2" and s.env["HF_HUB_OFFLINE"] == "1"
+    assert s.log_path == tmp_path / "vllm-depth5.log"
+    base = engines.make(EngineParams(), "/t", "/d", None, tmp_path, dtype="float32")
+    assert "--speculative-config" not in base.base_command and base.base_command[-2:] == ["--dtype", "float32"]
+    assert base.log_path.name == "vllm-baseline-float32.log"
+    g = engines.make(EngineParams(name="sglang", python="/gpu/env/bin/python"), "/t", "/d", 4, tmp_path)
+    assert g.base_command[:5] == ["/gpu/env/bin/python", "-m", "sglang.launch_server", "--model-path", "/t"]
+    assert g.base_command[5:] == ex.sglang_launch_args("/d", 4)
+    assert g.command[-4:-2] == ["--host", "127.0.0.1"]
+
+
+def test_taken_port_is_a_clear_error(tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        s = engines.make(EngineParams(port=port), "/t", "/d", None, tmp_path)
+        with pytest.raises(EngineError, match=f"port {port} on 127.0.0.1 to be free.*taken"):
+            s.start()
+    assert s.proc is None
+
+
+def test_sglang_refuses_wrong_flags_before_launch(tmp_path):
+    cmd = ["python", "-m", "sglang.launch_server", "--model-path", "/t"] + ex.sglang_launch_args("/d", 3)
+    cmd[cmd.index("EAGLE3")] = "EAGLE"
+    s = engines.sglang.SGLang(cmd, tmp_path / "x.log")
+    with pytest.raises(EngineError, match="EAGLE3"):
+        s.start()
+    assert s.proc is None and not (tmp_path / "x.log").exists()
+
+
+def test_sglang_meta_info_aggregation():
+    # two requests' meta_info as SGLang 0.5.17's tokenizer_manager writes them (depth 3)
+    metas = [{"completion_tokens": 11, "spec_verify_ct": 4, "spec_num_correct_drafts": 7,
+              "spec_correct_drafts_histogram": [1, 0, 2, 1]},
+             {"completion_tokens": 6, "spec_verify_ct": 4, "spec_num_correct_drafts": 2,
+              "spec_correct_drafts_histogram": [2, 2]}]
+    a = engines.sglang.aggregate_meta(metas)
+    assert a["accept_len"] == 17 / 8 and a["accepted"] == 9 and a["histogram"] == [3, 2, 2, 1]
+    assert a["per_pos"] == [5 / 8, 3 / 8, 1 / 8]       # share of verify steps with more than k correct drafts
+    assert a["accept_len"] == pytest.approx(1 + sum(a["per_pos"]))
+
+
+def test_vllm_metrics_parsing():
+    before = engines.vllm.parse_metrics("# HELP x\nvllm:num_requests_running{engine=\"0\"} 0.0\n")
+    assert before == {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": []}
+    text = textwrap.dedent('''\
+        vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
+        vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0
+        vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 12.0
+        vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 4.0
+        vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 7.0
+        vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 1.0
+        vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e9
+        ''')
+    after = engines.vllm.parse_metrics(text)
+    assert after["per_pos"] == [7.0, 4.0, 1.0]
+    d = engines.vllm.stats_diff(before, after)
+    assert d["accept_len"] == 1 + 12 / 10 and d["per_pos"] == [0.7, 0.4, 0.1]
+
+
+# ------------------------------------------------------------------ real vLLM server ----
+
+
+@pytest.mark.slow
+def test_vllm_serves_drafter_and_stops_whole_group(drafts, embedded_cache, embedded_target, tmp_path):
+    need("vllm")
+    tokenizer = embedded_target[1]
+    server = engines.make(EngineParams(), drafts["target"], drafts["vllm"], 3, tmp_path, dtype="float32")
+    with server:
+        assert server.ready_s > 0 and server.url.startswith("http://127.0.0.1:")
+        members = alive_in_group(server.group)
+        assert len(members) >= 3, members        # guard, API server, engine core
+        # the same port again: a clear error, and the running server is untouched
+        other = engines.make(EngineParams(port=server.port), drafts["target"], None, None, tmp_path / "2")
+        with pytest.raises(EngineError, match="taken"):
+            other.start()
+        before = server.stats()
+        out = server.generate(prompt(tokenizer), 16)
+        spec = engines.vllm.stats_diff(before, server.stats())
+    assert out["completion_tokens"] == 16 and len(out["token_ids"]) == 16 and out["finish_reason"] == "length"
+    assert spec["drafts"] > 0 and spec["draft_tokens"] == 3 * spec["drafts"] and len(spec["per_pos"]) == 3
+    assert 1 <= spec["accept_len"] <= 4
+    assert alive_in_group(server.group) == [], "processes survived stop()"
+    log = server.log_path.read_text()
+    assert log.startswith("$ ") and "speculative" in log
+
+
+@pytest.mark.slow
+def test_missing_drafter_fails_with_log_tail_and_no_process(drafts, tmp_path):
+    need("vllm")
+    server = engines.make(EngineParams(), drafts["target"], tmp_path / "no-such-drafter", 3, tmp_path)
+    with pytest.raises(EngineError, match=r"(?s)exited with status \d+ during start.*Last lines of .*no-such-drafter"):
+        server.start()
+    assert alive_in_group(server.group) == [] and server.proc is None
+
+
+@pytest.mark.slow
+def test_start_timeout_stops_the_starting_server(drafts, tmp_path):
+    need("vllm")
+    server = engines.make(EngineParams(start_timeout_s=12), drafts["target"], None, None, tmp_path)
+    with pytest.raises(EngineError, match=r"(?s)not healthy .* after 12 s.*Last lines of"):
+        server.start()
+    assert alive_in_group(server.group) == []
+
+
+SCRIPT = """
+import sys, time
+from eagle3lib import engines
+from eagle3lib.params import EngineParams
+s = engines.make(EngineParams(), sys.argv[1], None, None, sys.argv[2])
+s.start_timeout_s = 600
+import threading
+threading.Thread(target=s.start, daemon=True).start()
+while s.group is None:
+    time.sleep(0.1)
+print(s.group, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+def test_no_orphan_when_the_parent_is_killed(drafts, tmp_path):
+    """kill -9 of the Python process that started the server (no finally, no atexit): the guard ends the group."""
+    need("vllm")
+    parent = subprocess.Popen([sys.executable, "-c", SCRIPT, str(drafts["target"]), str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
+    group = int(parent.stdout.readline())
+    try:
+        deadline = time.time() + 120
+        while len(alive_in_group(group)) < 3 and time.time() < deadline:    # guard, API server, its engine core
+            time.sleep(0.5)
+        assert len(alive_in_group(group)) >= 3, (alive_in_group(group), (tmp_path / "vllm-baseline.log").read_text()[-2000:])
+        parent.kill()
+        parent.wait()
+        deadline = time.time() + 60
+        while alive_in_group(group) and time.time() < deadline:
+            time.sleep(0.5)
+        assert alive_in_group(group) == [], "engine processes outlived their parent"
+    finally:
+        if alive_in_group(group):
+            os.killpg(group, signal.SIGKILL)
+
+
+# ---------------------------------------------------------------------- SGLang check ----
+
+def test_sglang_preflight_resolves_flags(drafts):
+    py = need("sglang")
+    report = engines.sglang.preflight(drafts["target"], drafts["sglang"], 4, py)
+    assert report["resolved"]["speculative_num_steps"] == 4
+    assert report["resolved"]["speculative_num_draft_tokens"] == 5 and report["captured_hf_layers"] == AUX
