@@ -172,7 +172,7 @@ class Drafter(nn.Module):
         return self.rotary(x, position_ids)
 
     # ---------------------------------------------------------- training ----
-    def ttt_forward(self, aux, step_embeds, position_ids, doc_ids):
+    def ttt_forward(self, aux, step_embeds, position_ids, doc_ids, attention: str = "auto"):
         """Training-time test over K = len(step_embeds) chain steps.
 
         aux [B,T,3H_t]: target aux states at each position t.
@@ -183,9 +183,15 @@ class Drafter(nn.Module):
         Returns the pre-norm hidden states of each step, [B,T,H] each.
 
         Step k's query at t attends to the step-0 keys at s ≤ t (same document) and to
-        the step-1..k keys at t itself. Those are diagonals, so they are scored as
-        dot products instead of T×T blocks (K× less attention work than a dense mask).
+        the step-1..k keys at t itself. attention="dense" scores those diagonals as dot
+        products beside one T×T block (simple; memory grows with T², fine on the CPU);
+        "flex" runs flex_attention with a block mask, which never materializes T×T
+        scores (long sequences on GPUs). "auto": flex on CUDA, dense elsewhere.
         """
+        if attention == "auto":
+            attention = "flex" if aux.is_cuda else "dense"
+        if attention == "flex":
+            return self._ttt_forward_flex(aux, step_embeds, position_ids, doc_ids)
         attn, layer = self.layer.self_attn, self.layer
         t = aux.shape[1]
         causal = torch.tril(torch.ones(t, t, dtype=torch.bool, device=aux.device))
@@ -219,6 +225,32 @@ class Drafter(nn.Module):
             outputs.append(hidden)
         return outputs
 
+    def _ttt_forward_flex(self, aux, step_embeds, position_ids, doc_ids):
+        from torch.nn.attention.flex_attention import create_block_mask
+        attn, layer = self.layer.self_attn, self.layer
+        b, t = aux.shape[:2]
+        docs = doc_ids
+
+        def mask_mod(bi, h, qi, ki):
+            block, pos = ki // t, ki % t
+            same_doc = (docs[bi, qi] == docs[bi, pos]) & (docs[bi, qi] >= 0)
+            return torch.where(block == 0, ((pos <= qi) & same_doc) | (pos == qi), pos == qi)
+
+        hidden = self.fc(aux)
+        keys, values, outputs = [], [], []
+        for k, embeds in enumerate(step_embeds):
+            cos, sin = self.rope(hidden, position_ids + k)
+            q, key, value = attn.qkv(layer.attn_input(embeds, hidden), cos, sin)
+            keys.append(key)
+            values.append(value)
+            mask = create_block_mask(mask_mod, b, None, t, t * (k + 1), device=aux.device)
+            out = _flex_attention(q, torch.cat(keys, 2), torch.cat(values, 2), block_mask=mask,
+                                  enable_gqa=attn.heads != attn.kv_heads)
+            attn_out = attn.o_proj(out.transpose(1, 2).reshape(b, t, attn.heads * attn.head_dim))
+            hidden = layer.finish(attn_out, hidden)
+            outputs.append(hidden)
+        return outputs
+
     # --------------------------------------------------------- inference ----
     def step(self, cache: "DraftCache", embeds, hidden, position_ids, from_target: bool):
         """Append n entries (embeds [B,n,H], positions [B,n]) to the cache, attending causally to
@@ -234,6 +266,20 @@ class Drafter(nn.Module):
         mask = cache.positions[:, None, :] <= position_ids[:, :, None]
         out = layer.finish(attn.attend(q, cache.keys, cache.values, mask), hidden)
         return out, self.logits(out)
+
+
+def _flex_attention(q, k, v, **kw):
+    """flex_attention, compiled on GPUs (its fused kernel); eager elsewhere (tests, CPU)."""
+    from torch.nn.attention.flex_attention import flex_attention
+    global _compiled_flex
+    if not q.is_cuda:
+        return flex_attention(q, k, v, **kw)
+    if _compiled_flex is None:
+        _compiled_flex = torch.compile(flex_attention)
+    return _compiled_flex(q, k, v, **kw)
+
+
+_compiled_flex = None
 
 
 class DraftCache:

@@ -96,3 +96,25 @@ def test_config_round_trip_and_canonical_names(real_states):
     assert not any("embed" in n or "rotary" in n for n in names)
     assert drafter.layers[0].self_attn.q_proj.in_features == 2 * cfg.hidden_size
     assert drafter.fc.in_features == 3 * cfg.target_hidden_size
+
+
+def test_flex_attention_path_equals_the_dense_one():
+    """The GPU path (flex_attention with a block mask) computes what the dense CPU path does,
+    packed documents and padding included."""
+    torch.manual_seed(0)
+    cfg = DrafterConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        intermediate_size=128, vocab_size=300, draft_vocab_size=100, target_hidden_size=48,
+                        aux_layer_ids=[1, 2, 3])
+    drafter = Drafter(cfg).eval()
+    t = 40
+    aux = torch.randn(2, t, 144)
+    step_embeds = [torch.randn(2, t, 64) for _ in range(4)]
+    docs = torch.tensor([[0] * 15 + [1] * 20 + [-1] * 5, [0] * 40])
+    pos = torch.cat([torch.arange(15), torch.arange(20), torch.zeros(5, dtype=torch.long)])[None].repeat(2, 1)
+    pos[1] = torch.arange(40)
+    with torch.no_grad():
+        dense = drafter.ttt_forward(aux, step_embeds, pos, docs, attention="dense")
+        flex = drafter.ttt_forward(aux, step_embeds, pos, docs, attention="flex")
+    real = docs >= 0
+    for a, b in zip(dense, flex):
+        assert (a - b)[real].abs().max() <= 1e-5

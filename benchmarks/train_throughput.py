@@ -1,0 +1,110 @@
+"""Drafter training throughput and peak memory on synthetic inputs (one packed row per step).
+
+    python benchmarks/train_throughput.py                      # Llama-3.1-8B shape, GPU, seq 8192..131072
+    python benchmarks/train_throughput.py --small --device cpu # a dry run of the same code on the CPU
+
+Per sequence length: median tokens/s over --steps synchronized steps after --warmup
+(forward + backward + AdamW, TTT --ttt steps, bf16 autocast on GPU) and peak memory.
+A length that runs out of memory is reported as such and the sweep goes on.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
+import torch
+
+from eagle3lib.drafter import Drafter, DrafterConfig
+from eagle3lib.train import ttt_loss_sums
+
+LLAMA_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                intermediate_size=14336, vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096,
+                aux_layer_ids=[2, 16, 29], rms_norm_eps=1e-5, max_position_embeddings=131072,
+                rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
+SMALL = dict(LLAMA_8B, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+             intermediate_size=512, vocab_size=4096, draft_vocab_size=1024, target_hidden_size=256)
+
+
+def synthetic_batch(cfg: DrafterConfig, seq: int, device, dtype):
+    g = torch.Generator(device="cpu").manual_seed(seq)
+    ids = torch.randint(0, cfg.vocab_size, (1, seq), generator=g)
+    return {
+        "input_ids": ids.to(device),
+        "loss_mask": torch.ones(1, seq, dtype=torch.long, device=device),
+        "doc_ids": torch.zeros(1, seq, dtype=torch.long, device=device),
+        "position_ids": torch.arange(seq, device=device)[None],
+        "aux": torch.randn(1, seq, 3 * cfg.target_hidden_size, generator=g).to(device, dtype),
+        "final": torch.randn(1, seq, cfg.target_hidden_size, generator=g).to(device, dtype),
+        "tokens": seq,
+    }
+
+
+def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, device: str) -> dict:
+    cuda = device.startswith("cuda")
+    dtype = torch.bfloat16 if cuda else torch.float32
+    torch.manual_seed(0)
+    drafter = Drafter(cfg).to(device)
+    d2t = torch.arange(cfg.draft_vocab_size) * (cfg.vocab_size // cfg.draft_vocab_size) - torch.arange(cfg.draft_vocab_size)
+    t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
+    t2d[torch.arange(cfg.draft_vocab_size) + d2t] = True
+    drafter.set_vocab(d2t.to(device), t2d.to(device))
+    embed = torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype) * 0.02
+    head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, device=device, dtype=dtype) * 0.02
+    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+    batch = synthetic_batch(cfg, seq, device, dtype)
+    weights = torch.tensor([0.8 ** k for k in range(ttt)], device=device)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for i in range(warmup + steps):
+        if cuda:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            sums, counts, _, _ = ttt_loss_sums(drafter, batch, embed, head, ttt, with_metrics=False)
+        loss = (weights * sums / counts.clamp(min=1)).sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 0.5)
+        opt.step()
+        if cuda:
+            torch.cuda.synchronize()
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    out = {"seq": seq, "tokens_per_s": round(seq / statistics.median(times), 1),
+           "step_s_median": round(statistics.median(times), 4), "loss": round(loss.item(), 4)}
+    if cuda:
+        out["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--small", action="store_true", help="a small config, for a CPU dry run")
+    ap.add_argument("--seqs", default="8192,16384,32768,65536,131072")
+    ap.add_argument("--ttt", type=int, default=5)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=2)
+    args = ap.parse_args()
+    cfg = DrafterConfig(**(SMALL if args.small else LLAMA_8B))
+    results = []
+    for seq in [int(s) for s in args.seqs.split(",")]:
+        try:
+            r = measure(cfg, seq, args.ttt, args.steps, args.warmup, args.device)
+        except torch.OutOfMemoryError as e:
+            r = {"seq": seq, "error": f"out of memory: {str(e).splitlines()[0]}"}
+        if args.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        results.append(r)
+        print(json.dumps(r), flush=True)
+    print(json.dumps({"config": "small" if args.small else "llama-3.1-8b", "ttt_steps": args.ttt,
+                      "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+                      "results": results}))
+
+
+if __name__ == "__main__":
+    main()
