@@ -36,7 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .drafter import ARCHITECTURE
-from .target import AUX_LAYER_ID_CONVENTION, CONTRACT_FILE, read_contract, target_fingerprint
+from .target import AUX_LAYER_ID_CONVENTION, CONTRACT_FILE, default_cache_dir, read_contract, target_fingerprint
 
 ENGINES = ("sglang", "vllm", "speculators")
 LAYOUTS = ("canonical", "speculators", "specforge")
@@ -237,7 +237,7 @@ def check_target(contract: dict, target, cache_dir=None) -> None:
     """Refuse when `target` (name, folder or hub id) is not the target the contract names."""
     from transformers import AutoConfig
     from .target import resolve_target
-    cache_dir = cache_dir or os.environ.get("EAGLE3_CACHE_DIR") or Path.home() / ".cache" / "eagle3-workbook"
+    cache_dir = cache_dir or default_cache_dir()
     found = target_fingerprint(AutoConfig.from_pretrained(resolve_target(str(target), Path(cache_dir))))
     want = contract.get("target_fingerprint")
     if found != want:
@@ -494,7 +494,7 @@ def verify(folder, engine: str, target=None, cache_dir=None, python=None, depth:
     folder = Path(folder).resolve()
     contract = read_contract(folder)
     from .target import resolve_target
-    cache = Path(cache_dir or os.environ.get("EAGLE3_CACHE_DIR") or Path.home() / ".cache" / "eagle3-workbook")
+    cache = Path(cache_dir or default_cache_dir())
     problems = []
     if target is not None:
         try:

