@@ -34,8 +34,9 @@ def make(engine_params, target_dir, draft_dir, depth: int | None, log_dir, dtype
     """An engine server for params' engine section, serving target_dir with the drafter at `depth`
     (None: no speculation); its log is log_dir/<engine>-<config>.log. Call start() or use `with`."""
     name = engine_params.name
-    module = vllm if name == "vllm" else sglang
-    cmd = module.command(target_dir, draft_dir, depth, python_for(engine_params), dtype, engine_params.extra_args)
+    # Launch command without --host/--port (Server adds them); both engines take --dtype.
+    cmd = export.launch_command(name, target_dir, draft_dir, depth, python_for(engine_params))
+    cmd += (["--dtype", dtype] if dtype else []) + list(engine_params.extra_args)
     env = (vllm.CPU_ENV if name == "vllm" else {}) | dict(engine_params.env)
     log = Path(log_dir) / f"{name}-{config_name(depth, dtype)}.log"
     return CLASSES[name](cmd, log, host=engine_params.host, port=engine_params.port, env=env,

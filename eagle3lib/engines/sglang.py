@@ -17,15 +17,6 @@ from .. import export
 from .base import EngineError, Server, http_json
 
 
-def command(target_dir, draft_dir, depth: int | None, python: str, dtype: str | None = None,
-            extra_args: list[str] = ()) -> list[str]:
-    """Launch command without --host/--port (Server adds them)."""
-    cmd = export.launch_command("sglang", target_dir, draft_dir, depth, python)
-    if dtype:
-        cmd += ["--dtype", dtype]
-    return cmd + list(extra_args)
-
-
 def preflight(target_dir, draft_dir, depth: int, python: str) -> dict:
     """Resolve the launch flags with SGLang's own prepare_server_args (--device cpu, no GPU needed) and
     check them; returns the resolved report, raises EngineError listing the problems."""

@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 import time
 
-from .. import export
 from .base import Server, http_json, http_text
 
 # Counters summed over their label sets (engine, model_name); per_pos is split by position.
@@ -22,15 +21,6 @@ _LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
 _POSITION = re.compile(r'position="(\d+)"')
 
 CPU_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-
-def command(target_dir, draft_dir, depth: int | None, python: str, dtype: str | None = None,
-            extra_args: list[str] = ()) -> list[str]:
-    """Launch command without --host/--port (Server adds them)."""
-    cmd = export.launch_command("vllm", target_dir, draft_dir, depth, python)
-    if dtype:
-        cmd += ["--dtype", dtype]
-    return cmd + list(extra_args)
 
 
 def parse_metrics(text: str) -> dict:
