@@ -11,14 +11,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
 import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
 import torch
+import torch.distributed as dist
 
 from eagle3lib.drafter import Drafter, DrafterConfig
-from eagle3lib.train import ttt_loss_sums
+from eagle3lib.train import all_reduce_grads, compile_decoder_layer, ttt_loss_sums
 
 LLAMA_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 intermediate_size=14336, vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096,
@@ -42,43 +44,84 @@ def synthetic_batch(cfg: DrafterConfig, seq: int, device, dtype):
     }
 
 
-def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, device: str) -> dict:
+def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, device: str,
+            checkpoint: bool = False, compile_layer: bool = False, profile: bool = False) -> dict:
+    """Median tokens/s of full training steps on one packed row of seq tokens, and peak memory.
+    Under torchrun every rank runs the step on its own row and the gradients are all-reduced
+    as eagle3lib.train does; tokens/s is then the sum over ranks."""
     cuda = device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
+    world = dist.get_world_size() if dist.is_initialized() else 1
     torch.manual_seed(0)
     drafter = Drafter(cfg).to(device)
     d2t = torch.arange(cfg.draft_vocab_size) * (cfg.vocab_size // cfg.draft_vocab_size) - torch.arange(cfg.draft_vocab_size)
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[torch.arange(cfg.draft_vocab_size) + d2t] = True
     drafter.set_vocab(d2t.to(device), t2d.to(device))
+    if compile_layer:
+        compile_decoder_layer(drafter)
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype) * 0.02
     head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, device=device, dtype=dtype) * 0.02
-    opt = torch.optim.AdamW(drafter.parameters(), lr=1e-4)
+    params = list(drafter.parameters())
+    opt = torch.optim.AdamW(params, lr=1e-4)
     batch = synthetic_batch(cfg, seq, device, dtype)
     weights = torch.tensor([0.8 ** k for k in range(ttt)], device=device)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+
+    def train_step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
+            sums, counts, _, _ = ttt_loss_sums(drafter, batch, embed, head, ttt, with_metrics=False,
+                                               checkpoint=checkpoint)
+        loss = (weights * sums / counts.clamp(min=1)).sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        all_reduce_grads(params, world)
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 0.5)
+        opt.step()
+        return loss
+
     times = []
     for i in range(warmup + steps):
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            sums, counts, _, _ = ttt_loss_sums(drafter, batch, embed, head, ttt, with_metrics=False)
-        loss = (weights * sums / counts.clamp(min=1)).sum()
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 0.5)
-        opt.step()
+        loss = train_step()
         if cuda:
             torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    out = {"seq": seq, "tokens_per_s": round(seq / statistics.median(times), 1),
+    if profile:  # where one step's time goes, by kernel
+        from torch.profiler import ProfilerActivity, profile as profiler
+        with profiler(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            train_step()
+            if cuda:
+                torch.cuda.synchronize()
+        sort = "device_time_total" if cuda else "cpu_time_total"
+        print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70), flush=True)
+    out = {"seq": seq, "ranks": world, "checkpoint": checkpoint, "compile_layer": compile_layer,
+           "tokens_per_s": round(world * seq / statistics.median(times), 1),
            "step_s_median": round(statistics.median(times), 4), "loss": round(loss.item(), 4)}
     if cuda:
         out["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return out
+
+
+def measure_or_oom(cfg, seq, ttt, steps, warmup, device, checkpoint: str, compile_layer: bool,
+                   profile: bool = False) -> dict:
+    """checkpoint: "off", "on", or "auto" (off, and on again if off runs out of memory)."""
+    tries = {"off": [False], "on": [True], "auto": [False, True]}[checkpoint]
+    errors = []
+    for ckpt in tries:
+        try:
+            return measure(cfg, seq, ttt, steps, warmup, device, checkpoint=ckpt, compile_layer=compile_layer,
+                           profile=profile)
+        except torch.OutOfMemoryError as e:
+            errors.append(f"checkpoint={ckpt}: out of memory: {str(e).splitlines()[0]}")
+        finally:
+            if device.startswith("cuda"):
+                torch.cuda.empty_cache()
+    return {"seq": seq, "compile_layer": compile_layer, "error": "; ".join(errors)}
 
 
 def main():
@@ -89,22 +132,32 @@ def main():
     ap.add_argument("--ttt", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--checkpoint", choices=["off", "on", "auto"], default="auto",
+                    help="activation checkpointing per TTT step; auto = only where off runs out of memory")
+    ap.add_argument("--compile-layer", action="store_true", help="torch.compile the decoder layer's norms and MLP")
+    ap.add_argument("--profile", action="store_true", help="print a kernel breakdown of one step at the first length")
     args = ap.parse_args()
+    rank = 0
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: one GPU per rank
+        rank = int(os.environ["LOCAL_RANK"])
+        dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+        if args.device.startswith("cuda"):
+            args.device = f"cuda:{rank}"
+            torch.cuda.set_device(args.device)
     cfg = DrafterConfig(**(SMALL if args.small else LLAMA_8B))
     results = []
     for seq in [int(s) for s in args.seqs.split(",")]:
-        try:
-            r = measure(cfg, seq, args.ttt, args.steps, args.warmup, args.device)
-        except torch.OutOfMemoryError as e:
-            r = {"seq": seq, "error": f"out of memory: {str(e).splitlines()[0]}"}
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        r = measure_or_oom(cfg, seq, args.ttt, args.steps, args.warmup, args.device, args.checkpoint, args.compile_layer,
+                           profile=args.profile and rank == 0 and not results)
         results.append(r)
-        print(json.dumps(r), flush=True)
-    print(json.dumps({"config": "small" if args.small else "llama-3.1-8b", "ttt_steps": args.ttt,
-                      "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-                      "results": results}))
-
+        if rank == 0:
+            print(json.dumps(r), flush=True)
+    if rank == 0:
+        print(json.dumps({"config": "small" if args.small else "llama-3.1-8b", "ttt_steps": args.ttt,
+                          "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+                          "results": results}))
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 if __name__ == "__main__":
     main()

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Optional
 
 import torch
+import torch.utils.checkpoint
 import torch.nn.functional as F
 from torch import nn
 from transformers import LlamaConfig
@@ -172,7 +173,7 @@ class Drafter(nn.Module):
         return self.rotary(x, position_ids)
 
     # ---------------------------------------------------------- training ----
-    def ttt_forward(self, aux, step_embeds, position_ids, doc_ids, attention: str = "auto"):
+    def ttt_forward(self, aux, step_embeds, position_ids, doc_ids, attention: str = "auto", checkpoint: bool = False):
         """Training-time test over K = len(step_embeds) chain steps.
 
         aux [B,T,3H_t]: target aux states at each position t.
@@ -187,11 +188,13 @@ class Drafter(nn.Module):
         products beside one T×T block (simple; memory grows with T², fine on the CPU);
         "flex" runs flex_attention with a block mask, which never materializes T×T
         scores (long sequences on GPUs). "auto": flex on CUDA, dense elsewhere.
+        checkpoint (flex only): keep each step's inputs and recompute the step in the
+        backward pass instead of holding its activations (MLP, norms) for all K steps.
         """
         if attention == "auto":
             attention = "flex" if aux.is_cuda else "dense"
         if attention == "flex":
-            return self._ttt_forward_flex(aux, step_embeds, position_ids, doc_ids)
+            return self._ttt_forward_flex(aux, step_embeds, position_ids, doc_ids, checkpoint)
         attn, layer = self.layer.self_attn, self.layer
         t = aux.shape[1]
         causal = torch.tril(torch.ones(t, t, dtype=torch.bool, device=aux.device))
@@ -225,29 +228,35 @@ class Drafter(nn.Module):
             outputs.append(hidden)
         return outputs
 
-    def _ttt_forward_flex(self, aux, step_embeds, position_ids, doc_ids):
-        from torch.nn.attention.flex_attention import create_block_mask
+    def _ttt_forward_flex(self, aux, step_embeds, position_ids, doc_ids, checkpoint: bool = False):
         attn, layer = self.layer.self_attn, self.layer
         b, t = aux.shape[:2]
-        docs = doc_ids
+        # Each step's keys sit in a region of t_pad (a whole number of blocks) so that a
+        # region starts on a block boundary and the block mask can be built per block.
+        t_pad = -(-t // TTT_BLOCK) * TTT_BLOCK
+        docs = F.pad(doc_ids, (0, t_pad - t), value=-1)
+        masks = ttt_block_masks(docs, t, len(step_embeds))
 
-        def mask_mod(bi, h, qi, ki):
-            block, pos = ki // t, ki % t
-            same_doc = (docs[bi, qi] == docs[bi, pos]) & (docs[bi, qi] >= 0)
-            return torch.where(block == 0, ((pos <= qi) & same_doc) | (pos == qi), pos == qi)
+        def one_step(embeds, hidden, pos, mask, *cached):
+            cos, sin = self.rope(hidden, pos)
+            q, key, value = attn.qkv(layer.attn_input(embeds, hidden), cos, sin)
+            key, value = (F.pad(x, (0, 0, 0, t_pad - t)) for x in (key, value))
+            keys, values = cached[:len(cached) // 2] + (key,), cached[len(cached) // 2:] + (value,)
+            out = _flex_attention(q, torch.cat(keys, 2), torch.cat(values, 2), block_mask=mask,
+                                  enable_gqa=attn.heads != attn.kv_heads)
+            attn_out = attn.o_proj(out.transpose(1, 2).reshape(b, t, attn.heads * attn.head_dim))
+            return layer.finish(attn_out, hidden), key, value
 
         hidden = self.fc(aux)
         keys, values, outputs = [], [], []
         for k, embeds in enumerate(step_embeds):
-            cos, sin = self.rope(hidden, position_ids + k)
-            q, key, value = attn.qkv(layer.attn_input(embeds, hidden), cos, sin)
+            args = (embeds, hidden, position_ids + k, masks[k], *keys, *values)
+            if checkpoint:
+                hidden, key, value = torch.utils.checkpoint.checkpoint(one_step, *args, use_reentrant=False)
+            else:
+                hidden, key, value = one_step(*args)
             keys.append(key)
             values.append(value)
-            mask = create_block_mask(mask_mod, b, None, t, t * (k + 1), device=aux.device)
-            out = _flex_attention(q, torch.cat(keys, 2), torch.cat(values, 2), block_mask=mask,
-                                  enable_gqa=attn.heads != attn.kv_heads)
-            attn_out = attn.o_proj(out.transpose(1, 2).reshape(b, t, attn.heads * attn.head_dim))
-            hidden = layer.finish(attn_out, hidden)
             outputs.append(hidden)
         return outputs
 
@@ -266,6 +275,56 @@ class Drafter(nn.Module):
         mask = cache.positions[:, None, :] <= position_ids[:, :, None]
         out = layer.finish(attn.attend(q, cache.keys, cache.values, mask), hidden)
         return out, self.logits(out)
+
+
+TTT_BLOCK = 128  # flex_attention's block size
+
+
+def ttt_block_masks(docs: torch.Tensor, t: int, steps: int) -> list:
+    """flex_attention block masks of TTT steps 0..steps-1, built from per-block facts in
+    O((T/128)²) instead of evaluating every (query, key) pair (86 G pairs at T = 131,072, K = 5).
+
+    docs [B, t_pad]: document id per position, -1 for padding (and for positions ≥ t).
+    Step k's keys are k+1 regions of t_pad: region 0 holds step 0's keys (causal, same
+    document; a padding query sees itself), region r ≥ 1 holds step r's keys, of which
+    query t sees only position t.
+    """
+    from torch.nn.attention.flex_attention import BlockMask
+    bsz, t_pad = docs.shape
+    n = t_pad // TTT_BLOCK
+    blocks = docs.view(bsz, n, TTT_BLOCK)
+    real = blocks >= 0
+    big = torch.iinfo(docs.dtype).max
+    lo = torch.where(real, blocks, big).amin(-1)                      # [B, n] smallest document in a block
+    hi = torch.where(real, blocks, -1).amax(-1)                       # largest (-1: no real position)
+    q_idx = torch.arange(n, device=docs.device)
+    below = q_idx[None, :] < q_idx[:, None]                           # [q, kv]: kv block strictly before q block
+    diagonal = torch.eye(n, dtype=torch.bool, device=docs.device)
+    overlap = (hi[:, None, :] >= lo[:, :, None]) & (lo[:, None, :] <= hi[:, :, None])     # [B, q, kv]
+    one_doc = (lo == hi) & real.all(-1)
+    full0 = below & one_doc[:, :, None] & one_doc[:, None, :] & (lo[:, :, None] == lo[:, None, :])
+    partial0 = ((below & overlap) | diagonal) & ~full0
+    docs_flat = docs
+
+    def mask_mod(b, h, q, kv):
+        region, pos = kv // t_pad, kv % t_pad
+        same_doc = (docs_flat[b, q] == docs_flat[b, pos]) & (docs_flat[b, q] >= 0)
+        return torch.where(region == 0, ((pos <= q) & same_doc) | (pos == q), pos == q)
+
+    def as_indices(nonempty):                                         # [B, q, kv] bool → counts, indices
+        counts = nonempty.sum(-1, dtype=torch.int32)
+        order = torch.argsort((~nonempty).to(torch.int8), dim=-1, stable=True).to(torch.int32)
+        return counts[:, None], order[:, None]
+
+    masks = []
+    for k in range(steps):
+        partial = torch.cat([partial0] + [diagonal.expand(bsz, n, n)] * k, -1)
+        full = torch.cat([full0] + [torch.zeros_like(full0)] * k, -1)
+        kv_num, kv_idx = as_indices(partial)
+        full_num, full_idx = as_indices(full)
+        masks.append(BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=TTT_BLOCK,
+                                              mask_mod=mask_mod, seq_lengths=(t, t_pad * (k + 1))))
+    return masks
 
 
 def _flex_attention(q, k, v, **kw):

@@ -109,6 +109,9 @@ class TrainParams(Section):
     nproc_per_node: int = Field(1, gt=0)
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="compute dtype: auto = bf16 autocast on GPU, fp32 on CPU; bfloat16 autocasts on CPU too")
+    activation_checkpointing: bool = Field(
+        False, description="recompute each TTT step in the backward pass (GPU/flex path): long rows fit, ~25% slower")
+    compile_layer: bool = Field(False, description="torch.compile the decoder layer's norms and MLP (GPU)")
 
 
 class EngineParams(Section):

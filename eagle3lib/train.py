@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from .drafter import Drafter, DrafterConfig
+from .loss import linear_soft_ce, target_probs
 from .metrics import AcceptanceCounter
 
 CHECKPOINTS = "checkpoints"
@@ -132,46 +133,32 @@ def valid_positions(batch: dict, k: int) -> torch.Tensor:
     return shift_left(label_ok, 1 + k, fill=False) & (shift_left(docs, 1 + k, fill=-2) == docs)
 
 
-def ttt_outputs(drafter: Drafter, batch: dict, embed: torch.Tensor, head_full: torch.Tensor, steps: int,
-                with_metrics: bool = True):
-    """Run the TTT chain on a batch; returns per-step draft logits, target logits on the draft vocab,
-    validity, and (with_metrics) whether the draft's argmax is the target's argmax over the full vocab."""
+def ttt_loss_sums(drafter: Drafter, batch: dict, embed: torch.Tensor, head_full: torch.Tensor, steps: int,
+                  with_metrics: bool = True, checkpoint: bool = False):
+    """Run the TTT chain on a batch. Returns, per step: Σ over valid positions of the soft CE
+    against the target's distribution on the draft vocab, the valid counts, and (with_metrics)
+    whether the draft's argmax is the target's argmax over the full vocab, with the valid masks."""
     ids, docs = batch["input_ids"], batch["doc_ids"]
     dtype = drafter.fc.weight.dtype
     aux, final = batch["aux"].to(dtype), batch["final"].to(dtype)
+    device_type = aux.device.type
+    compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else dtype
     with torch.no_grad():
-        head_draft = head_full[drafter.t2d].to(dtype)
-        target_logits = final @ head_draft.T                      # [B,T,V_draft]
+        probs = target_probs(final, head_full[drafter.t2d].to(compute), compute)   # [B·T, V_draft]
         # The full-vocab argmax costs as much as a target lm_head; only metrics need it.
         target_best = target_argmax(final.float(), head_full.float()) if with_metrics else None
     step_embeds = [F.embedding(shift_left(ids, 1 + k), embed).to(dtype) for k in range(steps)]
-    hidden = drafter.ttt_forward(aux, step_embeds, batch["position_ids"], docs)
-    out = []
-    for k in range(steps):
-        ahead = 1 + k
-        valid = valid_positions(batch, k)
-        logits = drafter.logits(hidden[k]).float()
-        right = None
-        if with_metrics:
-            with torch.no_grad():
-                right = drafter.draft_to_target(logits.argmax(-1)) == shift_left(target_best, ahead)
-        out.append((logits, shift_left(target_logits, ahead).float(), valid, right))
-    return out
-
-
-def soft_ce(logits: torch.Tensor, target_logits: torch.Tensor) -> torch.Tensor:
-    """Per-position cross-entropy against the target's distribution over the draft vocab."""
-    return -(torch.softmax(target_logits, -1) * torch.log_softmax(logits, -1)).sum(-1)
-
-
-def ttt_loss_sums(drafter, batch, embed, head_full, steps, with_metrics: bool = True):
-    """Σ over valid positions of each step's soft CE; valid counts; right/valid masks for metrics."""
+    hidden = drafter.ttt_forward(aux, step_embeds, batch["position_ids"], docs, checkpoint=checkpoint)
     sums, counts, rights, valids = [], [], [], []
-    for logits, target, valid, right in ttt_outputs(drafter, batch, embed, head_full, steps, with_metrics):
-        sums.append(torch.where(valid, soft_ce(logits, target), 0.0).sum())
+    for k in range(steps):
+        valid = valid_positions(batch, k)
+        loss, best = linear_soft_ce(drafter.norm(hidden[k]), drafter.lm_head.weight, probs, valid, offset=1 + k,
+                                    compute_dtype=compute)
+        sums.append(loss)
         counts.append(valid.sum())
-        rights.append(right)
         valids.append(valid)
+        if with_metrics:
+            rights.append(drafter.draft_to_target(best) == shift_left(target_best, 1 + k))
     return torch.stack(sums), torch.stack(counts), torch.stack(rights) if with_metrics else None, torch.stack(valids)
 
 
@@ -258,6 +245,25 @@ def weights_digest(module: torch.nn.Module) -> str:
     return h.hexdigest()
 
 
+def all_reduce_grads(params: list, world: int) -> None:
+    """Sum the gradients over ranks (data parallel); all requests in flight at once."""
+    if world <= 1:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    for work in [dist.all_reduce(p.grad, async_op=True) for p in params]:
+        work.wait()
+
+
+def compile_decoder_layer(drafter: Drafter) -> None:
+    """torch.compile the layer's elementwise-heavy parts (norms, concat, MLP with its SiLU·up),
+    fusing what would otherwise be separate passes over [T, 14336]-sized activations."""
+    layer = drafter.layer
+    layer.attn_input = torch.compile(layer.attn_input)
+    layer.finish = torch.compile(layer.finish)
+
+
 def _dist_info():
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
@@ -307,6 +313,8 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
     embed, head = setup.embed.to(device), setup.head.to(device)
     setup.embed, setup.head = embed, head
     params = [p for p in drafter.parameters() if p.requires_grad]
+    if tp.compile_layer:
+        compile_decoder_layer(drafter)
     opt = torch.optim.AdamW(params, lr=tp.lr, betas=(0.9, 0.95), weight_decay=tp.weight_decay)
     rows_per_step = tp.batch_rows * tp.grad_accum * world
     total_steps = max(1, math.ceil(tp.max_tokens / (rows_per_step * tp.max_seq_len)))
@@ -370,15 +378,13 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
         for _, _, mb in mine:
             batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in mb.items()}
             with torch.autocast(autocast_device, dtype=torch.bfloat16, enabled=use_bf16):
-                sums, _, _, _ = ttt_loss_sums(drafter, batch, embed, head, tp.ttt_steps, with_metrics=False)
+                sums, _, _, _ = ttt_loss_sums(drafter, batch, embed, head, tp.ttt_steps, with_metrics=False,
+                                              checkpoint=tp.activation_checkpointing)
             loss = (weights * sums / counts.clamp(min=1)).sum()
             loss.backward()
             step_loss += loss.detach()
+        all_reduce_grads(params, world)
         if world > 1:
-            for p in params:
-                if p.grad is None:
-                    p.grad = torch.zeros_like(p)
-                dist.all_reduce(p.grad)
             dist.all_reduce(step_loss)
         if not torch.isfinite(step_loss):
             last = latest_checkpoint(ckpt_root)

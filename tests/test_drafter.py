@@ -118,3 +118,58 @@ def test_flex_attention_path_equals_the_dense_one():
     real = docs >= 0
     for a, b in zip(dense, flex):
         assert (a - b)[real].abs().max() <= 1e-5
+
+
+
+def several_block_case(device):
+    """Sequences over several 128-blocks (not a whole number of them), documents that span and
+    fill blocks (so some blocks are full), padding."""
+    torch.manual_seed(1)
+    cfg = DrafterConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                        intermediate_size=64, vocab_size=300, draft_vocab_size=100, target_hidden_size=24,
+                        aux_layer_ids=[1, 2, 3])
+    t = 300
+    lengths = [[90, 170, 30], [260, 27]]                       # row 1 ends in 13 padding positions
+    docs = torch.full((2, t), -1)
+    pos = torch.zeros(2, t, dtype=torch.long)
+    for r, row in enumerate(lengths):
+        start = 0
+        for d, n in enumerate(row):
+            docs[r, start:start + n] = d
+            pos[r, start:start + n] = torch.arange(n)
+            start += n
+    aux = torch.randn(2, t, 72)
+    step_embeds = [torch.randn(2, t, 32) for _ in range(3)]
+    to = lambda x: x.to(device)  # noqa: E731
+    return Drafter(cfg).to(device), to(aux), [to(e) for e in step_embeds], to(pos), to(docs)
+
+
+def test_flex_block_masks_over_several_blocks_equal_the_dense_path():
+    from eagle3lib.drafter import ttt_block_masks
+    drafter, aux, step_embeds, pos, docs = several_block_case("cpu")
+    full_blocks = ttt_block_masks(torch.nn.functional.pad(docs, (0, 84), value=-1), 300, 1)[0].full_kv_num_blocks
+    assert full_blocks.sum() > 0  # full blocks are covered, not only partial ones
+    real = docs >= 0
+    with torch.no_grad():
+        dense = drafter.ttt_forward(aux, step_embeds, pos, docs, attention="dense")
+        flex = drafter.ttt_forward(aux, step_embeds, pos, docs, attention="flex")
+    for a, b in zip(dense, flex):
+        assert (a - b)[real].abs().max() <= 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention has no backward on the CPU")
+def test_flex_gradients_with_and_without_checkpointing_equal_the_dense_path():
+    drafter, aux, step_embeds, pos, docs = several_block_case("cuda")
+    real = docs >= 0
+
+    def grads(**kw):
+        drafter.zero_grad()
+        outs = drafter.ttt_forward(aux, step_embeds, pos, docs, **kw)
+        sum(((o * real[..., None]) ** 2).sum() for o in outs).backward()
+        return {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
+
+    dense = grads(attention="dense")
+    for checkpoint in (False, True):
+        flex = grads(attention="flex", checkpoint=checkpoint)
+        for name, g in dense.items():
+            assert torch.allclose(g, flex[name], rtol=1e-3, atol=1e-4), (checkpoint, name)
