@@ -45,7 +45,8 @@ def synthetic_batch(cfg: DrafterConfig, seq: int, device, dtype):
 
 
 def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, device: str,
-            checkpoint: bool = False, compile_layer: bool = False, profile: bool = False) -> dict:
+            checkpoint: bool = False, compile_layer: bool = False, profile: bool = False,
+            freeze_lm_head: bool = False) -> dict:
     """Median tokens/s of full training steps on one packed row of seq tokens, and peak memory.
     Under torchrun every rank runs the step on its own row and the gradients are all-reduced
     as eagle3lib.train does; tokens/s is then the sum over ranks."""
@@ -60,9 +61,10 @@ def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, dev
     drafter.set_vocab(d2t.to(device), t2d.to(device))
     if compile_layer:
         compile_decoder_layer(drafter)
+    drafter.lm_head.weight.requires_grad_(not freeze_lm_head)  # speculators' default: frozen
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype) * 0.02
     head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, device=device, dtype=dtype) * 0.02
-    params = list(drafter.parameters())
+    params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4)
     batch = synthetic_batch(cfg, seq, device, dtype)
     weights = torch.tensor([0.8 ** k for k in range(ttt)], device=device)
@@ -77,7 +79,7 @@ def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, dev
         opt.zero_grad(set_to_none=True)
         loss.backward()
         all_reduce_grads(params, world)
-        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 0.5)
+        torch.nn.utils.clip_grad_norm_(params, 0.5)
         opt.step()
         return loss
 
@@ -100,6 +102,7 @@ def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, dev
         sort = "device_time_total" if cuda else "cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70), flush=True)
     out = {"seq": seq, "ranks": world, "checkpoint": checkpoint, "compile_layer": compile_layer,
+           "freeze_lm_head": freeze_lm_head,
            "tokens_per_s": round(world * seq / statistics.median(times), 1),
            "step_s_median": round(statistics.median(times), 4), "loss": round(loss.item(), 4)}
     if cuda:
@@ -108,14 +111,14 @@ def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, dev
 
 
 def measure_or_oom(cfg, seq, ttt, steps, warmup, device, checkpoint: str, compile_layer: bool,
-                   profile: bool = False) -> dict:
+                   profile: bool = False, freeze_lm_head: bool = False) -> dict:
     """checkpoint: "off", "on", or "auto" (off, and on again if off runs out of memory)."""
     tries = {"off": [False], "on": [True], "auto": [False, True]}[checkpoint]
     errors = []
     for ckpt in tries:
         try:
             return measure(cfg, seq, ttt, steps, warmup, device, checkpoint=ckpt, compile_layer=compile_layer,
-                           profile=profile)
+                           profile=profile, freeze_lm_head=freeze_lm_head)
         except torch.OutOfMemoryError as e:
             errors.append(f"checkpoint={ckpt}: out of memory: {str(e).splitlines()[0]}")
         finally:
@@ -136,7 +139,13 @@ def main():
                     help="activation checkpointing per TTT step; auto = only where off runs out of memory")
     ap.add_argument("--compile-layer", action="store_true", help="torch.compile the decoder layer's norms and MLP")
     ap.add_argument("--profile", action="store_true", help="print a kernel breakdown of one step at the first length")
+    ap.add_argument("--freeze-lm-head", action="store_true", help="ours with a frozen lm_head, as speculators trains")
+    ap.add_argument("--impl", choices=["ours", "speculators", "both"], default="ours",
+                    help="whose training step: ours, vLLM speculators' EAGLE-3 (benchmarks/speculators_throughput.py),"
+                         " or both, alternating at each length")
     args = ap.parse_args()
+    if args.impl != "ours" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        ap.error("--impl speculators/both measures one GPU: run it without torchrun")
     rank = 0
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # under torchrun: one GPU per rank
         rank = int(os.environ["LOCAL_RANK"])
@@ -145,17 +154,56 @@ def main():
             args.device = f"cuda:{rank}"
             torch.cuda.set_device(args.device)
     cfg = DrafterConfig(**(SMALL if args.small else LLAMA_8B))
-    results = []
+
+    def speculators_or_error(seq: int) -> dict:
+        """speculators' step at one length; an out-of-memory (or any failure) is reported, the sweep goes on."""
+        import gc
+        import traceback
+        try:
+            from benchmarks.speculators_throughput import measure_speculators
+        except ImportError:
+            from speculators_throughput import measure_speculators
+        try:
+            return measure_speculators(seq, args.ttt, args.steps, args.warmup, args.device, small=args.small,
+                                       shape=SMALL if args.small else LLAMA_8B)
+        except Exception as e:  # torch.compile can re-raise an out-of-memory wrapped in its own error
+            first = (str(e).strip().splitlines() or [""])[0]
+            if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
+                return {"seq": seq, "error": f"out of memory: {first}"}
+            traceback.print_exc()
+            return {"seq": seq, "error": f"{type(e).__name__}: {first}"}
+        finally:
+            gc.collect()
+            if args.device.startswith("cuda"):
+                torch.cuda.empty_cache()
+
+    results, spec_results = [], []
     for seq in [int(s) for s in args.seqs.split(",")]:
+        if args.impl != "ours":
+            spec_results.append(speculators_or_error(seq))
+            print(json.dumps({"impl": "speculators", **spec_results[-1]}), flush=True)
+        if args.impl == "speculators":
+            continue
         r = measure_or_oom(cfg, seq, args.ttt, args.steps, args.warmup, args.device, args.checkpoint, args.compile_layer,
-                           profile=args.profile and rank == 0 and not results)
+                           profile=args.profile and rank == 0 and not results, freeze_lm_head=args.freeze_lm_head)
         results.append(r)
         if rank == 0:
-            print(json.dumps(r), flush=True)
+            print(json.dumps({"impl": "ours", **r} if args.impl == "both" else r), flush=True)
     if rank == 0:
-        print(json.dumps({"config": "small" if args.small else "llama-3.1-8b", "ttt_steps": args.ttt,
-                          "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-                          "results": results}))
+        summary = {"config": "small" if args.small else "llama-3.1-8b", "ttt_steps": args.ttt,
+                   "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
+        if args.impl == "ours":
+            summary["results"] = results
+        elif args.impl == "speculators":
+            summary.update(impl="speculators", results=spec_results)
+        else:
+            def ratio(a: dict, b: dict, key: str):
+                return round(a[key] / b[key], 3) if a.get(key) and b.get(key) else None
+            summary.update(impl="both", results=results, speculators_results=spec_results,
+                           ours_over_speculators=[{"seq": o["seq"], "tokens_per_s": ratio(o, s, "tokens_per_s"),
+                                                   "peak_gib": ratio(o, s, "peak_gib")}
+                                                  for o, s in zip(results, spec_results)])
+        print(json.dumps(summary))
     if dist.is_initialized():
         dist.destroy_process_group()
 

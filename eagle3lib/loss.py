@@ -38,12 +38,12 @@ class LinearSoftCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, probs, valid, offset: int, compute_dtype: torch.dtype, chunk_elements: int):
         n, v = h.shape[0], weight.shape[0]
-        want_grad = ctx.needs_input_grad[0] or ctx.needs_input_grad[1]
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]   # a frozen lm_head needs no grad_w
         w = weight.to(compute_dtype)
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         best = torch.empty(n, dtype=torch.long, device=h.device)
-        grad_h = torch.empty(n, h.shape[1], dtype=compute_dtype, device=h.device) if want_grad else None
-        grad_w = torch.zeros(v, h.shape[1], dtype=torch.float32, device=h.device) if want_grad else None
+        grad_h = torch.empty(n, h.shape[1], dtype=compute_dtype, device=h.device) if want_h else None
+        grad_w = torch.zeros(v, h.shape[1], dtype=torch.float32, device=h.device) if want_w else None
         rows = max(1, chunk_elements // v)
         for a in range(0, n, rows):
             b = min(n, a + rows)
@@ -58,10 +58,12 @@ class LinearSoftCE(torch.autograd.Function):
             p_sum = p.sum(-1)
             loss += ((lse * p_sum - (p * z).sum(-1)) * mask).sum()
             best[a:b] = z.argmax(-1)
-            if want_grad:
+            if want_h or want_w:
                 g = ((torch.exp(z - lse[:, None]) * p_sum[:, None] - p) * mask[:, None]).to(compute_dtype)
-                grad_h[a:b] = g @ w
-                grad_w += (g.T @ x).float()
+                if want_h:
+                    grad_h[a:b] = g @ w
+                if want_w:
+                    grad_w += (g.T @ x).float()
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (h.dtype, weight.dtype)
         ctx.mark_non_differentiable(best)

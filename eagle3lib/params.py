@@ -112,6 +112,8 @@ class TrainParams(Section):
     activation_checkpointing: bool = Field(
         False, description="recompute each TTT step in the backward pass (GPU/flex path): long rows fit, ~25% slower")
     compile_layer: bool = Field(False, description="torch.compile the decoder layer's norms and MLP (GPU)")
+    freeze_lm_head: bool = Field(False, description="keep lm_head at its initial value (the target's rows, see "
+                                 "init_lm_head_from_target) instead of training it; speculators' default")
 
 
 class EngineParams(Section):

