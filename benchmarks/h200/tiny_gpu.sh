@@ -10,7 +10,7 @@ set -uo pipefail
 OUT=${OUT:-$PWD/h200-out}; mkdir -p "$OUT"
 E3=/tmp/e3site
 python3 -m pip install -q --no-index --no-deps --no-compile --target $E3 "$WHEEL" || exit 3
-ln -sfn /tmp/sglang-site/gguf $E3/gguf
+ln -sfn /tmp/sglang-site/gguf $E3/gguf && ln -sfn /tmp/sglang-site/gguf-*.dist-info $E3/  # transformers reads its version
 export PYTHONPATH=$PWD:$E3:$PM_SITE:$EXTRA_SITE PYTHONUNBUFFERED=1 JUPYTER_PATH=$PM_SITE/share/jupyter \
        HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
 python3 -c "from eagle3lib import target; print('target ready:', target.embedded_target_dir(target.default_cache_dir()))" || exit 4
