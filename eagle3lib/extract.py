@@ -15,6 +15,7 @@ batches the uninterrupted run would have and ends with byte-identical shards.
 Every file is written to a temp name, fsynced and renamed; a shard counts once the
 manifest lists it.
 """
+import contextlib
 import hashlib
 import json
 import os
@@ -417,6 +418,7 @@ def _start_manifest(out_dir, tok, aux_layer_ids, hidden_size, store_dtype, shard
 
 
 def _extract_shard(model, tok, lengths, first, end, aux_layer_ids, batch_tokens, store_dtype, hidden_size, bar):
+    """The hf backend's states for sequences [first, end): aux [n, k*H] and final [n, H] in store_dtype."""
     starts = tok["seq_starts"]
     base, n = int(starts[first]), int(starts[end] - starts[first])
     aux_buf = torch.empty(n, len(aux_layer_ids) * hidden_size, dtype=store_dtype)
@@ -429,26 +431,95 @@ def _extract_shard(model, tok, lengths, first, end, aux_layer_ids, batch_tokens,
             aux_buf[a:a + m] = aux[b, :m]
             final_buf[a:a + m] = final[b, :m]
         bar.update(int(mask.sum()))
+    return aux_buf, final_buf
+
+
+def shard_tensors(tok, first, end, aux, final):
+    """The tensors of the shard holding sequences [first, end), given their states in token order."""
+    starts = tok["seq_starts"]
+    base, n = int(starts[first]), int(starts[end] - starts[first])
+    if aux.shape[0] != n or final.shape[0] != n:
+        raise ValueError(f"sequences {first}..{end - 1} have {n} tokens, the backend returned {aux.shape[0]} aux "
+                         f"and {final.shape[0]} final rows; expected one row per token")
     return {"input_ids": tok["input_ids"][base:base + n].clone(), "loss_mask": tok["loss_mask"][base:base + n].clone(),
-            "aux_hidden": aux_buf, "final_hidden": final_buf, "seq_starts": starts[first:end + 1] - base}
+            "aux_hidden": aux, "final_hidden": final, "seq_starts": starts[first:end + 1] - base}
+
+
+def target_config_json(target_dir):
+    """(the text model's config dict, architecture) read from target_dir/config.json as JSON, without
+    importing the model's code (engines load the target in their own processes)."""
+    path = os.path.join(str(target_dir), "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} not found: an engine backend needs the target as a local Hugging Face "
+                                f"folder (the embedded target resolves to its cache folder)")
+    with open(path) as f:
+        cfg = json.load(f)
+    return (cfg.get("text_config") or cfg), (cfg.get("architectures") or ["?"])[0]
+
+
+class HFCapture:
+    """The hf backend (the default and the reference): one forward of the Hugging Face model per
+    batch, hooks on the aux layers (capture_hidden_states). The engine backends (extract_vllm,
+    extract_sglang) have the same interface, so every backend writes shards through extract_with.
+
+        name, hidden_size, vocab_size   what the shards and the input check need
+        with capture: ...               an engine that can stays up across the extract_with calls inside
+        session(tok, lengths, plan, out_dir)
+                                        context manager around all shards of one call (engines start there)
+        shard(tok, lengths, first, end, store_dtype, bar)
+                                        -> (aux [n, k*H], final [n, H]) in store_dtype, in token order
+        stats()                         this call's backend figures (engine start, plain prefill, ...); its
+                                        `excluded_s` is session time that is not capture (start-up, checks)
+    """
+    name = "hf"
+
+    def __init__(self, model, aux_layer_ids, batch_tokens=4096):
+        self.model, self.aux_layer_ids, self.batch_tokens = model, [int(i) for i in aux_layer_ids], batch_tokens
+        self.vocab_size, self.hidden_size = _base_model(model).embed_tokens.weight.shape
+
+    def __enter__(self):      # engines keep one engine running across the calls inside `with capture:`
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def session(self, tok, lengths, plan, out_dir):
+        return contextlib.nullcontext()
+
+    def shard(self, tok, lengths, first, end, store_dtype, bar):
+        return _extract_shard(self.model, tok, lengths, first, end, self.aux_layer_ids, self.batch_tokens,
+                              store_dtype, self.hidden_size, bar)
+
+    def stats(self):
+        return {}
 
 
 def extract(model, tokens, aux_layer_ids, out_dir, contract, batch_tokens=4096, shard_max_tokens=None,
             store_dtype=torch.bfloat16, progress=True, free_bytes=None, verify_existing=True):
-    """Capture aux + final hidden states for every sequence and write them as shards in out_dir.
+    """Capture aux + final hidden states for every sequence with the Hugging Face model (the hf
+    backend) and write them as shards in out_dir; see extract_with."""
+    return extract_with(HFCapture(model, aux_layer_ids, batch_tokens), tokens, aux_layer_ids, out_dir, contract,
+                        batch_tokens=batch_tokens, shard_max_tokens=shard_max_tokens, store_dtype=store_dtype,
+                        progress=progress, free_bytes=free_bytes, verify_existing=verify_existing)
+
+
+def extract_with(capture, tokens, aux_layer_ids, out_dir, contract, batch_tokens=4096, shard_max_tokens=None,
+                 store_dtype=torch.bfloat16, progress=True, free_bytes=None, verify_existing=True):
+    """Capture aux + final hidden states for every sequence through `capture` (a backend:
+    HFCapture, extract_vllm.VLLMCapture, extract_sglang.SGLangCapture) and write them as shards.
 
     Resumes where an earlier call stopped (killed or not): shards the manifest lists and that
     verify are kept, bad or unlisted ones are redone. A complete extraction is not redone.
     shard_max_tokens=None means about 1 GiB per shard. free_bytes overrides the free disk space
     (for tests). verify_existing=False checks existing shards by size instead of sha256.
+    batch_tokens is recorded in the manifest (and used by the hf backend).
 
-    Returns {sequences, tokens (done in this call), total_sequences, total_tokens, shards,
-    bytes (all shards on disk), bytes_per_token, seconds, tokens_per_s (this call's
-    forward+capture+write), complete}.
+    Returns {backend, sequences, tokens (done in this call), total_sequences, total_tokens, shards,
+    bytes (all shards on disk), bytes_per_token, seconds, tokens_per_s (this call's capture+write,
+    engine start-up excluded), complete} plus the backend's stats() (engine start, plain prefill...).
     """
     tok = as_token_tensors(tokens)
-    embed = _base_model(model).embed_tokens
-    vocab, hidden_size = embed.weight.shape
+    vocab, hidden_size = int(capture.vocab_size), int(capture.hidden_size)
     for key, have in (("aux_layer_ids", [int(i) for i in aux_layer_ids]), ("hidden_size", hidden_size)):
         if key in contract and contract[key] != have:
             raise ValueError(f"contract[{key!r}] is {contract[key]!r} but this extraction has {have!r} (from the "
@@ -471,30 +542,37 @@ def extract(model, tokens, aux_layer_ids, out_dir, contract, batch_tokens=4096, 
     if plan:
         need = todo_tokens * bytes_per_token(hidden_size, store_dtype, len(aux_layer_ids)) + 4096 * len(plan) + 2**16
         free = shutil.disk_usage(out_dir).free if free_bytes is None else free_bytes
-        print(f"extract: {sum(b - a for a, b in plan):,} sequences, {todo_tokens:,} tokens to do in {len(plan)} "
-              f"shards; needs ~{need / 1e9:.3f} GB ({need:,} bytes), {free:,} bytes free in {out_dir}")
+        print(f"extract ({capture.name}): {sum(b - a for a, b in plan):,} sequences, {todo_tokens:,} tokens to do in "
+              f"{len(plan)} shards; needs ~{need / 1e9:.3f} GB ({need:,} bytes), {free:,} bytes free in {out_dir}")
         if free < need:
             raise OSError(f"not enough disk space in {out_dir}: the remaining shards need ~{need:,} bytes, "
                           f"{free:,} bytes are free; free space, pick another out_dir, or extract fewer tokens")
 
-    t0 = time.perf_counter()
-    with tqdm(total=todo_tokens, unit="tok", unit_scale=True, disable=not progress, desc="extract") as bar:
-        for first, end in plan:
-            t = _extract_shard(model, tok, lengths, first, end, aux_layer_ids, batch_tokens, store_dtype, hidden_size,
-                               bar)
-            manifest["shards"].append(write_shard(out_dir, t, first, aux_layer_ids))
-            manifest["shards"].sort(key=lambda e: e["first_sequence"])
-            _write_json(os.path.join(out_dir, MANIFEST), manifest)
-    seconds = time.perf_counter() - t0
+    seconds, stats = 0.0, {}
+    if plan:
+        t0 = time.perf_counter()
+        with tqdm(total=todo_tokens, unit="tok", unit_scale=True, disable=not progress, desc="extract") as bar, \
+                capture.session(tok, lengths, plan, out_dir):
+            for first, end in plan:
+                aux, final = capture.shard(tok, lengths, first, end, store_dtype, bar)
+                t = shard_tensors(tok, first, end, aux.to(store_dtype), final.to(store_dtype))
+                manifest["shards"].append(write_shard(out_dir, t, first, aux_layer_ids))
+                manifest["shards"].sort(key=lambda e: e["first_sequence"])
+                _write_json(os.path.join(out_dir, MANIFEST), manifest)
+        stats = capture.stats()
+        # Engine start-up (loading the target, spawning workers) is reported apart, not as capture time.
+        seconds = time.perf_counter() - t0 - stats.get("excluded_s", 0.0)
+        if stats.get("wire_bytes"):   # what an engine sent back per token (its cost of the final state shows here)
+            stats["wire_bytes_per_token"] = stats["wire_bytes"] / max(1, todo_tokens)
     if not manifest["complete"]:
         manifest["complete"] = True
         _write_json(os.path.join(out_dir, MANIFEST), manifest)
     total_bytes = sum(e["bytes"] for e in manifest["shards"])
-    return {"sequences": sum(b - a for a, b in plan), "tokens": todo_tokens,
+    return {"backend": capture.name, "sequences": sum(b - a for a, b in plan), "tokens": todo_tokens,
             "total_sequences": manifest["num_sequences"], "total_tokens": manifest["num_tokens"],
             "shards": len(manifest["shards"]), "bytes": total_bytes,
             "bytes_per_token": total_bytes / max(1, manifest["num_tokens"]), "seconds": seconds,
-            "tokens_per_s": todo_tokens / seconds if plan else None, "complete": True}
+            "tokens_per_s": todo_tokens / seconds if plan and seconds > 0 else None, "complete": True, **stats}
 
 
 # ---------------------------------------------------------------------------
@@ -554,3 +632,97 @@ class ShardSet:
     def verify_all(self) -> int:
         """Read every shard once (sha256 and shape checks); returns the number of sequences."""
         return sum(self.load(i)["seq_starts"].numel() - 1 for i in range(len(self.shards)))
+
+
+# ---------------------------------------------------------------------------
+# comparing backends
+
+
+def _tolerance(dtype):
+    return {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}.get(dtype, 5e-2)
+
+
+def compare_shard_sets(engine_dir, reference_dir, lm_head=None, rel_tol=None, chunk=2048):
+    """Per-layer agreement of two extractions of the same tokens (an engine backend against hf).
+
+    For each aux slot (our id) and the final state: max_abs (largest |a-b|), max_ref (largest |b|),
+    max_rel = max_abs / max_ref, rel_rms = ||a-b|| / ||b||, min_cos (the worst token's cosine).
+    With lm_head [V, H]: argmax_agree, the share of tokens whose lm_head(final) argmax is equal.
+    ok: same tokens, every rel_rms <= rel_tol (default by dtype: fp32 1e-4, fp16 1e-2, bf16 5e-2).
+    """
+    a_set, b_set = ShardSet(engine_dir), ShardSet(reference_dir)
+    ids = a_set.manifest["aux_layer_ids"]
+    if ids != b_set.manifest["aux_layer_ids"]:
+        raise ValueError(f"aux ids differ: {engine_dir} has {ids}, {reference_dir} {b_set.manifest['aux_layer_ids']}")
+    names = [f"aux_{i}" for i in ids] + ["final"]
+    acc = {n: {"max_abs": 0.0, "max_ref": 0.0, "sq_diff": 0.0, "sq_ref": 0.0, "min_cos": 1.0} for n in names}
+    agree = total = 0
+    seqs = 0
+    for (ia, ma, aa, fa), (ib, mb, ab, fb) in zip(a_set, b_set):
+        if not (torch.equal(ia, ib) and torch.equal(ma, mb)):
+            raise ValueError(f"sequence {seqs}: the two extractions hold different tokens; compare extractions of "
+                             f"the same inputs")
+        seqs += 1
+        H = fa.shape[1]
+        parts = [(aa[:, k * H:(k + 1) * H], ab[:, k * H:(k + 1) * H]) for k in range(len(ids))] + [(fa, fb)]
+        for n, (x, y) in zip(names, parts):
+            x, y = x.double(), y.double()
+            d = (x - y)
+            r = acc[n]
+            r["max_abs"] = max(r["max_abs"], float(d.abs().max()))
+            r["max_ref"] = max(r["max_ref"], float(y.abs().max()))
+            r["sq_diff"] += float((d * d).sum())
+            r["sq_ref"] += float((y * y).sum())
+            r["min_cos"] = min(r["min_cos"], float(torch.nn.functional.cosine_similarity(x, y, dim=-1).min()))
+        if lm_head is not None:
+            w = lm_head.float()
+            for s in range(0, fa.shape[0], chunk):
+                la = fa[s:s + chunk].to(w.device, torch.float32) @ w.T
+                lb = fb[s:s + chunk].to(w.device, torch.float32) @ w.T
+                agree += int((la.argmax(-1) == lb.argmax(-1)).sum())
+                total += la.shape[0]
+    if seqs != len(b_set) or seqs != len(a_set):
+        raise ValueError(f"{engine_dir} holds {len(a_set)} sequences, {reference_dir} {len(b_set)}; expected the same")
+    dtype = next(iter(a_set))[2].dtype if len(a_set) else torch.float32
+    tol = _tolerance(dtype) if rel_tol is None else rel_tol
+    layers = {}
+    for n in names:
+        r = acc[n]
+        layers[n] = {"max_abs": r["max_abs"], "max_ref": r["max_ref"], "max_rel": r["max_abs"] / max(r["max_ref"], 1e-30),
+                     "rel_rms": (r["sq_diff"] / max(r["sq_ref"], 1e-300)) ** 0.5, "min_cos": r["min_cos"]}
+    out = {"sequences": seqs, "tokens": a_set.num_tokens, "dtype": str(dtype).removeprefix("torch."), "rel_tol": tol,
+           "layers": layers, "ok": all(v["rel_rms"] <= tol for v in layers.values())}
+    if lm_head is not None:
+        out["argmax_agree"] = agree / max(1, total)
+    return out
+
+
+@torch.inference_mode()
+def layer_probe(model, engine_dir, aux_layer_ids, max_sequences=8):
+    """Which HF layer each of an engine's aux slots really holds: rel_rms of slot k against HF
+    hidden_states[i-1], [i], [i+1] (i = the id it should hold) on the first sequences. An
+    off-by-one id translation shows as a best match at i-1 or i+1."""
+    base = _base_model(model)
+    n_layers = len(base.layers)
+    cands = sorted({j for i in aux_layer_ids for j in (i - 1, i, i + 1) if 0 <= j < n_layers})
+    sq = {(k, j): [0.0, 0.0] for k in range(len(aux_layer_ids)) for j in cands}
+    device = base.embed_tokens.weight.device
+    for s, (ids, _, aux, _) in enumerate(ShardSet(engine_dir)):
+        if s >= max_sequences:
+            break
+        ref, _ = capture_hidden_states(model, ids.long()[None].to(device), torch.ones(1, len(ids), dtype=torch.long,
+                                       device=device), cands)
+        ref = ref[0].double().cpu()
+        H = ref.shape[1] // len(cands)
+        for k in range(len(aux_layer_ids)):
+            x = aux[:, k * H:(k + 1) * H].double()
+            for c, j in enumerate(cands):
+                y = ref[:, c * H:(c + 1) * H]
+                sq[(k, j)][0] += float(((x - y) ** 2).sum())
+                sq[(k, j)][1] += float((y * y).sum())
+    slots = []
+    for k, i in enumerate(aux_layer_ids):
+        errs = {j: (sq[(k, j)][0] / max(sq[(k, j)][1], 1e-300)) ** 0.5 for j in cands if abs(j - i) <= 1}
+        best = min(errs, key=errs.get)
+        slots.append({"want": int(i), "best": int(best), "rel_rms": {str(j): e for j, e in errs.items()}})
+    return {"slots": slots, "ok": all(x["want"] == x["best"] for x in slots)}

@@ -79,12 +79,29 @@ class DataParams(Section):
     regenerate: RegenerateParams = RegenerateParams()
 
 
+EXTRACT_BACKENDS = {
+    "hf": "one Hugging Face forward per batch in this process (the default and the reference)",
+    "vllm": "vLLM's extract_hidden_states speculative method in engine.python (CPU build here; tensor parallel on GPUs)",
+    "sglang": "an SGLang server returning hidden states (GPU hosts; two passes: final state, then the aux states)",
+}
+
+
 class ExtractParams(Section):
-    batch_tokens: int = Field(4096, gt=0, description="padded tokens per forward")
+    backend: str = Field("hf", description="how the target runs: " + "; ".join(f"{k}: {v}" for k, v in EXTRACT_BACKENDS.items()))
+    batch_tokens: int = Field(4096, gt=0, description="padded tokens per forward (hf) / per request (engines)")
     shard_max_tokens: int = Field(32768, gt=0)
     store_dtype: Dtype = "bfloat16"
     splits: list[Literal["train", "val"]] = ["train", "val"]
-    forward_benchmark_batches: int = Field(4, ge=0, description="batches timed with the plain forward for the overhead ratio")
+    forward_benchmark_batches: int = Field(4, ge=0, description="batches timed with the plain forward (hf) or the "
+                                                                "engine's plain prefill, for the capture overhead ratio")
+
+    @field_validator("backend")
+    @classmethod
+    def _backend(cls, v):
+        if v not in EXTRACT_BACKENDS:
+            raise ValueError(f"unknown extraction backend {v!r}; expected one of: "
+                             + "; ".join(f"'{k}' ({d})" for k, d in EXTRACT_BACKENDS.items()))
+        return v
 
 
 class TrainParams(Section):

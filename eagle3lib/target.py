@@ -258,6 +258,7 @@ def make_contract(target_name: str, model, tokenizer, aux_layer_ids, dtype) -> d
     return {
         "target": target_name,
         "target_fingerprint": target_fingerprint(model.config),
+        "target_architecture": (getattr(model.config, "architectures", None) or [None])[0],  # engines' layer-id rules
         "hidden_size": config.hidden_size,
         "vocab_size": config.vocab_size,
         "num_layers": layers,

@@ -186,6 +186,24 @@ def test_sglang_gate_rejects_broken(exports, tmp_path, case):
     assert any(words in p for p in report["problems"]), report["problems"]
 
 
+def test_sglang_ids_follow_the_targets_rule(ckpt, tmp_path):
+    """SGLang 0.5.17 adds 1 to a DeepSeek/Kimi target's config ids only when the first is 1: aux ids
+    [3, 15, 27] must be written as they are there (ours - 1 on Llama), and the gate knows which is which."""
+    src = shutil.copytree(ckpt[0], tmp_path / "deepseek-drafter")
+    config, contract = json.loads((src / "config.json").read_text()), json.loads((src / "eagle3.json").read_text())
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [3, 15, 27]
+    contract.update(aux_layer_ids=[3, 15, 27], target_architecture="DeepseekV3ForCausalLM")
+    (src / "config.json").write_text(json.dumps(config))
+    (src / "eagle3.json").write_text(json.dumps(contract))
+    out = ex.export(src, "sglang", tmp_path / "sglang")
+    assert json.loads((out / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [3, 15, 27]
+    assert ex.check_sglang(out)["ok"]
+    llama_ids = edited(out, tmp_path / "llama-ids",
+                       config=lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 14, 26]))
+    report = ex.check_sglang(llama_ids)
+    assert not report["ok"] and any("[2, 14, 26]" in p for p in report["problems"]), report["problems"]
+
+
 def test_cli_convert_and_verify(ckpt, tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("EAGLE3_CACHE_DIR", str(ckpt[1]))
     out = tmp_path / "sg"

@@ -24,6 +24,13 @@ def preflight(target_dir, draft_dir, depth: int, python: str) -> dict:
     problems = export.check_sglang_args(args)
     report = export.run_engine_check(["sglang", str(draft_dir), "--args", json.dumps(args)], python)
     problems += report.get("problems", [])
+    contract = export.read_contract(draft_dir)
+    ids = report.get("eagle_aux_hidden_state_layer_ids")
+    report["captured_hf_layers"] = export.sglang_captured_ids(ids, contract.get("target_architecture"),
+                                                              contract.get("num_layers") or 0) if ids else None
+    if ids and report["captured_hf_layers"] != contract.get("aux_layer_ids"):
+        problems.append(f"SGLang will capture HF hidden_states {report['captured_hf_layers']}, the drafter was "
+                        f"trained on {contract.get('aux_layer_ids')}: re-export it with eagle3lib.export.")
     if problems:
         raise EngineError("SGLang would not run the drafter as asked:\n  " + "\n  ".join(problems))
     return report
