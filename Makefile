@@ -1,5 +1,6 @@
 # make run   : set up .venv (once) and run the whole pipeline on the embedded default
 # make test  : set up .venv (once) and run the test suite
+# make lab   : set up .venv (once) and open JupyterLab on notebooks/ with .venv as the kernel
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
@@ -8,7 +9,7 @@ export OMP_WAIT_POLICY := PASSIVE
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run test lab clean-venv
+.PHONY: setup run test lab browser clean-venv
 
 setup: $(VENV)/.installed
 
@@ -24,9 +25,21 @@ $(VENV)/.installed: pyproject.toml Makefile
 run: setup vllm-env sglang-env
 	$(BIN)/python -m eagle3lib run $(PARAMS)
 
-# The engine environments let the tests run the real vLLM/SGLang load-back gates.
-test: setup vllm-env sglang-env
+# The engine environments let the tests run the real vLLM/SGLang load-back gates; Chromium checks the reports.
+test: setup vllm-env sglang-env browser
 	$(BIN)/python -m pytest -q -ra tests
+
+# The kernel spec 'python3' (the notebooks' kernel) is rewritten to point at .venv's python by absolute path,
+# so notebooks see eagle3lib whatever the PATH. LAB_ARGS passes options, e.g. LAB_ARGS="--no-browser --port 8899".
+lab: setup
+	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (eagle3-workbook)"
+	$(BIN)/jupyter lab --notebook-dir=notebooks --ServerApp.ip=127.0.0.1 $(if $(SUDO),,--allow-root) $(LAB_ARGS)
+
+# Headless Chromium and its driver for tests/test_browser.py (Debian packages; root or sudo).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+browser:
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then echo "chromium: $$(chromium --version 2>/dev/null)"; \
+	else $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver; fi
 
 clean-venv:
 	rm -rf $(VENV)

@@ -18,6 +18,8 @@ import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from tqdm.auto import tqdm
+
 from . import engines, export
 
 
@@ -102,12 +104,18 @@ def compare_outputs(outputs: list[dict], baseline: list[dict]) -> dict:
 def benchmark(engine_params, bench_params, target_dir, draft_dir, prompts: list[dict], log_dir,
               eval_summary: dict | None = None, progress=print) -> dict:
     """The sweep: baseline, then bench.depths in order, at each concurrency. Returns {rows, differences,
-    recommendation, ...}; rows carry the fields of issue 5 plus tpot_ms, drafts, efficiency, ready_s, log."""
+    recommendation, ...}; rows carry the fields of issue 5 plus tpot_ms, drafts, efficiency, ready_s, log;
+    baseline_outputs holds the no-speculation outputs per concurrency. progress: a callable for status lines
+    (a tqdm.auto bar counts the configurations too), or None for quiet."""
     dtype = bench_params.dtype
     started = time.time()
     rows, outputs, differences = [], {}, []
-    for depth in [None] + list(bench_params.depths):
-        progress(f"[bench] {engines.config_name(depth, dtype)}: starting {engine_params.name}")
+    configs = [None] + list(bench_params.depths)
+    say = progress or (lambda _line: None)
+    bar = tqdm(total=len(configs), desc="sweep", unit="config", disable=progress is None)
+    for depth in configs:
+        say(f"[bench] {engines.config_name(depth, dtype)}: starting {engine_params.name}")
+        bar.set_postfix_str(engines.config_name(depth, dtype))
         for r in run_config(engine_params, target_dir, draft_dir, depth, prompts, bench_params.max_tokens,
                             bench_params.concurrency, log_dir, dtype):
             outs = r.pop("outputs")
@@ -129,13 +137,16 @@ def benchmark(engine_params, bench_params, target_dir, draft_dir, prompts: list[
             # issue 5's goal: tokens/s >= 0.8 x acceptance length x baseline tokens/s, i.e. efficiency >= 0.8
             r["efficiency"] = r["speedup"] / r["accept_len"] if r.get("accept_len") else None
             rows.append(r)
-            progress(f"[bench]   concurrency {r['concurrency']}: {r['tokens_per_s']:.1f} tokens/s, speedup "
-                     f"{r['speedup']:.2f}, acceptance {_fmt(r.get('accept_len'))}, lossless {r['lossless_frac']:.2f}")
+            say(f"[bench]   concurrency {r['concurrency']}: {r['tokens_per_s']:.1f} tokens/s, speedup "
+                f"{r['speedup']:.2f}, acceptance {_fmt(r.get('accept_len'))}, lossless {r['lossless_frac']:.2f}")
+        bar.update(1)
+    bar.close()
     baseline_agree = None
     if len(outputs) > 1:   # the baseline against itself across concurrency: batching's own rounding
         cs = sorted(outputs)
         baseline_agree = compare_outputs(outputs[cs[-1]], outputs[cs[0]])["lossless_frac"]
     return {"rows": rows, "differences": differences, "baseline_agreement_across_concurrency": baseline_agree,
+            "baseline_outputs": {str(c): outs for c, outs in outputs.items()},  # [{id, token_ids, text}] per concurrency
             "dtype": dtype or "engine default", "restart_per_configuration": True,
             "lossless_reference": f"baseline (no speculation) at the same concurrency, dtype {dtype or 'engine default (bf16 on CPU)'}",
             "seconds": round(time.time() - started, 1)}

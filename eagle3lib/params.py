@@ -148,6 +148,8 @@ class BenchParams(Section):
     concurrency: list[int] = [1, 8]
     num_prompts: int = Field(16, gt=0)
     max_tokens: int = Field(128, gt=0)
+    replay_prompts: int = Field(4, ge=1, description="prompts whose speculative decoding is replayed with the HF "
+                                "target to colour each token by its origin (~10 s per prompt and depth on 2 cores)")
     dtype: Optional[Dtype] = Field(
         None, description="engine --dtype for the benchmark; null = the engine's default (bf16 on CPU). float32 "
                           "checks losslessness token for token (bf16 kernels round differently per batch shape)")

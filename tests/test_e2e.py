@@ -6,18 +6,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3lib import extract, pipeline
+from eagle3lib import extract, pipeline, provenance
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def ci_run(tmp_path_factory, embedded_cache):
-    out_root = tmp_path_factory.mktemp("outputs")
-    overrides = {"run.output_root": str(out_root), "run.cache_dir": str(embedded_cache[0])}
-    run_dir = pipeline.run_pipeline(ROOT / "params" / "ci.yaml", overrides, log_output=False)
-    return run_dir, overrides
+# ci_run: the session's pipeline run on params/ci.yaml (conftest.py), shared with test_browser.py and test_lab.py
 
 
 def result(run_dir, stage):
@@ -96,3 +91,22 @@ def test_benchmark_is_lossless_in_fp32_and_measures_acceptance(ci_run):
     assert spec["drafts"] > 0 and spec["accept_len"] >= 1.0 and len(spec["per_pos"]) == 5
     assert spec["lossless_frac"] == 1.0, r["differences"]
     assert r["recommendation"]["1"]
+
+
+def test_benchmark_replay_matches_the_engine(ci_run):
+    """The replay of greedy speculative decoding with our drafter against the HF target (fp32 in ci) gives the
+    engine's no-speculation outputs, token for token, and the acceptance vLLM measured with the same drafter."""
+    run_dir = ci_run[0]
+    rows = result(run_dir, "05_benchmark")["figures"]["rows"]
+    prov = provenance.load(run_dir / "05_benchmark" / "provenance.json")
+    assert prov["depths"] == [5] and prov["target_dtype"] == "float32" and len(prov["prompts"]) == 4
+    for rec in prov["prompts"]:
+        replay = rec["replays"]["5"]
+        assert replay["equals_baseline"], rec["id"]
+        assert len(replay["source"]) == 32 and max(replay["source"]) <= 5
+        assert "".join(replay["pieces"]) and replay["pieces"] == rec["baseline"]["pieces"]
+    engine = next(row for row in rows if row["config"] == "depth5-float32")
+    assert prov["summary"]["5"]["accept_len"] == pytest.approx(engine["accept_len"], abs=0.1)
+    # the report shows it: the summary table and a coloured prompt
+    page = (run_dir / "05_benchmark" / "05_benchmark.html").read_text()
+    assert "replay accept len" in page and "from the target (prefill or verification)" in page
