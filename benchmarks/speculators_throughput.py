@@ -1,8 +1,8 @@
 """The train_throughput.py measurement for vLLM's `speculators` (0.9.0) EAGLE-3 drafter.
 
-    python benchmarks/speculators_throughput.py                      # Llama-3.1-8B shape, GPU
-    python benchmarks/speculators_throughput.py --small --device cpu --seqs 256 --steps 2 --warmup 1
+    python benchmarks/train_throughput.py --impl speculators          # Llama-3.1-8B shape, GPU
     python benchmarks/train_throughput.py --impl both                 # speculators and ours, alternating
+    python benchmarks/train_throughput.py --small --device cpu --impl both --seqs 256 --steps 2 --warmup 1
 
 `measure_speculators` builds speculators' own `Eagle3DraftModel` from its own config classes
 (`Eagle3SpeculatorConfig`, `SpeculatorsConfig`, `VerifierConfig`, `GreedyTokenProposalConfig`) the way
@@ -59,9 +59,7 @@ fused kernels, the autotuner fix and torch.compile only run on the GPU.
 """
 from __future__ import annotations
 
-import argparse
 import gc
-import json
 import statistics
 import sys
 import time
@@ -251,31 +249,3 @@ def measure_speculators(seq: int, ttt: int, steps: int, warmup: int, device: str
     torch._dynamo.reset()  # drop the compiled graphs of this length before the next measurement
     gc.collect()
     return out
-
-
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--small", action="store_true", help="a small config, for a CPU dry run")
-    ap.add_argument("--seqs", default="8192,16384,32768,65536,131072")
-    ap.add_argument("--ttt", type=int, default=5)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--warmup", type=int, default=2)
-    args = ap.parse_args()
-    results = []
-    for seq in [int(s) for s in args.seqs.split(",")]:
-        try:
-            r = measure_speculators(seq, args.ttt, args.steps, args.warmup, args.device, small=args.small)
-        except torch.OutOfMemoryError as e:
-            r = {"seq": seq, "error": f"out of memory: {str(e).splitlines()[0]}"}
-        gc.collect()
-        if args.device.startswith("cuda"):
-            torch.cuda.empty_cache()
-        results.append(r)
-        print(json.dumps(r), flush=True)
-    print(json.dumps({"impl": "speculators", "config": "small" if args.small else "llama-3.1-8b",
-                      "ttt_steps": args.ttt, "results": results}))
-
-
-if __name__ == "__main__":
-    main()
