@@ -3,6 +3,7 @@ import json
 import re
 
 import nbformat
+import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
 from eagle3lib import pipeline, report
@@ -99,15 +100,18 @@ def test_recommendation_reads_either_way(tmp_path):
     assert "python -m vllm ... 5" in page
 
 
+def run_with_failing_cell(nbs, params_file, notebook: str, cell: int, source: str) -> None:
+    """Make one cell of a workbook notebook raise, then run the pipeline through the failure."""
+    nb = nbformat.read(nbs / notebook, as_version=4)
+    nb.cells[cell].source = source
+    nbformat.write(nb, nbs / notebook)
+    with pytest.raises(pipeline.StageError):
+        pipeline.run_pipeline(params_file, notebooks_dir=nbs, log_output=False)
+
+
 def test_failed_stage_report_says_so_first(tmp_path):
     nbs, params_file = make_workbook(tmp_path)
-    nb = nbformat.read(nbs / "01_next.ipynb", as_version=4)
-    nb.cells[1].source = "raise ValueError('no luck today')"
-    nbformat.write(nb, nbs / "01_next.ipynb")
-    try:
-        pipeline.run_pipeline(params_file, notebooks_dir=nbs, log_output=False)
-    except pipeline.StageError:
-        pass
+    run_with_failing_cell(nbs, params_file, "01_next.ipynb", 1, "raise ValueError('no luck today')")
     run_dir = tmp_path / "outputs" / "t"
     page = (run_dir / "01_next" / "01_next.html").read_text().replace('"', "'")
     assert page.index("stage failed after") < page.index("Traceback")
@@ -120,13 +124,7 @@ def test_failed_stage_report_says_so_first(tmp_path):
 def test_index_marks_results_a_failure_left_from_an_earlier_run(tmp_path):
     nbs, params_file = make_workbook(tmp_path)
     run_dir = pipeline.run_pipeline(params_file, notebooks_dir=nbs, log_output=False)
-    nb = nbformat.read(nbs / "00_look.ipynb", as_version=4)
-    nb.cells[2].source = "raise KeyError('gone')"
-    nbformat.write(nb, nbs / "00_look.ipynb")
-    try:
-        pipeline.run_pipeline(params_file, notebooks_dir=nbs, log_output=False)
-    except pipeline.StageError:
-        pass
+    run_with_failing_cell(nbs, params_file, "00_look.ipynb", 2, "raise KeyError('gone')")
     page = (run_dir / "index.html").read_text()
     assert "0 of 2 stages finished" in page and "the run stopped when 00_look failed'>ok, earlier run<" in page
 
