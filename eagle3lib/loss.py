@@ -18,6 +18,11 @@ import torch
 CHUNK_ELEMENTS = 2 ** 26  # rows per chunk × vocab: 256 MiB of fp32 logits
 
 
+def compute_dtype(device_type: str, default: torch.dtype) -> torch.dtype:
+    """The dtype matmuls run in: autocast's when it is on for this device, else default."""
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else default
+
+
 def target_probs(final: torch.Tensor, head_draft: torch.Tensor, dtype: torch.dtype,
                  chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
     """softmax(final · head_draftᵀ) over the draft vocab, [N, V] in dtype, made chunk by chunk."""
@@ -36,18 +41,18 @@ class LinearSoftCE(torch.autograd.Function):
     positions ahead); rows whose target falls outside are expected to be invalid."""
 
     @staticmethod
-    def forward(ctx, h, weight, probs, valid, offset: int, compute_dtype: torch.dtype, chunk_elements: int):
+    def forward(ctx, h, weight, probs, valid, offset: int, dtype: torch.dtype, chunk_elements: int):
         n, v = h.shape[0], weight.shape[0]
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]   # a frozen lm_head needs no grad_w
-        w = weight.to(compute_dtype)
+        w = weight.to(dtype)
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         best = torch.empty(n, dtype=torch.long, device=h.device)
-        grad_h = torch.empty(n, h.shape[1], dtype=compute_dtype, device=h.device) if want_h else None
+        grad_h = torch.empty(n, h.shape[1], dtype=dtype, device=h.device) if want_h else None
         grad_w = torch.zeros(v, h.shape[1], dtype=torch.float32, device=h.device) if want_w else None
         rows = max(1, chunk_elements // v)
         for a in range(0, n, rows):
             b = min(n, a + rows)
-            x = h[a:b].to(compute_dtype)
+            x = h[a:b].to(dtype)
             z = (x @ w.T).float()
             p = torch.zeros_like(z)
             end = min(probs.shape[0], b + offset)
@@ -59,7 +64,7 @@ class LinearSoftCE(torch.autograd.Function):
             loss += ((lse * p_sum - (p * z).sum(-1)) * mask).sum()
             best[a:b] = z.argmax(-1)
             if want_h or want_w:
-                g = ((torch.exp(z - lse[:, None]) * p_sum[:, None] - p) * mask[:, None]).to(compute_dtype)
+                g = ((torch.exp(z - lse[:, None]) * p_sum[:, None] - p) * mask[:, None]).to(dtype)
                 if want_h:
                     grad_h[a:b] = g @ w
                 if want_w:
@@ -79,11 +84,10 @@ class LinearSoftCE(torch.autograd.Function):
 
 
 def linear_soft_ce(h: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor, offset: int = 0,
-                   compute_dtype: torch.dtype | None = None, chunk_elements: int = CHUNK_ELEMENTS):
+                   dtype: torch.dtype | None = None, chunk_elements: int = CHUNK_ELEMENTS):
     """Σ over valid rows of the soft CE of h·weightᵀ against probs shifted by offset, and the
     per-row argmax of the logits. h [..., H] and valid [...] are flattened together."""
-    if compute_dtype is None:
-        compute_dtype = torch.get_autocast_dtype(h.device.type) if torch.is_autocast_enabled(h.device.type) else h.dtype
+    dtype = compute_dtype(h.device.type, h.dtype) if dtype is None else dtype
     flat_h = h.reshape(-1, h.shape[-1])
-    loss, best = LinearSoftCE.apply(flat_h, weight, probs, valid.reshape(-1), offset, compute_dtype, chunk_elements)
+    loss, best = LinearSoftCE.apply(flat_h, weight, probs, valid.reshape(-1), offset, dtype, chunk_elements)
     return loss, best.view(h.shape[:-1])

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from .drafter import Drafter, DrafterConfig
-from .loss import linear_soft_ce, target_probs
+from .loss import compute_dtype, linear_soft_ce, target_probs
 from .metrics import AcceptanceCounter
 
 CHECKPOINTS = "checkpoints"
@@ -141,8 +141,7 @@ def ttt_loss_sums(drafter: Drafter, batch: dict, embed: torch.Tensor, head_full:
     ids, docs = batch["input_ids"], batch["doc_ids"]
     dtype = drafter.fc.weight.dtype
     aux, final = batch["aux"].to(dtype), batch["final"].to(dtype)
-    device_type = aux.device.type
-    compute = torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else dtype
+    compute = compute_dtype(aux.device.type, dtype)
     with torch.no_grad():
         probs = target_probs(final, head_full[drafter.t2d].to(compute), compute)   # [B·T, V_draft]
         # The full-vocab argmax costs as much as a target lm_head; only metrics need it.
@@ -153,7 +152,7 @@ def ttt_loss_sums(drafter: Drafter, batch: dict, embed: torch.Tensor, head_full:
     for k in range(steps):
         valid = valid_positions(batch, k)
         loss, best = linear_soft_ce(drafter.norm(hidden[k]), drafter.lm_head.weight, probs, valid, offset=1 + k,
-                                    compute_dtype=compute)
+                                    dtype=compute)
         sums.append(loss)
         counts.append(valid.sum())
         valids.append(valid)
