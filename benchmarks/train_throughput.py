@@ -46,7 +46,7 @@ def synthetic_batch(cfg: DrafterConfig, seq: int, device, dtype):
 
 def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, device: str,
             checkpoint: bool = False, compile_layer: bool = False, profile: bool = False,
-            freeze_lm_head: bool = False) -> dict:
+            freeze_lm_head: bool = False, eager_loss: bool = False) -> dict:
     """Median tokens/s of full training steps on one packed row of seq tokens, and peak memory.
     Under torchrun every rank runs the step on its own row and the gradients are all-reduced
     as eagle3lib.train does; tokens/s is then the sum over ranks."""
@@ -65,7 +65,7 @@ def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, dev
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype) * 0.02
     head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, device=device, dtype=dtype) * 0.02
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4)
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)  # as eagle3lib.train makes it
     batch = synthetic_batch(cfg, seq, device, dtype)
     weights = torch.tensor([0.8 ** k for k in range(ttt)], device=device)
     if cuda:
@@ -74,7 +74,7 @@ def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, dev
     def train_step():
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             sums, counts, _, _ = ttt_loss_sums(drafter, batch, embed, head, ttt, with_metrics=False,
-                                               checkpoint=checkpoint)
+                                               checkpoint=checkpoint, fused_loss=False if eager_loss else None)
         loss = (weights * sums / counts.clamp(min=1)).sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -102,7 +102,7 @@ def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, dev
         sort = "device_time_total" if cuda else "cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70), flush=True)
     out = {"seq": seq, "ranks": world, "checkpoint": checkpoint, "compile_layer": compile_layer,
-           "freeze_lm_head": freeze_lm_head,
+           "freeze_lm_head": freeze_lm_head, "loss_kernel": "eager" if eager_loss or not cuda else "compiled",
            "tokens_per_s": round(world * seq / statistics.median(times), 1),
            "step_s_median": round(statistics.median(times), 4), "loss": round(loss.item(), 4)}
     if cuda:
@@ -111,14 +111,14 @@ def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, dev
 
 
 def measure_or_oom(cfg, seq, ttt, steps, warmup, device, checkpoint: str, compile_layer: bool,
-                   profile: bool = False, freeze_lm_head: bool = False) -> dict:
+                   profile: bool = False, freeze_lm_head: bool = False, eager_loss: bool = False) -> dict:
     """checkpoint: "off", "on", or "auto" (off, and on again if off runs out of memory)."""
     tries = {"off": [False], "on": [True], "auto": [False, True]}[checkpoint]
     errors = []
     for ckpt in tries:
         try:
             return measure(cfg, seq, ttt, steps, warmup, device, checkpoint=ckpt, compile_layer=compile_layer,
-                           profile=profile, freeze_lm_head=freeze_lm_head)
+                           profile=profile, freeze_lm_head=freeze_lm_head, eager_loss=eager_loss)
         except torch.OutOfMemoryError as e:
             errors.append(f"checkpoint={ckpt}: out of memory: {str(e).splitlines()[0]}")
         finally:
@@ -140,6 +140,7 @@ def main():
     ap.add_argument("--compile-layer", action="store_true", help="torch.compile the decoder layer's norms and MLP")
     ap.add_argument("--profile", action="store_true", help="print a kernel breakdown of one step at the first length")
     ap.add_argument("--freeze-lm-head", action="store_true", help="ours with a frozen lm_head, as speculators trains")
+    ap.add_argument("--eager-loss", action="store_true", help="the loss's per-chunk maths eager, not compiled (ablation)")
     ap.add_argument("--impl", choices=["ours", "speculators", "both"], default="ours",
                     help="whose training step: ours, vLLM speculators' EAGLE-3 (benchmarks/speculators_throughput.py),"
                          " or both, alternating at each length")
@@ -185,7 +186,8 @@ def main():
         if args.impl == "speculators":
             continue
         r = measure_or_oom(cfg, seq, args.ttt, args.steps, args.warmup, args.device, args.checkpoint, args.compile_layer,
-                           profile=args.profile and rank == 0 and not results, freeze_lm_head=args.freeze_lm_head)
+                           profile=args.profile and rank == 0 and not results, freeze_lm_head=args.freeze_lm_head,
+                           eager_loss=args.eager_loss)
         results.append(r)
         if rank == 0:
             print(json.dumps({"impl": "ours", **r} if args.impl == "both" else r), flush=True)

@@ -8,12 +8,18 @@ backward only scales them), which saves the second lm_head matmul a recompute wo
 At 131,072 positions and a 32,000-token draft vocabulary the fp32 logits alone would be
 16 GiB per TTT step; here a step holds one chunk of them.
 
+On CUDA the per-chunk elementwise work (logsumexp, the loss, the argmax, the gradient of the
+logits) is one torch.compile'd kernel that reads the logits and the target once, instead of
+about ten eager passes over fp32 copies, and the head's weight gradient accumulates in fp32
+straight out of the matmul (addmm with out_dtype).
+
     loss = Σ_rows valid · ( logsumexp(z) · Σp − Σ_v p_v z_v ),   z = h Wᵀ
     ∂loss/∂z = valid · ( softmax(z) · Σp − p )
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 CHUNK_ELEMENTS = 2 ** 26  # rows per chunk × vocab: 256 MiB of fp32 logits
 
@@ -34,6 +40,32 @@ def target_probs(final: torch.Tensor, head_draft: torch.Tensor, dtype: torch.dty
     return out
 
 
+def soft_ce_chunk(z: torch.Tensor, p: torch.Tensor, mask: torch.Tensor):
+    """Logits z [n,V], target probs p [n,V] and a 0/1 mask [n] → (Σ loss, argmax [n], ∂loss/∂z in z's dtype).
+    The maths runs in fp32 whatever the inputs' dtype."""
+    zf, pf = z.float(), p.float()
+    lse = torch.logsumexp(zf, -1)
+    p_sum = pf.sum(-1)
+    loss = ((lse * p_sum - (pf * zf).sum(-1)) * mask).sum()
+    grad = ((torch.exp(zf - lse[:, None]) * p_sum[:, None] - pf) * mask[:, None]).to(z.dtype)
+    return loss, zf.argmax(-1), grad
+
+
+_compiled_chunk = None
+
+
+def chunk_kernel(device: torch.device, fused: bool | None = None):
+    """soft_ce_chunk, torch.compile'd (dynamic row count) on CUDA unless fused=False."""
+    global _compiled_chunk
+    if fused is None:
+        fused = device.type == "cuda"
+    if not fused:
+        return soft_ce_chunk
+    if _compiled_chunk is None:
+        _compiled_chunk = torch.compile(soft_ce_chunk, dynamic=True, fullgraph=True)
+    return _compiled_chunk
+
+
 class LinearSoftCE(torch.autograd.Function):
     """(h [N,H], weight [V,H], probs [N,V], valid [N] bool, offset) → (Σ loss, argmax [N]).
 
@@ -41,10 +73,14 @@ class LinearSoftCE(torch.autograd.Function):
     positions ahead); rows whose target falls outside are expected to be invalid."""
 
     @staticmethod
-    def forward(ctx, h, weight, probs, valid, offset: int, dtype: torch.dtype, chunk_elements: int):
+    def forward(ctx, h, weight, probs, valid, offset: int, dtype: torch.dtype, chunk_elements: int,
+                fused: bool | None = None):
         n, v = h.shape[0], weight.shape[0]
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]   # a frozen lm_head needs no grad_w
         w = weight.to(dtype)
+        kernel = chunk_kernel(h.device, fused)
+        # cuBLAS accumulates bf16/fp16 products into an fp32 output directly; elsewhere, an fp32 copy per chunk
+        fp32_out = h.device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
         best = torch.empty(n, dtype=torch.long, device=h.device)
         grad_h = torch.empty(n, h.shape[1], dtype=dtype, device=h.device) if want_h else None
@@ -53,21 +89,17 @@ class LinearSoftCE(torch.autograd.Function):
         for a in range(0, n, rows):
             b = min(n, a + rows)
             x = h[a:b].to(dtype)
-            z = (x @ w.T).float()
-            p = torch.zeros_like(z)
-            end = min(probs.shape[0], b + offset)
-            if a + offset < end:
-                p[:end - a - offset] = probs[a + offset:end].float()
-            mask = valid[a:b].to(z.dtype)
-            lse = torch.logsumexp(z, -1)
-            p_sum = p.sum(-1)
-            loss += ((lse * p_sum - (p * z).sum(-1)) * mask).sum()
-            best[a:b] = z.argmax(-1)
-            if want_h or want_w:
-                g = ((torch.exp(z - lse[:, None]) * p_sum[:, None] - p) * mask[:, None]).to(dtype)
-                if want_h:
-                    grad_h[a:b] = g @ w
-                if want_w:
+            p = probs[min(probs.shape[0], a + offset):min(probs.shape[0], b + offset)]
+            if p.shape[0] < b - a:  # rows whose target lies past the end: zero probability (and invalid)
+                p = F.pad(p, (0, 0, 0, b - a - p.shape[0]))
+            chunk_loss, best[a:b], g = kernel(x @ w.T, p, valid[a:b].float())
+            loss += chunk_loss
+            if want_h:
+                grad_h[a:b] = g @ w
+            if want_w:
+                if fp32_out:
+                    torch.addmm(grad_w, g.T, x, out_dtype=torch.float32, out=grad_w)
+                else:
                     grad_w += (g.T @ x).float()
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (h.dtype, weight.dtype)
@@ -80,14 +112,15 @@ class LinearSoftCE(torch.autograd.Function):
         h_dtype, w_dtype = ctx.dtypes
         dh = (grad_h.to(h_dtype) * grad_loss.to(h_dtype)) if ctx.needs_input_grad[0] else None
         dw = (grad_w * grad_loss).to(w_dtype) if ctx.needs_input_grad[1] else None
-        return dh, dw, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None
 
 
 def linear_soft_ce(h: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor, offset: int = 0,
-                   dtype: torch.dtype | None = None, chunk_elements: int = CHUNK_ELEMENTS):
+                   dtype: torch.dtype | None = None, chunk_elements: int = CHUNK_ELEMENTS, fused: bool | None = None):
     """Σ over valid rows of the soft CE of h·weightᵀ against probs shifted by offset, and the
-    per-row argmax of the logits. h [..., H] and valid [...] are flattened together."""
+    per-row argmax of the logits. h [..., H] and valid [...] are flattened together.
+    fused: compile the per-chunk kernel (default: on CUDA)."""
     dtype = compute_dtype(h.device.type, h.dtype) if dtype is None else dtype
     flat_h = h.reshape(-1, h.shape[-1])
-    loss, best = LinearSoftCE.apply(flat_h, weight, probs, valid.reshape(-1), offset, dtype, chunk_elements)
+    loss, best = LinearSoftCE.apply(flat_h, weight, probs, valid.reshape(-1), offset, dtype, chunk_elements, fused)
     return loss, best.view(h.shape[:-1])

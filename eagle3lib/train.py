@@ -134,10 +134,11 @@ def valid_positions(batch: dict, k: int) -> torch.Tensor:
 
 
 def ttt_loss_sums(drafter: Drafter, batch: dict, embed: torch.Tensor, head_full: torch.Tensor, steps: int,
-                  with_metrics: bool = True, checkpoint: bool = False):
+                  with_metrics: bool = True, checkpoint: bool = False, fused_loss: bool | None = None):
     """Run the TTT chain on a batch. Returns, per step: Σ over valid positions of the soft CE
     against the target's distribution on the draft vocab, the valid counts, and (with_metrics)
-    whether the draft's argmax is the target's argmax over the full vocab, with the valid masks."""
+    whether the draft's argmax is the target's argmax over the full vocab, with the valid masks.
+    fused_loss: the loss's per-chunk kernel compiled (default: on CUDA; loss.chunk_kernel)."""
     ids, docs = batch["input_ids"], batch["doc_ids"]
     dtype = drafter.fc.weight.dtype
     aux, final = batch["aux"].to(dtype), batch["final"].to(dtype)
@@ -152,7 +153,7 @@ def ttt_loss_sums(drafter: Drafter, batch: dict, embed: torch.Tensor, head_full:
     for k in range(steps):
         valid = valid_positions(batch, k)
         loss, best = linear_soft_ce(drafter.norm(hidden[k]), drafter.lm_head.weight, probs, valid, offset=1 + k,
-                                    dtype=compute)
+                                    dtype=compute, fused=fused_loss)
         sums.append(loss)
         counts.append(valid.sum())
         valids.append(valid)
@@ -314,7 +315,9 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
     params = [p for p in drafter.parameters() if p.requires_grad]
     if tp.compile_layer:
         compile_decoder_layer(drafter)
-    opt = torch.optim.AdamW(params, lr=tp.lr, betas=(0.9, 0.95), weight_decay=tp.weight_decay)
+    # fused: one CUDA kernel for the whole update instead of a foreach chain (same maths)
+    opt = torch.optim.AdamW(params, lr=tp.lr, betas=(0.9, 0.95), weight_decay=tp.weight_decay,
+                            fused=torch.device(device).type == "cuda")
     rows_per_step = tp.batch_rows * tp.grad_accum * world
     total_steps = max(1, math.ceil(tp.max_tokens / (rows_per_step * tp.max_seq_len)))
     weights = torch.tensor([tp.step_weight_decay ** k for k in range(tp.ttt_steps)], device=device)

@@ -1,4 +1,5 @@
 """The chunked TTT loss equals the plain soft cross-entropy, values and gradients."""
+import pytest
 import torch
 
 from eagle3lib.loss import linear_soft_ce, target_probs
@@ -12,7 +13,9 @@ def plain(h, weight, target_logits, valid, offset):
     return torch.where(valid, ce, 0.0).sum(), z.argmax(-1)
 
 
-def test_chunked_loss_and_gradients_equal_the_plain_soft_ce():
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "compiled"])
+def test_chunked_loss_and_gradients_equal_the_plain_soft_ce(fused):
+    """fused: the per-chunk kernel through torch.compile (as on CUDA), here compiled for the CPU."""
     torch.manual_seed(0)
     b, t, hdim, vocab = 2, 37, 16, 50
     h = torch.randn(b, t, hdim, dtype=torch.float64, requires_grad=True)
@@ -25,7 +28,8 @@ def test_chunked_loss_and_gradients_equal_the_plain_soft_ce():
     expected, expected_best = plain(h, weight, final @ head.T, valid, offset)
     gh, gw = torch.autograd.grad(expected, (h, weight))
     probs = target_probs(final, head, torch.float64, chunk_elements=7 * vocab)
-    loss, best = linear_soft_ce(h, weight, probs, valid, offset=offset, chunk_elements=5 * vocab)  # 5-row chunks
+    loss, best = linear_soft_ce(h, weight, probs, valid, offset=offset, chunk_elements=5 * vocab,  # 5-row chunks
+                                fused=fused)
     assert torch.allclose(loss, expected.float(), rtol=1e-6)
     assert torch.equal(best, expected_best)
     dh, dw = torch.autograd.grad(2.5 * loss, (h, weight))
@@ -39,3 +43,24 @@ def test_without_gradients_it_only_scores():
     with torch.no_grad():
         loss, best = linear_soft_ce(h, weight, probs, torch.ones(8, dtype=torch.bool))
     assert loss > 0 and torch.equal(best, (h @ weight.T).argmax(-1))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: bf16 through the compiled kernel and addmm's fp32 output")
+def test_bf16_on_cuda_is_close_to_the_fp64_loss_and_gradients():
+    torch.manual_seed(0)
+    n, hdim, vocab = 3000, 256, 4000   # several chunks, the last one short
+    h64 = torch.randn(n, hdim, dtype=torch.float64, device="cuda") * 0.5
+    w64 = torch.randn(vocab, hdim, dtype=torch.float64, device="cuda") * 0.1
+    target = torch.randn(n, vocab, dtype=torch.float64, device="cuda")
+    valid = torch.rand(n, device="cuda") > 0.2
+    valid[-2:] = False
+    h64.requires_grad_(), w64.requires_grad_()
+    expected, _ = plain(h64, w64, target, valid, 2)
+    gh, gw = torch.autograd.grad(expected, (h64, w64))
+    h, w = h64.detach().float().requires_grad_(), w64.detach().float().requires_grad_()
+    probs = torch.softmax(target, -1).to(torch.bfloat16)
+    loss, _ = linear_soft_ce(h, w, probs, valid, offset=2, dtype=torch.bfloat16, chunk_elements=1024 * vocab)
+    dh, dw = torch.autograd.grad(loss, (h, w))
+    assert abs(loss.item() - expected.item()) < 1e-2 * abs(expected.item())
+    assert (dh - gh).norm() < 2e-2 * gh.norm(), ((dh - gh).norm() / gh.norm()).item()
+    assert (dw - gw).norm() < 2e-2 * gw.norm(), ((dw - gw).norm() / gw.norm()).item()

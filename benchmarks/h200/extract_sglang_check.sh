@@ -16,7 +16,7 @@ fi
 export PYTHONPATH=/tmp/sglang-site:$PWD PATH=/tmp/sglang-site/bin:$PATH HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 TARGET=${TARGET:-/tmp/tiny-target}
 if [ ! -f "$TARGET/config.json" ]; then
-  LAYERS=${LAYERS:-8} TARGET=$TARGET python3 - <<'PY'
+  LAYERS=${LAYERS:-30} TARGET=$TARGET python3 - <<'PY'
 import json, os, shutil, torch, transformers
 cfg = json.load(open(".gpu/tok/config.json"))
 cfg.update(num_hidden_layers=int(os.environ["LAYERS"]))
