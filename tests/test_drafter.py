@@ -125,7 +125,8 @@ def several_block_case(device):
     """Sequences over several 128-blocks (not a whole number of them), documents that span and
     fill blocks (so some blocks are full), padding."""
     torch.manual_seed(1)
-    cfg = DrafterConfig(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+    # head_dim 16: flex_attention's Triton kernels need at least 16
+    cfg = DrafterConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                         intermediate_size=64, vocab_size=300, draft_vocab_size=100, target_hidden_size=24,
                         aux_layer_ids=[1, 2, 3])
     t = 300
@@ -139,7 +140,7 @@ def several_block_case(device):
             pos[r, start:start + n] = torch.arange(n)
             start += n
     aux = torch.randn(2, t, 72)
-    step_embeds = [torch.randn(2, t, 32) for _ in range(3)]
+    step_embeds = [torch.randn(2, t, 64) for _ in range(3)]
     to = lambda x: x.to(device)  # noqa: E731
     return Drafter(cfg).to(device), to(aux), [to(e) for e in step_embeds], to(pos), to(docs)
 

@@ -55,7 +55,7 @@ def test_bf16_on_cuda_is_close_to_the_fp64_loss_and_gradients():
     valid = torch.rand(n, device="cuda") > 0.2
     valid[-2:] = False
     h64.requires_grad_(), w64.requires_grad_()
-    expected, _ = plain(h64, w64, target, valid, 2)
+    expected, _ = plain(h64[None], w64, target[None], valid[None], 2)   # plain shifts along dim 1
     gh, gw = torch.autograd.grad(expected, (h64, w64))
     h, w = h64.detach().float().requires_grad_(), w64.detach().float().requires_grad_()
     probs = torch.softmax(target, -1).to(torch.bfloat16)

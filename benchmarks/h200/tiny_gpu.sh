@@ -27,17 +27,22 @@ budget_run() {   # the recipe with a GPU budget on GPU 0
       --set run.output_root=/tmp/h200-outputs --set "data.sources=[$DATA]" || return 1
   done
 }
-sglang_run > "$OUT/sglang_run.log" 2>&1 &
-budget_run > "$OUT/budget_run.log" 2>&1 &
+JOBS=${JOBS:-sglang budget}   # JOBS=budget: only the GPU-budget recipe
+case " $JOBS " in *" sglang "*) sglang_run > "$OUT/sglang_run.log" 2>&1 & ;; esac
+case " $JOBS " in *" budget "*) budget_run > "$OUT/budget_run.log" 2>&1 & ;; esac
 wait
-tail -n 25 "$OUT/sglang_run.log" "$OUT/budget_run.log"
-( cd "$CPU_RUN" && tar -cJf "$OUT/sglang_cpu_drafter.tar.xz" 04_deploy/result.json 05_benchmark/result.json \
+tail -n 25 "$OUT"/*_run.log
+[ -n "${CPU_RUN:-}" ] && ( cd "$CPU_RUN" && tar -cJf "$OUT/sglang_cpu_drafter.tar.xz" 04_deploy/result.json 05_benchmark/result.json \
     05_benchmark/05_benchmark.html 04_deploy/*.log 05_benchmark/*.log 2>/dev/null )
 ( cd /tmp/h200-outputs/tiny-h200 && tar -cJf "$OUT/budget_run.tar.xz" */result.json 02_train/train_summary.json \
-    02_train/log.jsonl 02_train/02_train.html 2>/dev/null )
+    02_train/log.jsonl */*.html */*.ipynb 2>/dev/null )
 python3 - <<'PY'
 import json, pathlib
-for run, stages in (("CPU drafter on SGLang", ["05_benchmark"]), ("GPU budget", ["00_prepare", "01_extract", "02_train"])):
+import os
+runs = [("GPU budget", ["00_prepare", "01_extract", "02_train"])]
+if os.environ.get("CPU_RUN"):
+    runs.insert(0, ("CPU drafter on SGLang", ["05_benchmark"]))
+for run, stages in runs:
     root = pathlib.Path("/tmp/h200-outputs/tiny-h200") if run == "GPU budget" else None
     for s in stages:
         p = (root or pathlib.Path(__import__("os").environ["CPU_RUN"])) / s / "result.json"
