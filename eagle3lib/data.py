@@ -29,6 +29,18 @@ _WS_COMMAS = re.compile(r"[\s,]*")
 # Loading ShareGPT-style files tolerantly
 
 
+_COMPRESSED = {".gz": "gzip", ".xz": "lzma", ".lzma": "lzma", ".bz2": "bz2"}
+
+
+def _open(path: Path, mode: str = "rb", **kwargs):
+    """open(), decompressing .gz / .xz / .bz2 files by their suffix."""
+    module = _COMPRESSED.get(Path(path).suffix.lower())
+    if module is None:
+        return open(path, mode, **kwargs)
+    import importlib
+    return importlib.import_module(module).open(path, mode if "b" in mode else mode + "t", **kwargs)
+
+
 def _needs_more_data(err: json.JSONDecodeError, buf: str) -> bool:
     """Did raw_decode fail because the buffer ended inside the element (not bad JSON)?"""
     return err.msg.startswith("Unterminated string") or err.pos >= len(buf.rstrip()) - 8
@@ -41,7 +53,7 @@ def _iter_json_array(path: Path, counts: Counter):
     element start; an unfinished last element is counted under "truncated tail".
     """
     dec = json.JSONDecoder()
-    with open(path, encoding="utf-8", errors="replace") as f:
+    with _open(path, "r", encoding="utf-8", errors="replace") as f:
         buf, pos, eof = "", 0, False
 
         def more(n=_CHUNK):
@@ -97,7 +109,7 @@ def _iter_json_array(path: Path, counts: Counter):
 
 
 def _iter_jsonl(path: Path, counts: Counter):
-    with open(path, "rb") as f:
+    with _open(path, "rb") as f:
         for line in f:
             if not line.strip():
                 continue
@@ -145,7 +157,7 @@ def _conversation(record, unknown_roles: Counter):
 
 
 def _iter_records(path: Path, counts: Counter):
-    with open(path, "rb") as f:
+    with _open(path, "rb") as f:
         head = f.read(4096).lstrip()
     if head.startswith(b"\xef\xbb\xbf"):
         head = head[3:].lstrip()
@@ -155,7 +167,8 @@ def _iter_records(path: Path, counts: Counter):
 
 
 def load_conversations(source, limit: int | None = None) -> tuple[list[dict], dict]:
-    """Read conversations from the embedded ShareGPT or ShareGPT-style .json / .jsonl files.
+    """Read conversations from the embedded ShareGPT or ShareGPT-style .json / .jsonl files
+    (optionally .gz / .xz / .bz2 compressed).
 
     Stops after `limit` good conversations. Returns (conversations, stats) where stats counts
     records read, kept, skipped by reason, unknown role names, and the sources whose tail was
@@ -179,11 +192,17 @@ def load_conversations(source, limit: int | None = None) -> tuple[list[dict], di
             if not path.is_file():
                 raise FileNotFoundError(
                     f"Conversation file {str(path)!r} does not exist. Expected {EMBEDDED_DATA!r} or a "
-                    "ShareGPT-style .json (array) / .jsonl file; fix the data path in the params.")
+                    "ShareGPT-style .json (array) / .jsonl file (optionally .gz/.xz/.bz2); fix the data path in the params.")
             _read_source(path, str(src), limit, conversations, skipped, unknown_roles, stats)
     stats["kept"] = len(conversations)
     stats["skipped"] = dict(sorted(skipped.items()))
     stats["unknown_roles"] = dict(unknown_roles.most_common())
+    if not conversations:
+        raise ValueError(f"No usable conversation in {stats['sources']}: {stats['read']} records read, skipped "
+                         f"{stats['skipped'] or 'none'}, unknown roles {stats['unknown_roles'] or 'none'}. Expected "
+                         "ShareGPT-style records ({'conversations': [{'from': 'human', 'value': ...}, ...]} or "
+                         "{'messages': [{'role': 'user', 'content': ...}, ...]}) in a .json array or .jsonl file, "
+                         "optionally .gz/.xz/.bz2 compressed.")
     return conversations, stats
 
 

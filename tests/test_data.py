@@ -103,6 +103,25 @@ def test_jsonl(tmp_path):
     assert D.load_conversations(str(path))[1]["truncated_sources"] == []
 
 
+@pytest.mark.parametrize("suffix", [".json.xz", ".json.gz", ".jsonl.bz2"])
+def test_compressed_files_are_read_like_plain_ones(tmp_path, suffix):
+    import bz2, gzip, lzma  # noqa: E401
+    records = [sharegpt("a", "q", "r"), sharegpt("b", "q2", "r2")]
+    text = "\n".join(json.dumps(r) for r in records) if "jsonl" in suffix else json.dumps(records)
+    opener = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}["." + suffix.rsplit(".", 1)[1]]
+    with opener(tmp_path / f"sg{suffix}", "wt", encoding="utf-8") as f:
+        f.write(text)
+    convs, stats = D.load_conversations(str(tmp_path / f"sg{suffix}"))
+    assert [c["id"] for c in convs] == ["a", "b"] and stats["skipped"] == {}
+
+
+def test_a_source_with_no_usable_conversation_is_an_error(tmp_path):
+    path = tmp_path / "binary.json"
+    path.write_bytes(b"\xfd7zXZ\x00 not json at all\n{also not}\n")
+    with pytest.raises(ValueError, match="No usable conversation.*malformed JSON"):
+        D.load_conversations(str(path))
+
+
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.json"):
         D.load_conversations(str(tmp_path / "nope.json"))
