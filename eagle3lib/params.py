@@ -68,6 +68,10 @@ class RegenerateParams(Section):
     batch_size: int = Field(8, gt=0)
     max_prompt_tokens: int = Field(1024, gt=0, description="a conversation is cut before a turn whose prompt is longer")
     only_regenerated: bool = Field(False, description="train/val keep only conversations the target rewrote")
+    backend: Literal["hf", "engine"] = Field(
+        "hf", description="hf: model.generate in the prepare process (batch_size prompts per call); engine: the "
+                          "run's serving engine (engine section, no drafter) with batch_size requests in flight, "
+                          "for GPU runs, where HF's generate is slow")
 
 
 class DataParams(Section):

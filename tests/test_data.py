@@ -276,6 +276,17 @@ REGEN_CONVS = [
 ]
 
 
+def test_a_reply_ends_at_the_first_eos_whoever_generated_it():
+    class Tok:
+        def decode(self, ids, skip_special_tokens=True):
+            return " ".join(map(str, ids))
+    eos = {0, 9}
+    assert D._reply(Tok(), [5, 6, 9, 0, 0], eos) == ("5 6", 3, True)           # hf: eos, then padding
+    assert D._reply(Tok(), [5, 6, 7], eos) == ("5 6 7", 3, False)              # hf: ran into max_new_tokens
+    assert D._reply(Tok(), [5, 6], eos, "stop") == ("5 6", 3, True)            # engine: left the eos out
+    assert D._reply(Tok(), [5, 6, 7], eos, "length") == ("5 6 7", 3, False)
+
+
 def test_regeneration_resumes_to_the_same_result(tmp_path, embedded_target):
     model, tok = embedded_target
     kw = dict(budget_tokens=30, max_new_tokens=8, batch_size=2, progress=False)

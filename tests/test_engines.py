@@ -152,6 +152,35 @@ def test_vllm_serves_drafter_and_stops_whole_group(drafts, embedded_cache, embed
 
 
 @pytest.mark.slow
+def test_regeneration_through_the_engine_equals_hf_greedy(embedded_cache, embedded_target, tmp_path):
+    """data.regenerate with backend "engine": a vLLM server (no drafter, fp32) writes the same replies
+    as model.generate in this process, multi-turn included, and is stopped afterwards."""
+    from eagle3lib import data
+    from eagle3lib.params import RegenerateParams
+    need("vllm")
+    model, tokenizer = embedded_target
+    convs = [{"id": "two-turns", "messages": [
+        {"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."},
+        {"role": "user", "content": "And of Spain?"}, {"role": "assistant", "content": "Madrid."}]},
+        {"id": "colors", "messages": [{"role": "user", "content": "Name three colors."},
+                                      {"role": "assistant", "content": "Red."}]},
+        {"id": "hi", "messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]}]
+    rg = dict(budget_tokens=200, max_new_tokens=20, batch_size=2)
+    hf = data.regenerate(RegenerateParams(**rg), model, tokenizer, convs, tmp_path / "hf" / "regenerated.jsonl",
+                         progress=False)
+    out = tmp_path / "engine" / "regenerated.jsonl"
+    engine = data.regenerate(RegenerateParams(**rg, backend="engine"), model, tokenizer, convs, out,
+                             engine_params=EngineParams(extra_args=["--dtype", "float32"]),
+                             target_dir=embedded_cache[1], progress=False)
+    assert engine["backend"] == "engine:vllm" and engine["engine_start_s"] > 0
+    assert (out.parent / engine["engine_log"]).read_text().startswith("$ ")
+    for key in ("regenerated", "turns_regenerated", "tokens_generated", "stops"):
+        assert engine[key] == hf[key], key
+    assert data.read_regenerated(out) == data.read_regenerated(tmp_path / "hf" / "regenerated.jsonl")
+    assert hf["turns_regenerated"] >= 3   # the two-turn conversation got both its turns back
+
+
+@pytest.mark.slow
 def test_missing_drafter_fails_with_log_tail_and_no_process(drafts, tmp_path):
     need("vllm")
     server = engines.make(EngineParams(), drafts["target"], tmp_path / "no-such-drafter", 3, tmp_path)

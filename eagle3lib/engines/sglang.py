@@ -63,12 +63,14 @@ class SGLang(Server):
             raise EngineError("SGLang launch flags for an EAGLE-3 drafter are wrong:\n  " + "\n  ".join(problems))
         return super().start()
 
-    def generate(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True) -> dict:
+    def generate(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True,
+                 stop_token_ids: list[int] | None = None) -> dict:
         """Greedy completion of token ids: {token_ids, text, completion_tokens, seconds, finish_reason, meta}."""
         t0 = time.perf_counter()
-        r = http_json(self.url + "/generate", {
-            "input_ids": prompt_ids,
-            "sampling_params": {"temperature": 0.0, "max_new_tokens": max_tokens, "ignore_eos": ignore_eos}})
+        sampling = {"temperature": 0.0, "max_new_tokens": max_tokens, "ignore_eos": ignore_eos}
+        if stop_token_ids:
+            sampling["stop_token_ids"] = list(stop_token_ids)
+        r = http_json(self.url + "/generate", {"input_ids": prompt_ids, "sampling_params": sampling})
         seconds = time.perf_counter() - t0
         meta = r.get("meta_info", {})
         finish = meta.get("finish_reason")

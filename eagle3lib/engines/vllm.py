@@ -66,12 +66,15 @@ class VLLM(Server):
         self.model = http_json(self.url + "/v1/models", timeout=30)["data"][0]["id"]
         return ready
 
-    def generate(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True) -> dict:
+    def generate(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True,
+                 stop_token_ids: list[int] | None = None) -> dict:
         """Greedy completion of token ids: {token_ids, text, completion_tokens, seconds, finish_reason}."""
         t0 = time.perf_counter()
-        r = http_json(self.url + "/v1/completions", {
-            "model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": ignore_eos, "return_token_ids": True})
+        body = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0,
+                "ignore_eos": ignore_eos, "return_token_ids": True}
+        if stop_token_ids:
+            body["stop_token_ids"] = list(stop_token_ids)
+        r = http_json(self.url + "/v1/completions", body)
         seconds = time.perf_counter() - t0
         choice = r["choices"][0]
         return {"token_ids": choice.get("token_ids"), "text": choice["text"],
