@@ -40,13 +40,15 @@ def target_probs(final: torch.Tensor, head_draft: torch.Tensor, dtype: torch.dty
     return out
 
 
-def soft_ce_chunk(z: torch.Tensor, p: torch.Tensor, mask: torch.Tensor):
-    """Logits z [n,V], target probs p [n,V] and a 0/1 mask [n] → (Σ loss, argmax [n], ∂loss/∂z in z's dtype).
-    The maths runs in fp32 whatever the inputs' dtype."""
+def soft_ce_chunk(z: torch.Tensor, p: torch.Tensor, mask: torch.Tensor, with_grad: bool = True):
+    """Logits z [n,V], target probs p [n,V] and a 0/1 mask [n] → (Σ loss, argmax [n], ∂loss/∂z in z's dtype,
+    or None without with_grad). The maths runs in fp32 whatever the inputs' dtype."""
     zf, pf = z.float(), p.float()
     lse = torch.logsumexp(zf, -1)
     p_sum = pf.sum(-1)
     loss = ((lse * p_sum - (pf * zf).sum(-1)) * mask).sum()
+    if not with_grad:
+        return loss, zf.argmax(-1), None
     grad = ((torch.exp(zf - lse[:, None]) * p_sum[:, None] - pf) * mask[:, None]).to(z.dtype)
     return loss, zf.argmax(-1), grad
 
@@ -92,7 +94,7 @@ class LinearSoftCE(torch.autograd.Function):
             p = probs[min(probs.shape[0], a + offset):min(probs.shape[0], b + offset)]
             if p.shape[0] < b - a:  # rows whose target lies past the end: zero probability (and invalid)
                 p = F.pad(p, (0, 0, 0, b - a - p.shape[0]))
-            chunk_loss, best[a:b], g = kernel(x @ w.T, p, valid[a:b].float())
+            chunk_loss, best[a:b], g = kernel(x @ w.T, p, valid[a:b].float(), want_h or want_w)
             loss += chunk_loss
             if want_h:
                 grad_h[a:b] = g @ w

@@ -37,11 +37,12 @@ def test_chunked_loss_and_gradients_equal_the_plain_soft_ce(fused):
     assert (dw - 2.5 * gw).abs().max() < 1e-6 * gw.abs().max(), (dw - 2.5 * gw).abs().max()
 
 
-def test_without_gradients_it_only_scores():
+@pytest.mark.parametrize("fused", [False, True], ids=["eager", "compiled"])
+def test_without_gradients_it_only_scores(fused):
     h, weight = torch.randn(8, 4), torch.randn(6, 4)
     probs = torch.softmax(torch.randn(8, 6), -1)
     with torch.no_grad():
-        loss, best = linear_soft_ce(h, weight, probs, torch.ones(8, dtype=torch.bool))
+        loss, best = linear_soft_ce(h, weight, probs, torch.ones(8, dtype=torch.bool), fused=fused)
     assert loss > 0 and torch.equal(best, (h @ weight.T).argmax(-1))
 
 
