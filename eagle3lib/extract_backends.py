@@ -14,8 +14,6 @@ Whatever the backend: the same shards, manifest, contract and HF hidden_states i
 """
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 from . import extract, params as P, target
 from .export import engine_python
 
@@ -29,18 +27,15 @@ def setup(p) -> dict:
                                               trust_remote_code=p.target.trust_remote_code)
         config, target_dir = model.config, None
     else:
-        from transformers import AutoConfig, AutoTokenizer
         target_dir = target.resolve_target(p.target.name, cache)
         extract.target_config_json(target_dir)            # a local folder: the engine and we read the same files
-        trust = p.target.trust_remote_code
-        config = AutoConfig.from_pretrained(target_dir, trust_remote_code=trust)
-        tokenizer = AutoTokenizer.from_pretrained(target_dir, trust_remote_code=trust)
-        model = None
+        info, tokenizer = target.load_target_info(target_dir, cache, trust_remote_code=p.target.trust_remote_code)
+        config, model = info.config, None
     layers = target.num_layers(config)
     aux_ids = target.check_aux_layer_ids(p.target.aux_layer_ids or target.default_aux_layer_ids(layers), layers)
-    # make_contract reads only model.config: an engine backend passes the config alone
-    contract = target.make_contract(p.target.name, model if model is not None else SimpleNamespace(config=config),
-                                    tokenizer, aux_ids, p.extract.store_dtype)
+    # make_contract reads only model.config: an engine backend passes the weights-free view
+    contract = target.make_contract(p.target.name, model if model is not None else info, tokenizer, aux_ids,
+                                    p.extract.store_dtype)
     return {"backend": backend, "target_dir": target_dir, "aux_ids": aux_ids, "tokenizer": tokenizer, "model": model,
             "contract": contract}
 

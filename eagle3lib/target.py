@@ -188,6 +188,24 @@ def load_target(name_or_path: str, cache_dir: Path, dtype="float32", device="cpu
     return model.to(device).eval(), tokenizer
 
 
+def load_target_info(name_or_path: str, cache_dir: Path, trust_remote_code: bool = False):
+    """(info, tokenizer) without the weights, for a target an engine serves (one too big for this
+    process): info has .config and .generation_config, all that the contract and the ids that end
+    a reply need."""
+    from types import SimpleNamespace
+
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    where = resolve_target(name_or_path, cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code)
+    try:
+        generation_config = GenerationConfig.from_pretrained(where)
+    except OSError:  # no generation_config.json: what the model would derive from its config
+        generation_config = GenerationConfig.from_model_config(config)
+    return SimpleNamespace(config=config, generation_config=generation_config), tokenizer
+
+
 # ---------------------------------------------------------------------------------------
 # Aux layer ids (HF hidden_states indexing)
 

@@ -112,6 +112,16 @@ def test_contract_round_trip_and_mismatch(tmp_path, embedded_target):
         T.read_contract(tmp_path / "nowhere")
 
 
+def test_the_weights_free_view_makes_the_same_contract_and_reply_ends(embedded_cache, embedded_target):
+    """00_prepare and the engine extract backends use it for targets an engine serves."""
+    from eagle3lib import data
+    model, tokenizer = embedded_target
+    info, tok = T.load_target_info(T.EMBEDDED_TARGET, embedded_cache[0])
+    assert not hasattr(info, "state_dict")
+    assert T.make_contract("t", info, tok, [2, 15, 27], "bfloat16") == T.make_contract("t", model, tokenizer, [2, 15, 27], "bfloat16")
+    assert data.eos_token_ids(info, tok) == data.eos_token_ids(model, tokenizer)
+
+
 def test_fingerprint_ignores_volatile_fields(embedded_target):
     config = embedded_target[0].config
     other = type(config).from_dict({**config.to_dict(), "transformers_version": "0.0", "_name_or_path": "/x",
