@@ -425,18 +425,17 @@ def _generate(model, tokenizer, prompts, max_new_tokens, eos_ids):
     return [_reply(tokenizer, row, eos_ids) for row in out[:, enc["input_ids"].shape[1]:].tolist()]
 
 
-def engine_generator(server, tokenizer, max_new_tokens: int, eos_ids: set, concurrency: int):
-    """The engine backend of regeneration: prompts -> replies through a running engine server
-    (engines.make(..., depth=None)), greedy, `concurrency` requests in flight. The engine batches
+def engine_generator(server, concurrency: int):
+    """The engine backend of regeneration, with _generate's signature: replies through a running engine
+    server (engines.make(..., depth=None)), greedy, `concurrency` requests in flight. The engine batches
     them continuously; HF's generate was measured at 356 tokens/s on an H200 (benchmarks/README.md)."""
     from concurrent.futures import ThreadPoolExecutor
 
-    def one(prompt):
-        ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-        out = server.generate(ids, max_new_tokens, ignore_eos=False, stop_token_ids=sorted(eos_ids))
-        return _reply(tokenizer, list(out["token_ids"] or []), eos_ids, out["finish_reason"])
-
-    def generate(model, tokenizer_, prompts, max_new_tokens_, eos_ids_):
+    def generate(model, tokenizer, prompts, max_new_tokens, eos_ids):
+        def one(prompt):
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+            out = server.generate(ids, max_new_tokens, ignore_eos=False, stop_token_ids=sorted(eos_ids))
+            return _reply(tokenizer, list(out["token_ids"] or []), eos_ids, out["finish_reason"])
         with ThreadPoolExecutor(max(1, min(concurrency, len(prompts)))) as pool:
             return list(pool.map(one, prompts))
     return generate
@@ -579,9 +578,8 @@ def regenerate(rg, model, tokenizer, conversations, out_path: Path, engine_param
     from . import engines
     server = engines.make(engine_params, target_dir, None, None, Path(out_path).parent)
     with server:
-        generate = engine_generator(server, tokenizer, rg.max_new_tokens, eos_token_ids(model, tokenizer),
-                                    rg.batch_size)
-        stats = regenerate_responses(model, tokenizer, conversations, out_path, generate=generate,
+        stats = regenerate_responses(model, tokenizer, conversations, out_path,
+                                     generate=engine_generator(server, rg.batch_size),
                                      backend=f"engine:{engine_params.name}", **kwargs)
     return {**stats, "engine_start_s": round(server.ready_s, 1), "engine_log": server.log_path.name}
 

@@ -50,7 +50,7 @@ if os.environ.get("CPU_RUN"):
 for run, stages in runs:
     root = pathlib.Path("/tmp/h200-outputs/tiny-h200") if run == "GPU budget" else None
     for s in stages:
-        p = (root or pathlib.Path(__import__("os").environ["CPU_RUN"])) / s / "result.json"
+        p = (root or pathlib.Path(os.environ["CPU_RUN"])) / s / "result.json"
         if p.exists():
             r = json.loads(p.read_text())
             print(run, s, r.get("status"), json.dumps(r.get("headline")), r.get("error", "")[:300])
