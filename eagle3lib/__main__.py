@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     group = run.add_mutually_exclusive_group()
     group.add_argument("--from", dest="from_stage", metavar="STAGE", help="force this stage and every later one")
     group.add_argument("--only", dest="only_stage", metavar="STAGE", help="run just this stage (forced)")
+    run.add_argument("--to", dest="to_stage", metavar="STAGE",
+                     help="stop after this stage (a batch of calls, each with a time limit, can run a few at a time)")
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a param (repeatable)")
     run.add_argument("--quiet", action="store_true", help="do not echo notebook output")
 
@@ -57,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             logging.basicConfig(level=logging.INFO, format="%(message)s")
         try:
             out = run_pipeline(args.params, _overrides(args.set), args.from_stage, args.only_stage,
-                               log_output=not args.quiet)
+                               log_output=not args.quiet, to_stage=args.to_stage)
         except StageError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1

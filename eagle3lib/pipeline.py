@@ -271,20 +271,22 @@ def _rerender_if_needed(p: Params, stage_path: Path, stage: str, neighbours: tup
 
 def run_pipeline(params_file: str | Path, overrides: dict | None = None, from_stage: str | None = None,
                  only_stage: str | None = None, log_output: bool = True,
-                 notebooks_dir: Path = NOTEBOOKS_DIR) -> Path:
-    """Execute the stages in order; returns the run folder. Raises StageError on the first failure."""
+                 notebooks_dir: Path = NOTEBOOKS_DIR, to_stage: str | None = None) -> Path:
+    """Execute the stages in order, up to to_stage when given; returns the run folder.
+    Raises StageError on the first failure."""
     overrides = overrides or {}
     p = load_params(params_file, overrides)
     names = stages(notebooks_dir)
     forced_from = stage_name(from_stage, names) if from_stage else None
     only = stage_name(only_stage, names) if only_stage else None
+    last = stage_name(to_stage, names) if to_stage else names[-1]
     out = params_run_dir(p)
     out.mkdir(parents=True, exist_ok=True)
     write_run_json(p, out)
     from tqdm.contrib.logging import logging_redirect_tqdm
     try:
         for i, stage in enumerate(names):
-            if only and stage != only:
+            if (only and stage != only) or stage > last:
                 continue
             digest = stage_hash(p, stage, out, names[:i], notebooks_dir)
             forced = stage == only or (forced_from is not None and stage >= forced_from)

@@ -66,6 +66,8 @@ def test_stage_names():
 
 
 def test_runs_in_order_then_skips_then_forces(workbook, capsys):
+    out = run(workbook, to_stage="first")
+    assert (out / "00_first" / "result.json").is_file() and not (out / "01_second" / "result.json").exists()
     out = run(workbook)
     first, second = result(out, "00_first"), result(out, "01_second")
     assert first["status"] == second["status"] == "ok"
@@ -77,7 +79,7 @@ def test_runs_in_order_then_skips_then_forces(workbook, capsys):
     index = (out / "index.html").read_text()
     assert "00_first/00_first.html" in index and "twice" in index
 
-    capsys.readouterr()
+    assert "00_first: unchanged, skipped" in capsys.readouterr().err
     run(workbook)
     assert capsys.readouterr().err.count("unchanged, skipped") == 2
     assert result(out, "00_first")["hash"] == first["hash"]
