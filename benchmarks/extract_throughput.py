@@ -33,6 +33,7 @@ def main():
     ap.add_argument("--batch-tokens", type=int, default=4096)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    ap.add_argument("--shard-max-tokens", type=int, help="default: what extract() picks (about 1 GiB a shard)")
     args = ap.parse_args()
 
     torch.manual_seed(0)
@@ -46,7 +47,7 @@ def main():
     tokens = {"input_ids": torch.randint(0, cfg.vocab_size, (int(starts[-1]),), generator=g, dtype=torch.int32),
               "loss_mask": torch.ones(int(starts[-1]), dtype=torch.uint8), "seq_starts": starts}
     n = int(starts[-1])
-    shard_max_tokens = default_shard_max_tokens(cfg.hidden_size, torch.bfloat16)  # what extract() uses
+    shard_max_tokens = args.shard_max_tokens or default_shard_max_tokens(cfg.hidden_size, torch.bfloat16)
     batches = list(iter_batches(tokens, args.batch_tokens, shard_max_tokens))
     padded = sum(ids.numel() for _, ids, _ in batches)
     print(f"{args.shape} ({args.dtype}), {len(lengths)} sequences, {n:,} tokens, {len(batches)} batches, "
@@ -70,7 +71,8 @@ def main():
     print(f"forward only   {fwd:10,.0f} tokens/s")
     print(f"capture        {cap:10,.0f} tokens/s  ({cap / fwd:.2f}x forward)")
     print(f"extract        {r['tokens_per_s']:10,.0f} tokens/s  ({r['tokens_per_s'] / fwd:.2f}x forward; "
-          f"{r['bytes_per_token']:,.0f} bytes/token on disk, {r['shards']} shards)")
+          f"{r['bytes_per_token']:,.0f} bytes/token on disk, {r['shards']} shards; capture {r['capture_s']} s, "
+          f"of which waiting for the shard writer {r['write_wait_s']} s, in {r['seconds']:.2f} s)")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ import hashlib
 import json
 import os
 import re
+import threading
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -373,14 +375,15 @@ def load_tokens(path) -> dict:
 # Turn by turn: each assistant turn is replaced by the target's greedy reply to the
 # conversation so far (with its own earlier replies). A conversation is cut after its last
 # regenerated turn when a reply hits max_new_tokens (the target had not finished, so later
-# user turns no longer fit), when the next prompt exceeds max_prompt_tokens, or when the
-# token budget runs out mid-batch. Conversations in batches after the budget is spent keep
-# their original responses.
+# user turns no longer fit), or when the next prompt exceeds max_prompt_tokens.
+# The token budget: hf runs fixed batches and checks it before each wave of a batch's turns;
+# engines run the conversations in order, batch_size in flight, and check it before starting
+# a conversation (see _in_window). Conversations not started keep their original responses.
 #
-# Resumable: batches are fixed slices of the input list; each finished batch appends one
-# JSON line per conversation to out_path (flush + fsync). On restart, lines already there
-# are kept, a torn tail is cut off, and a partly written batch is recomputed whole (same
-# batch, so the same greedy outputs) with only its missing lines appended.
+# Resumable: each finished conversation (engines) or batch (hf) appends one JSON line per
+# conversation to out_path (flush + fsync). On restart, lines already there are kept, a torn
+# tail is cut off, and a partly written hf batch is recomputed whole (same batch, so the same
+# greedy outputs) with only its missing lines appended.
 
 
 def _read_done(out_path: Path, repair: bool = True) -> dict:
@@ -425,20 +428,16 @@ def _generate(model, tokenizer, prompts, max_new_tokens, eos_ids):
     return [_reply(tokenizer, row, eos_ids) for row in out[:, enc["input_ids"].shape[1]:].tolist()]
 
 
-def engine_generator(server, concurrency: int):
-    """The engine backend of regeneration, with _generate's signature: replies through a running engine
-    server (engines.make(..., depth=None)), greedy, `concurrency` requests in flight. The engine batches
-    them continuously; HF's generate was measured at 356 tokens/s on an H200 (benchmarks/README.md)."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    def generate(model, tokenizer, prompts, max_new_tokens, eos_ids):
-        def one(prompt):
+def engine_reply(server, tokenizer, max_new_tokens: int, eos_ids: set, tokenizer_lock):
+    """The engine backend's reply to one prompt: (text, tokens generated, finished), greedy, through a
+    running engine server (engines.make(..., depth=None)); called from many threads at once."""
+    def reply(prompt):
+        with tokenizer_lock:  # a fast tokenizer may not be used by two threads at once ("Already borrowed")
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-            out = server.generate(ids, max_new_tokens, ignore_eos=False, stop_token_ids=sorted(eos_ids))
+        out = server.generate(ids, max_new_tokens, ignore_eos=False, stop_token_ids=sorted(eos_ids))
+        with tokenizer_lock:
             return _reply(tokenizer, list(out["token_ids"] or []), eos_ids, out["finish_reason"])
-        with ThreadPoolExecutor(max(1, min(concurrency, len(prompts)))) as pool:
-            return list(pool.map(one, prompts))
-    return generate
+    return reply
 
 
 def eos_token_ids(model, tokenizer) -> set:
@@ -449,59 +448,150 @@ def eos_token_ids(model, tokenizer) -> set:
     return ids
 
 
+def _start(conv) -> dict:
+    return {"conv": conv, "out": [], "pos": 0, "gen": 0, "turns": 0, "stop": None}
+
+
+def _next_prompt(tokenizer, st, max_prompt_tokens, over_budget=False) -> str | None:
+    """The prompt for st's next assistant turn, moving st past that turn; None (and st["stop"] says why)
+    when the conversation ends here."""
+    msgs = st["conv"]["messages"]
+    nxt = next((j for j in range(st["pos"], len(msgs)) if msgs[j]["role"] == "assistant"), None)
+    if nxt is None:
+        st["stop"] = "done"
+        return None
+    if over_budget:
+        st["stop"] = "budget"
+        return None
+    prompt = _render(tokenizer, st["out"] + msgs[st["pos"]:nxt], add_generation_prompt=True)
+    if len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) > max_prompt_tokens:
+        st["stop"] = "prompt too long"
+        return None
+    st["out"] += msgs[st["pos"]:nxt]
+    st["pos"] = nxt + 1
+    return prompt
+
+
+def _take_reply(st, text: str, n: int, finished: bool) -> int:
+    st["out"].append({"role": "assistant", "content": text})
+    st["gen"] += n
+    st["turns"] += 1
+    if not finished:  # the target had not finished: later user turns no longer fit
+        st["stop"] = "max_new_tokens"
+    return n
+
+
+def _record(st) -> dict:
+    if st["turns"] == 0:
+        messages = st["conv"]["messages"]
+    else:
+        last = max(j for j, m in enumerate(st["out"]) if m["role"] == "assistant")
+        messages = st["out"][:last + 1]
+    return {"id": st["conv"]["id"], "messages": messages, "regenerated": st["turns"] > 0,
+            "turns_regenerated": st["turns"], "generated_tokens": st["gen"], "stop": st["stop"]}
+
+
 def _regenerate_batch(model, tokenizer, batch, max_new_tokens, max_prompt_tokens, budget_left, eos_ids, generate):
-    states = [{"conv": c, "out": [], "pos": 0, "gen": 0, "turns": 0, "stop": None} for c in batch]
+    """hf: the batch's conversations advance in waves, one padded generate call per wave."""
+    states = [_start(c) for c in batch]
     spent = 0
     while True:
         active, prompts = [], []
         for st in states:
-            if st["stop"]:
-                continue
-            msgs = st["conv"]["messages"]
-            nxt = next((j for j in range(st["pos"], len(msgs)) if msgs[j]["role"] == "assistant"), None)
-            if nxt is None:
-                st["stop"] = "done"
-                continue
-            if spent >= budget_left:
-                st["stop"] = "budget"
-                continue
-            prompt = _render(tokenizer, st["out"] + msgs[st["pos"]:nxt], add_generation_prompt=True)
-            if len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) > max_prompt_tokens:
-                st["stop"] = "prompt too long"
-                continue
-            st["out"] += msgs[st["pos"]:nxt]
-            st["pos"] = nxt + 1
-            active.append(st)
-            prompts.append(prompt)
+            if not st["stop"]:
+                prompt = _next_prompt(tokenizer, st, max_prompt_tokens, over_budget=spent >= budget_left)
+                if prompt is not None:
+                    active.append(st)
+                    prompts.append(prompt)
         if not active:
             break
-        for st, (text, n, finished) in zip(active, generate(model, tokenizer, prompts, max_new_tokens, eos_ids)):
-            st["out"].append({"role": "assistant", "content": text})
-            st["gen"] += n
-            st["turns"] += 1
-            spent += n
-            if not finished:
-                st["stop"] = "max_new_tokens"
-    records = []
-    for st in states:
-        if st["turns"] == 0:
-            messages = st["conv"]["messages"]
-        else:
-            last = max(j for j, m in enumerate(st["out"]) if m["role"] == "assistant")
-            messages = st["out"][:last + 1]
-        records.append({"id": st["conv"]["id"], "messages": messages, "regenerated": st["turns"] > 0,
-                        "turns_regenerated": st["turns"], "generated_tokens": st["gen"], "stop": st["stop"]})
-    return records
+        for st, reply in zip(active, generate(model, tokenizer, prompts, max_new_tokens, eos_ids)):
+            spent += _take_reply(st, *reply)
+    return [_record(st) for st in states]
+
+
+def _regenerate_one(tokenizer, conv, max_prompt_tokens, reply, tokenizer_lock) -> dict:
+    """engines: one conversation, turn after turn, as soon as each reply is back."""
+    st = _start(conv)
+    while not st["stop"]:
+        with tokenizer_lock:
+            prompt = _next_prompt(tokenizer, st, max_prompt_tokens)
+        if prompt is not None:
+            _take_reply(st, *reply(prompt))
+    return _record(st)
+
+
+def _in_batches(model, tokenizer, conversations, done, write, budget_tokens, batch_size, max_new_tokens,
+                max_prompt_tokens, eos_ids, generate, progress):
+    """hf: fixed slices of batch_size conversations, one after the other. Returns (stopped_at, this_run)."""
+    used, this_run, stopped_at = 0, 0, None
+    batches = [conversations[i:i + batch_size] for i in range(0, len(conversations), batch_size)]
+    for b, batch in enumerate(tqdm(batches, desc="regenerate", disable=not progress)):
+        if all(c["id"] in done for c in batch):
+            used += sum(done[c["id"]]["generated_tokens"] for c in batch)
+            continue
+        if used >= budget_tokens:
+            stopped_at = b
+            break
+        records = _regenerate_batch(model, tokenizer, batch, max_new_tokens, max_prompt_tokens,
+                                    budget_tokens - used, eos_ids, generate)
+        used += sum(r["generated_tokens"] for r in records)
+        new = [r for r in records if r["id"] not in done]  # a partly written batch is recomputed whole
+        this_run += sum(r["generated_tokens"] for r in new)
+        write(new, batch=b)
+    return stopped_at, this_run
+
+
+def _in_window(engine, tokenizer, conversations, done, write, budget_tokens, window, max_new_tokens,
+               max_prompt_tokens, eos_ids, progress):
+    """engines: conversations in input order, `window` of them in flight, each advancing to its next turn as
+    soon as its reply is back (hf's waves wait for the batch's longest reply: SGLang on an H200 managed
+    3,277 tokens/s that way). Conversation i starts once conversation i - window has finished, and only
+    while conversations 0 .. i - window have spent less than the budget: a rule of the replies alone, not of
+    timing. Records are written in input order. The replies themselves are the same in a rerun where the
+    engine's kernels do not depend on batch shape (vLLM's CPU build in fp32; bf16 rounds by batch shape,
+    DESIGN.md §3). Returns (stopped_at, this_run)."""
+    lock = threading.Lock()
+    reply = engine_reply(engine, tokenizer, max_new_tokens, eos_ids, lock)
+    running, spent, this_run, stopped_at = {}, 0, 0, None
+    bar = tqdm(total=len(conversations), desc="regenerate", disable=not progress)
+
+    def settle(j):  # conversation j has finished (or had, in an earlier run): record it and count it
+        nonlocal spent, this_run
+        if j in running:
+            record = running.pop(j).result()
+            write([record], index=j)
+            this_run += record["generated_tokens"]
+        spent += done[conversations[j]["id"]]["generated_tokens"]
+        bar.update()
+
+    pool = ThreadPoolExecutor(window)
+    try:
+        for i, conv in enumerate(conversations):
+            if i >= window:
+                settle(i - window)
+            if spent >= budget_tokens:
+                stopped_at = i
+                break
+            if conv["id"] not in done:
+                running[i] = pool.submit(_regenerate_one, tokenizer, conv, max_prompt_tokens, reply, lock)
+        for j in sorted(running):
+            settle(j)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        bar.close()
+    return stopped_at, this_run
 
 
 def regenerate_responses(model, tokenizer, conversations, out_path: Path, budget_tokens: int,
                          max_new_tokens: int, batch_size: int, progress: bool = True,
-                         max_prompt_tokens: int = 2048, generate=None, backend: str = "hf") -> dict:
+                         max_prompt_tokens: int = 2048, generate=None, engine=None, backend: str = "hf") -> dict:
     """Replace assistant turns by the target's greedy replies, resumably, into out_path (JSONL).
 
     See the notes above for what is cut and when. Returns stats; read the result back with
-    `read_regenerated` or `apply_regenerated`. generate: how a batch of prompts gets its replies,
-    model.generate here by default, or an engine_generator; backend names it in the settings.
+    `read_regenerated` or `apply_regenerated`. hf (engine None): batches of batch_size through
+    `generate` (model.generate here by default); engine: a running engine server with batch_size
+    conversations in flight; backend names it in the settings.
     """
     generate = generate or _generate
     out_path = Path(out_path)
@@ -525,26 +615,22 @@ def regenerate_responses(model, tokenizer, conversations, out_path: Path, budget
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
 
-    used, this_run, t0, stopped_at = 0, 0, time.perf_counter(), None
-    batches = [conversations[i:i + batch_size] for i in range(0, len(conversations), batch_size)]
+    t0 = time.perf_counter()
     try:
         with open(out_path, "a", encoding="utf-8") as f:
-            for b, batch in enumerate(tqdm(batches, desc="regenerate", disable=not progress)):
-                if all(c["id"] in done for c in batch):
-                    used += sum(done[c["id"]]["generated_tokens"] for c in batch)
-                    continue
-                if used >= budget_tokens:
-                    stopped_at = b
-                    break
-                records = _regenerate_batch(model, tokenizer, batch, max_new_tokens, max_prompt_tokens,
-                                            budget_tokens - used, eos_ids, generate)
-                used += sum(r["generated_tokens"] for r in records)
-                new = [r for r in records if r["id"] not in done]
-                this_run += sum(r["generated_tokens"] for r in new)
-                f.write("".join(json.dumps({**r, "batch": b, "settings": settings}) + "\n" for r in new))
+            def write(records, **where):
+                f.write("".join(json.dumps({**r, **where, "settings": settings}) + "\n" for r in records))
                 f.flush()
                 os.fsync(f.fileno())
-                done.update({r["id"]: r for r in new})
+                done.update({r["id"]: r for r in records})
+
+            if engine is None:
+                stopped_at, this_run = _in_batches(model, tokenizer, conversations, done, write, budget_tokens,
+                                                   batch_size, max_new_tokens, max_prompt_tokens, eos_ids, generate,
+                                                   progress)
+            else:
+                stopped_at, this_run = _in_window(engine, tokenizer, conversations, done, write, budget_tokens,
+                                                  batch_size, max_new_tokens, max_prompt_tokens, eos_ids, progress)
     finally:
         tokenizer.padding_side, tokenizer.pad_token = saved
     seconds = time.perf_counter() - t0
@@ -554,7 +640,7 @@ def regenerate_responses(model, tokenizer, conversations, out_path: Path, budget
         "regenerated": sum(r["regenerated"] for r in recs),
         "kept_original": len(conversations) - sum(r["regenerated"] for r in recs),
         "turns_regenerated": sum(r["turns_regenerated"] for r in recs),
-        "tokens_generated": used,
+        "tokens_generated": sum(r["generated_tokens"] for r in recs),
         "tokens_generated_this_run": this_run,
         "seconds_this_run": round(seconds, 2),
         "tokens_per_s": round(this_run / seconds, 1) if seconds > 0 and this_run else 0.0,
@@ -578,8 +664,7 @@ def regenerate(rg, model, tokenizer, conversations, out_path: Path, engine_param
     from . import engines
     server = engines.make(engine_params, target_dir, None, None, Path(out_path).parent)
     with server:
-        stats = regenerate_responses(model, tokenizer, conversations, out_path,
-                                     generate=engine_generator(server, rg.batch_size),
+        stats = regenerate_responses(model, tokenizer, conversations, out_path, engine=server,
                                      backend=f"engine:{engine_params.name}", **kwargs)
     return {**stats, "engine_start_s": round(server.ready_s, 1), "engine_log": server.log_path.name}
 

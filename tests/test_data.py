@@ -1,5 +1,6 @@
 import json
 import random
+import threading
 
 import pytest
 import torch
@@ -321,6 +322,56 @@ def test_regeneration_resumes_to_the_same_result(tmp_path, embedded_target):
 
     with pytest.raises(ValueError, match="settings"):
         D.regenerate_responses(model, tok, REGEN_CONVS, a, **{**kw, "max_new_tokens": 9})
+
+
+class GreedyServer:
+    """The engine backend's server interface (generate on token ids, stop ids, finish reason), answered by
+    transformers' greedy generate in this process, one request at a time; the real engines are in
+    test_engines.py (vLLM CPU: the same records as hf)."""
+
+    def __init__(self, model):
+        self.model, self.lock, self.requests = model, threading.Lock(), 0
+
+    def generate(self, prompt_ids, max_tokens, ignore_eos=True, stop_token_ids=None):
+        with self.lock, torch.no_grad():
+            self.requests += 1
+            out = self.model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False,
+                                      num_beams=1, temperature=None, top_p=None, top_k=None,
+                                      eos_token_id=stop_token_ids, pad_token_id=stop_token_ids[0])
+        ids = out[0, len(prompt_ids):].tolist()
+        stopped = bool(ids) and ids[-1] in stop_token_ids
+        return {"token_ids": ids, "finish_reason": "stop" if stopped else "length"}
+
+
+def test_engine_regeneration_window_budget_and_resume(tmp_path, embedded_target):
+    model, tok = embedded_target
+    kw = dict(max_new_tokens=8, batch_size=2, progress=False, backend="engine:test")
+    free = D.regenerate_responses(model, tok, REGEN_CONVS, tmp_path / "free.jsonl", budget_tokens=10_000,
+                                  engine=GreedyServer(model), **kw)
+    hf = D.regenerate_responses(model, tok, REGEN_CONVS, tmp_path / "hf.jsonl", budget_tokens=10_000,
+                                max_new_tokens=8, batch_size=2, progress=False)
+    assert not free["budget_exhausted"] and D.read_regenerated(tmp_path / "free.jsonl") == D.read_regenerated(
+        tmp_path / "hf.jsonl")  # the same greedy replies, turn for turn
+    assert {k: free[k] for k in ("regenerated", "turns_regenerated", "tokens_generated", "stops")} == \
+        {k: hf[k] for k in ("regenerated", "turns_regenerated", "tokens_generated", "stops")}
+    spent = [json.loads(line)["generated_tokens"] for line in (tmp_path / "free.jsonl").read_text().splitlines()]
+
+    # Conversation i starts only while conversations 0..i-2 (window 2) spent less than the budget.
+    budget = spent[0] + spent[1]
+    a = tmp_path / "a.jsonl"
+    stats = D.regenerate_responses(model, tok, REGEN_CONVS, a, budget_tokens=budget, engine=GreedyServer(model), **kw)
+    started = [c["id"] for i, c in enumerate(REGEN_CONVS) if sum(spent[:max(0, i - 1)]) < budget]
+    assert [json.loads(line)["id"] for line in a.read_text().splitlines()] == started == [c["id"] for c in REGEN_CONVS[:3]]
+    assert stats["budget_exhausted"] and stats["tokens_generated"] == sum(spent[:3])
+
+    # torn after one line and a half: the rerun writes the same file, asking only for what is missing
+    b = tmp_path / "b.jsonl"
+    text = a.read_text()
+    b.write_text(text[:len(text.splitlines(keepends=True)[0]) + 30])
+    server = GreedyServer(model)
+    again = D.regenerate_responses(model, tok, REGEN_CONVS, b, budget_tokens=budget, engine=server, **kw)
+    assert b.read_text() == text and again["tokens_generated_this_run"] == sum(spent[1:3])
+    assert server.requests == sum(json.loads(line)["turns_regenerated"] for line in text.splitlines()[1:])
 
 
 def test_bench_prompts_round_trip(tmp_path):

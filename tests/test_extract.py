@@ -14,7 +14,7 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3lib.extract import (ShardError, ShardSet, capture_hidden_states, extract, iter_batches, load_manifest,
+from eagle3lib.extract import (FORMAT, ShardError, ShardSet, capture_hidden_states, extract, iter_batches, load_manifest,
                                make_batch, measure_forward_tokens_per_s, plan_batches, plan_shards, read_shard,
                                verify_and_repair)
 
@@ -352,3 +352,48 @@ def test_bad_inputs_refused(model, tmp_path):
                 str(tmp_path / "a"), CONTRACT, **SMALL)
     with pytest.raises(ValueError, match="vocab_size"):
         extract(model, dict(tok, input_ids=tok["input_ids"] + 1000), AUX, str(tmp_path / "b"), CONTRACT, **SMALL)
+
+
+def test_shard_prefetch_yields_what_plain_reading_does(model, tokens, tmp_path):
+    from eagle3lib.train import shard_sequences
+    out = str(tmp_path / "hidden")
+    extract(model, tokens, AUX, out, CONTRACT, **SMALL)
+    shards = ShardSet(out)
+    for epoch in (0, 1):
+        plain = list(shard_sequences(shards, seed=3, epoch=epoch, prefetch=0))
+        ahead = list(shard_sequences(shards, seed=3, epoch=epoch, prefetch=2))
+        assert len(plain) == len(ahead) == 40
+        for a, b in zip(plain, ahead):
+            for x, y in zip((a.input_ids, a.loss_mask, a.aux, a.final), (b.input_ids, b.loss_mask, b.aux, b.final)):
+                assert torch.equal(x, y)
+    # a bad shard met while prefetching is still reported, as the sha256 error of that file
+    first = load_manifest(out)["shards"][0]["file"]
+    path = os.path.join(out, first)
+    with open(path, "r+b") as f:
+        f.seek(-1, 2)
+        b = f.read(1)
+        f.seek(-1, 2)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(ShardError, match=f"{first}.*sha256"):
+        list(shard_sequences(shards, seed=3, epoch=0, prefetch=2))
+
+
+def test_shard_whose_header_misdescribes_its_tensors_is_refused(tmp_path):
+    good = str(tmp_path / "good.safetensors")
+    n = 6
+    save_file({"input_ids": torch.arange(n, dtype=torch.int32), "loss_mask": torch.ones(n, dtype=torch.uint8),
+               "aux_hidden": torch.randn(n, 12), "final_hidden": torch.randn(n, 4),
+               "seq_starts": torch.tensor([0, 2, n])}, good, metadata={"format": FORMAT, "first_sequence": "0"})
+    t = read_shard(good)
+    assert t["aux_hidden"].shape == (n, 12) and t["seq_starts"].tolist() == [0, 2, n]
+    data = open(good, "rb").read()
+    k = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + k])
+    header["final_hidden"]["shape"] = [n, 3]   # 3 columns in the bytes of 4: a size mismatch, not a silent misread
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= k
+    text = text.ljust(k)
+    bad = str(tmp_path / "bad.safetensors")
+    open(bad, "wb").write(data[:8] + text + data[8 + k:])
+    with pytest.raises(ShardError, match="bad.safetensors.*final_hidden.*do not hold F32 \\[6, 3\\]"):
+        read_shard(bad)

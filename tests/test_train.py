@@ -86,6 +86,7 @@ def test_training_learns_and_writes_the_canonical_checkpoint(tmp_path, small_tar
     after = summary["eval"]
     assert after["loss_per_step"][0] < 0.8 * before["loss_per_step"][0]
     assert after["step_acc"][0] > before["step_acc"][0]
+    assert 0 <= summary["data_wait_s"] <= summary["train_seconds"]  # shards prefetched: p.train.prefetch_shards
     folder = run_dir / "02_train" / "drafter"
     cfg = json.loads((folder / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 96
