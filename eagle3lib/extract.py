@@ -598,6 +598,7 @@ def extract_with(capture, tokens, aux_layer_ids, out_dir, contract, batch_tokens
                 waits["capture_s"] += time.perf_counter() - t
                 if pending is not None:
                     listed(pending)
+                # backends return new tensors per shard, so the next capture cannot overwrite these
                 pending = writer.submit(write_shard, out_dir, tensors, first, aux_layer_ids)
             listed(pending)
         stats = {**capture.stats(), **{k: round(v, 2) for k, v in waits.items()}}
