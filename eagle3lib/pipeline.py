@@ -280,6 +280,9 @@ def run_pipeline(params_file: str | Path, overrides: dict | None = None, from_st
     forced_from = stage_name(from_stage, names) if from_stage else None
     only = stage_name(only_stage, names) if only_stage else None
     last = stage_name(to_stage, names) if to_stage else names[-1]
+    for first in (forced_from, only):
+        if first and first > last:
+            raise ValueError(f"nothing to run: {first} comes after {last} (--to)")
     out = params_run_dir(p)
     out.mkdir(parents=True, exist_ok=True)
     write_run_json(p, out)

@@ -80,6 +80,8 @@ def test_runs_in_order_then_skips_then_forces(workbook, capsys):
     assert "00_first/00_first.html" in index and "twice" in index
 
     assert "00_first: unchanged, skipped" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="nothing to run: 01_second comes after 00_first"):
+        run(workbook, from_stage="second", to_stage="first")
     run(workbook)
     assert capsys.readouterr().err.count("unchanged, skipped") == 2
     assert result(out, "00_first")["hash"] == first["hash"]
