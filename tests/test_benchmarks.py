@@ -16,3 +16,13 @@ def test_train_throughput_dry_run_prints_figures():
     assert [r["seq"] for r in summary["results"]] == [128, 200]
     for r in summary["results"]:
         assert r["tokens_per_s"] > 0 and r["freeze_lm_head"] and r["loss"] > 0
+
+
+def test_train_levers_dry_run_prints_figures():
+    out = subprocess.run([sys.executable, "benchmarks/train_levers.py", "--small", "--device", "cpu", "--seq", "128",
+                          "--iters", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(r["per_layer"]) >= {"q_proj", "down_proj", "lm_head (frozen)", "fc (once)"}
+    assert r["gemm_bf16_ms"] > 0 and r["gemm_fp8_ms"] > 0 and r["quantize_fp8_ms"] > 0
+    assert all(v["fp8_rel_err"] < 0.1 for v in r["per_layer"].values())  # the fp8 products are the same products
