@@ -12,7 +12,9 @@ over T queries. Printed, in ms per training row of --seq tokens (--ttt steps, pl
 - attention (CUDA only): each step's flex_attention with our TTT block mask, forward + backward, against
   cuDNN's (or flash) causal scaled_dot_product_attention over step 0's keys alone, the part a kernel with
   log-sum-exp merging would hand to it (the k diagonal keys per query are O(T·k·d) on top, not timed).
-These are lower bounds on what each lever saves; the step's total (train_throughput.py --profile) is the context.
+fp8_saves_ms counts each quantization as a pass of its own, weights requantized every TTT step (fused into the
+producers or amortized over the steps they cost less); the cuDNN figure leaves out the diagonal keys. The step's
+total (train_throughput.py --profile) is the context.
 """
 from __future__ import annotations
 
