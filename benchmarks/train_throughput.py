@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from eagle3lib.drafter import Drafter, DrafterConfig
-from eagle3lib.train import all_reduce_grads, compile_decoder_layer, ttt_loss_sums
+from eagle3lib.train import all_reduce_grads, compile_decoder_layer, convert_to_float8, ttt_loss_sums
 
 LLAMA_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 intermediate_size=14336, vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096,
@@ -46,7 +46,8 @@ def synthetic_batch(cfg: DrafterConfig, seq: int, device, dtype):
 
 def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, device: str,
             checkpoint: bool = False, compile_layer: bool = False, profile: bool = False,
-            freeze_lm_head: bool = False, eager_loss: bool = False) -> dict:
+            freeze_lm_head: bool = False, eager_loss: bool = False, attention: str = "auto",
+            float8: bool = False) -> dict:
     """Median tokens/s of full training steps on one packed row of seq tokens, and peak memory.
     Under torchrun every rank runs the step on its own row and the gradients are all-reduced
     as eagle3lib.train does; tokens/s is then the sum over ranks."""
@@ -59,6 +60,8 @@ def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, dev
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[torch.arange(cfg.draft_vocab_size) + d2t] = True
     drafter.set_vocab(d2t.to(device), t2d.to(device))
+    if float8:
+        convert_to_float8(drafter, emulate=not cuda)
     if compile_layer:
         compile_decoder_layer(drafter)
     drafter.lm_head.weight.requires_grad_(not freeze_lm_head)  # speculators' default: frozen
@@ -74,7 +77,8 @@ def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, dev
     def train_step():
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             sums, counts, _, _ = ttt_loss_sums(drafter, batch, embed, head, ttt, with_metrics=False,
-                                               checkpoint=checkpoint, fused_loss=False if eager_loss else None)
+                                               checkpoint=checkpoint, fused_loss=False if eager_loss else None,
+                                               attention=attention)
         loss = (weights * sums / counts.clamp(min=1)).sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -103,6 +107,7 @@ def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, dev
         print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70), flush=True)
     out = {"seq": seq, "ranks": world, "checkpoint": checkpoint, "compile_layer": compile_layer,
            "freeze_lm_head": freeze_lm_head, "loss_kernel": "eager" if eager_loss or not cuda else "compiled",
+           "attention": attention, "float8": float8,
            "tokens_per_s": round(world * seq / statistics.median(times), 1),
            "step_s_median": round(statistics.median(times), 4), "loss": round(loss.item(), 4)}
     if cuda:
@@ -111,14 +116,16 @@ def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, dev
 
 
 def measure_or_oom(cfg, seq, ttt, steps, warmup, device, checkpoint: str, compile_layer: bool,
-                   profile: bool = False, freeze_lm_head: bool = False, eager_loss: bool = False) -> dict:
+                   profile: bool = False, freeze_lm_head: bool = False, eager_loss: bool = False,
+                   attention: str = "auto", float8: bool = False) -> dict:
     """checkpoint: "off", "on", or "auto" (off, and on again if off runs out of memory)."""
     tries = {"off": [False], "on": [True], "auto": [False, True]}[checkpoint]
     errors = []
     for ckpt in tries:
         try:
             return measure(cfg, seq, ttt, steps, warmup, device, checkpoint=ckpt, compile_layer=compile_layer,
-                           profile=profile, freeze_lm_head=freeze_lm_head, eager_loss=eager_loss)
+                           profile=profile, freeze_lm_head=freeze_lm_head, eager_loss=eager_loss,
+                           attention=attention, float8=float8)
         except torch.OutOfMemoryError as e:
             errors.append(f"checkpoint={ckpt}: out of memory: {str(e).splitlines()[0]}")
         finally:
@@ -141,6 +148,9 @@ def main():
     ap.add_argument("--profile", action="store_true", help="print a kernel breakdown of one step at the first length")
     ap.add_argument("--freeze-lm-head", action="store_true", help="ours with a frozen lm_head, as speculators trains")
     ap.add_argument("--eager-loss", action="store_true", help="the loss's per-chunk maths eager, not compiled (ablation)")
+    ap.add_argument("--attention", choices=["auto", "flex", "merged", "dense"], default="auto",
+                    help="TTT attention (Drafter.ttt_forward); auto = merged (cuDNN) on these one-document rows")
+    ap.add_argument("--float8", action="store_true", help="FP8 matmuls in fc, o_proj, MLP (train.float8; torchao)")
     ap.add_argument("--impl", choices=["ours", "speculators", "both"], default="ours",
                     help="whose training step: ours, vLLM speculators' EAGLE-3 (benchmarks/speculators_throughput.py),"
                          " or both, alternating at each length")
@@ -187,7 +197,7 @@ def main():
             continue
         r = measure_or_oom(cfg, seq, args.ttt, args.steps, args.warmup, args.device, args.checkpoint, args.compile_layer,
                            profile=args.profile and rank == 0 and not results, freeze_lm_head=args.freeze_lm_head,
-                           eager_loss=args.eager_loss)
+                           eager_loss=args.eager_loss, attention=args.attention, float8=args.float8)
         results.append(r)
         if rank == 0:
             print(json.dumps({"impl": "ours", **r} if args.impl == "both" else r), flush=True)

@@ -110,18 +110,26 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
 
     def qkv(self, x, cos, sin):
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        return self.heads_with_rope(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
+
+    def heads_with_rope(self, q, k, v, cos, sin):
+        """[B,T,h·d] projections → q [B,h,T,d], k, v [B,kv,T,d], rotary applied to q and k."""
+        b, t, _ = q.shape
+        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         q, k = apply_rotary_pos_emb(q, k, cos, sin)
         return q, k, v
 
-    def attend(self, q, k, v, mask):
-        """q [B,h,T,d]; k, v [B,kv,S,d]; mask bool [B,T,S] (True = may attend)."""
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=self.heads != self.kv_heads)
+    def output(self, out):
+        """o_proj over attention outputs [B,h,T,d]."""
         b, _, t, _ = out.shape
         return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
+
+    def attend(self, q, k, v, mask):
+        """q [B,h,T,d]; k, v [B,kv,S,d]; mask bool [B,T,S] (True = may attend)."""
+        return self.output(F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None],
+                                                          enable_gqa=self.heads != self.kv_heads))
 
 
 class DecoderLayer(nn.Module):
@@ -136,6 +144,24 @@ class DecoderLayer(nn.Module):
 
     def attn_input(self, embeds, hidden):
         return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+
+    # q/k/v read concat(input_layernorm(embed), hidden_norm(h)), so each projection is the sum of an
+    # embedding half (weight columns :H) and a hidden half (H:). In TTT, step k at t reads the embedding
+    # of token t+1+k, the same rows shifted by k: the embedding half is projected once for all steps.
+    def qkv_weight_halves(self):
+        a, h = self.self_attn, self.hidden_norm.weight.shape[0]
+        w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        return w[:, :h], w[:, h:]
+
+    def embed_qkv(self, embeds, w_embed):
+        return F.linear(self.input_layernorm(embeds), w_embed)
+
+    def step_qkv(self, embed_part, hidden, w_hidden, cos, sin):
+        """q, k, v of one TTT step from its slice of embed_qkv and the step's hidden state."""
+        a = self.self_attn
+        qkv = embed_part + F.linear(self.hidden_norm(hidden), w_hidden)
+        q, k, v = qkv.split([a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim], -1)
+        return a.heads_with_rope(q, k, v, cos, sin)
 
     def finish(self, attn_out, hidden):
         """Residual from h, then post-attention norm and MLP; returns the pre-norm output state."""
@@ -173,88 +199,77 @@ class Drafter(nn.Module):
         return self.rotary(x, position_ids)
 
     # ---------------------------------------------------------- training ----
-    def ttt_forward(self, aux, step_embeds, position_ids, doc_ids, attention: str = "auto", checkpoint: bool = False):
-        """Training-time test over K = len(step_embeds) chain steps.
+    def ttt_forward(self, aux, embeds, position_ids, doc_ids, attention: str = "auto", checkpoint: bool = False):
+        """Training-time test over K chain steps.
 
         aux [B,T,3H_t]: target aux states at each position t.
-        step_embeds[k] [B,T,H]: embedding of the token fed at step k for position t
-            (the ground-truth token t+1+k).
+        embeds [B,T+K-1,H]: embeddings of the tokens fed along the chain: step k at position t
+            takes embeds[:, t+k] (the ground-truth token t+1+k). K = embeds' length - T + 1.
         position_ids [B,T]: positions within each document; doc_ids [B,T]: document
             of each position in a packed row (-1 = padding).
         Returns the pre-norm hidden states of each step, [B,T,H] each.
 
         Step k's query at t attends to the step-0 keys at s ≤ t (same document) and to
-        the step-1..k keys at t itself. attention="dense" scores those diagonals as dot
-        products beside one T×T block (simple; memory grows with T², fine on the CPU);
-        "flex" runs flex_attention with a block mask, which never materializes T×T
-        scores (long sequences on GPUs). "auto": flex on CUDA, dense elsewhere.
-        checkpoint (flex only): keep each step's inputs and recompute the step in the
-        backward pass instead of holding its activations (MLP, norms) for all K steps.
+        the step-1..k keys at t itself. attention:
+        - "dense" scores those diagonals as dot products beside one T×T block (simple;
+          memory grows with T², fine on the CPU);
+        - "flex" runs flex_attention with a block mask, which never materializes T×T
+          scores and skips other documents' blocks (packed rows on GPUs);
+        - "merged" needs rows of one document (then padding): plain causal attention over
+          step 0's keys (cuDNN on GPUs, twice as fast as flex there), merged with the
+          diagonals by log-sum-exp (causal_attention_with_diagonals);
+        - "auto": on CUDA merged for one-document rows, else flex; dense elsewhere.
+        checkpoint: keep each step's inputs and recompute the step in the backward pass
+        instead of holding its activations (MLP, norms) for all K steps.
         """
-        if attention == "auto":
-            attention = "flex" if aux.is_cuda else "dense"
-        if attention == "flex":
-            return self._ttt_forward_flex(aux, step_embeds, position_ids, doc_ids, checkpoint)
-        attn, layer = self.layer.self_attn, self.layer
-        t = aux.shape[1]
-        causal = torch.tril(torch.ones(t, t, dtype=torch.bool, device=aux.device))
-        same_doc = (doc_ids[:, :, None] == doc_ids[:, None, :]) & (doc_ids[:, :, None] >= 0)
-        eye = torch.eye(t, dtype=torch.bool, device=aux.device)
-        prefix_mask = ((causal & same_doc) | eye)[:, None]                # [B,1,T,T]; padding sees itself
-        groups = attn.heads // attn.kv_heads
-        hidden = self.fc(aux)
-        prefix_k = prefix_v = None
-        diag_k, diag_v, outputs = [], [], []
-        for k, embeds in enumerate(step_embeds):
-            cos, sin = self.rope(hidden, position_ids + k)
-            q, key, value = attn.qkv(layer.attn_input(embeds, hidden), cos, sin)
-            key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-            if k == 0:
-                prefix_k, prefix_v = key, value
-            else:
-                diag_k.append(key)
-                diag_v.append(value)
-            scale = attn.head_dim ** -0.5
-            scores = (q @ prefix_k.transpose(-1, -2)) * scale                # [B,h,T,T]
-            scores = scores.masked_fill(~prefix_mask, float("-inf"))
-            diag = [(q * dk).sum(-1, keepdim=True) * scale for dk in diag_k]  # [B,h,T,1] each
-            probs = torch.softmax(torch.cat([scores] + diag, -1), -1)
-            out = probs[..., :t] @ prefix_v
-            for j, dv in enumerate(diag_v):
-                out = out + probs[..., t + j:t + j + 1] * dv
-            b = out.shape[0]
-            attn_out = attn.o_proj(out.transpose(1, 2).reshape(b, t, attn.heads * attn.head_dim))
-            hidden = layer.finish(attn_out, hidden)
-            outputs.append(hidden)
-        return outputs
-
-    def _ttt_forward_flex(self, aux, step_embeds, position_ids, doc_ids, checkpoint: bool = False):
-        attn, layer = self.layer.self_attn, self.layer
         b, t = aux.shape[:2]
-        # Each step's keys sit in a region of t_pad (a whole number of blocks) so that a
-        # region starts on a block boundary and the block mask can be built per block.
-        t_pad = -(-t // TTT_BLOCK) * TTT_BLOCK
-        docs = F.pad(doc_ids, (0, t_pad - t), value=-1)
-        masks = ttt_block_masks(docs, t, len(step_embeds))
+        steps = embeds.shape[1] - t + 1
+        if steps < 1:
+            raise ValueError(f"embeds has {embeds.shape[1]} positions for {t} aux positions: expected T+K-1 ≥ T")
+        if attention == "auto":
+            attention = ("merged" if one_document_rows(doc_ids) else "flex") if aux.is_cuda else "dense"
+        if attention == "merged" and not one_document_rows(doc_ids):
+            raise ValueError("attention='merged' needs rows of one document followed only by padding; "
+                             "use 'flex' (or 'auto') for packed rows")
+        attn, layer = self.layer.self_attn, self.layer
+        groups = attn.heads // attn.kv_heads
+        w_embed, w_hidden = layer.qkv_weight_halves()
+        embed_qkv = layer.embed_qkv(embeds, w_embed)                        # [B,T+K-1,(h+2kv)·d], once
+        if attention == "flex":
+            t_pad = -(-t // TTT_BLOCK) * TTT_BLOCK  # each step's keys fill whole blocks (ttt_block_masks)
+            masks = ttt_block_masks(F.pad(doc_ids, (0, t_pad - t), value=-1), t, steps)
+            keep = lambda k, x: F.pad(x, (0, 0, 0, t_pad - t))             # noqa: E731
+        elif attention == "merged":
+            keep = lambda k, x: x.repeat_interleave(groups, 1) if k == 0 else x   # noqa: E731 (cuDNN takes h heads)
+        elif attention == "dense":
+            prefix_mask = _dense_prefix_mask(doc_ids)
+            keep = lambda k, x: x.repeat_interleave(groups, 1)             # noqa: E731
+        else:
+            raise ValueError(f"attention must be auto, dense, flex or merged, not {attention!r}")
 
-        def one_step(embeds, hidden, pos, mask, *cached):
-            cos, sin = self.rope(hidden, pos)
-            q, key, value = attn.qkv(layer.attn_input(embeds, hidden), cos, sin)
-            key, value = (F.pad(x, (0, 0, 0, t_pad - t)) for x in (key, value))
+        def attend(k, q, keys, values):
+            if attention == "flex":
+                return _flex_attention(q, torch.cat(keys, 2), torch.cat(values, 2), block_mask=masks[k],
+                                       enable_gqa=groups > 1)
+            if attention == "merged":
+                return causal_attention_with_diagonals(q, keys[0], values[0], keys[1:], values[1:])
+            return _dense_ttt_attention(q, keys, values, prefix_mask)
+
+        def one_step(k, hidden, *cached):
+            cos, sin = self.rope(hidden, position_ids + k)
+            q, key, value = layer.step_qkv(embed_qkv[:, k:k + t], hidden, w_hidden, cos, sin)
+            key, value = keep(k, key), keep(k, value)
             keys, values = cached[:len(cached) // 2] + (key,), cached[len(cached) // 2:] + (value,)
-            out = _flex_attention(q, torch.cat(keys, 2), torch.cat(values, 2), block_mask=mask,
-                                  enable_gqa=attn.heads != attn.kv_heads)
-            attn_out = attn.o_proj(out.transpose(1, 2).reshape(b, t, attn.heads * attn.head_dim))
-            return layer.finish(attn_out, hidden), key, value
+            return layer.finish(attn.output(attend(k, q, keys, values)), hidden), key, value
 
         hidden = self.fc(aux)
         keys, values, outputs = [], [], []
-        for k, embeds in enumerate(step_embeds):
-            args = (embeds, hidden, position_ids + k, masks[k], *keys, *values)
+        for k in range(steps):
             if checkpoint:
-                hidden, key, value = torch.utils.checkpoint.checkpoint(one_step, *args, use_reentrant=False)
+                hidden, key, value = torch.utils.checkpoint.checkpoint(one_step, k, hidden, *keys, *values,
+                                                                       use_reentrant=False)
             else:
-                hidden, key, value = one_step(*args)
+                hidden, key, value = one_step(k, hidden, *keys, *values)
             keys.append(key)
             values.append(value)
             outputs.append(hidden)
@@ -275,6 +290,136 @@ class Drafter(nn.Module):
         mask = cache.positions[:, None, :] <= position_ids[:, :, None]
         out = layer.finish(attn.attend(q, cache.keys, cache.values, mask), hidden)
         return out, self.logits(out)
+
+
+def one_document_rows(doc_ids: torch.Tensor) -> bool:
+    """Every row holds one document followed only by padding (-1): step 0's attention is then
+    plain causal attention, and the real positions never see the padding after them."""
+    real = doc_ids >= 0
+    prefix = real.cummin(1).values == real                              # no real position after padding
+    same = (doc_ids == doc_ids[:, :1]) | ~real
+    return bool((prefix & same).all() and real[:, 0].all())
+
+
+def _dense_prefix_mask(doc_ids):
+    """[B,1,T,T] step-0 mask: causal within the document; a padding position sees itself."""
+    t = doc_ids.shape[1]
+    causal = torch.tril(torch.ones(t, t, dtype=torch.bool, device=doc_ids.device))
+    same_doc = (doc_ids[:, :, None] == doc_ids[:, None, :]) & (doc_ids[:, :, None] >= 0)
+    eye = torch.eye(t, dtype=torch.bool, device=doc_ids.device)
+    return ((causal & same_doc) | eye)[:, None]
+
+
+def _dense_ttt_attention(q, keys, values, prefix_mask):
+    """q [B,h,T,d]; keys/values of steps 0..k with h heads. Scores over step 0's keys under the
+    mask, and one dot product per later step's key at the query's own position, in one softmax."""
+    t = q.shape[2]
+    scale = q.shape[-1] ** -0.5
+    scores = ((q @ keys[0].transpose(-1, -2)) * scale).masked_fill(~prefix_mask, float("-inf"))
+    diag = [(q * dk).sum(-1, keepdim=True) * scale for dk in keys[1:]]   # [B,h,T,1] each
+    probs = torch.softmax(torch.cat([scores] + diag, -1), -1)
+    out = probs[..., :t] @ values[0]
+    for j, dv in enumerate(values[1:]):
+        out = out + probs[..., t + j:t + j + 1] * dv
+    return out
+
+
+# ----------------------------------------------- causal ⊕ diagonal attention ----
+# Step k of TTT on a one-document row attends causally to step 0's keys, plus one key of each
+# step 1..k at the query's own position. The causal part is a stock fused kernel (cuDNN) that
+# also returns its log-sum-exp; the k diagonal scores merge in by log-sum-exp, as ring attention
+# merges blocks. Backward: the fused kernel's backward, given the *merged* output and log-sum-exp,
+# returns exactly the causal part's share of the gradients (its softmax is recomputed as
+# exp(s - lse_merged) and its row term as dO·O_merged); the diagonal parts are elementwise.
+
+def _causal_forward(q, k, v, scale):
+    """(out, lse [B,h,T,1] fp32, state for the backward) of causal attention, same heads for q, k, v."""
+    if q.is_cuda:
+        r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
+        return r[0], r[1], r[2:8]
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale              # the reference, for the CPU and tests
+    s = s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), float("-inf"))
+    lse = torch.logsumexp(s, -1, keepdim=True)
+    return (torch.exp(s - lse) @ v.float()).to(q.dtype), lse, None
+
+
+def _causal_backward(dout, q, k, v, out, lse, scale, state):
+    """dq, dk, dv of causal attention, with the softmax taken as exp(s - lse) and the row term as dO·out."""
+    if q.is_cuda:
+        cum_q, cum_k, max_q, max_k, seed, offset = state
+        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
+            dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale)
+    qf, kf, vf, df = q.float(), k.float(), v.float(), dout.float()
+    s = (qf @ kf.transpose(-1, -2)) * scale
+    p = torch.exp(s - lse).masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), 0.0)
+    ds = p * (df @ vf.transpose(-1, -2) - (df * out.float()).sum(-1, keepdim=True))
+    return (ds @ kf * scale).to(q.dtype), (ds.transpose(-1, -2) @ qf * scale).to(k.dtype), (p.transpose(-1, -2) @ df).to(v.dtype)
+
+
+class _CausalWithDiagonals(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k0, v0, *diag):
+        """q, k0, v0 [B,h,T,d]; diag = keys then values of steps 1..k, [B,kv,T,d] (GQA: broadcast)."""
+        n = len(diag) // 2
+        scale = q.shape[-1] ** -0.5
+        out_c, lse, state = _causal_forward(q, k0, v0, scale)
+        qg = _by_kv_group(q, diag[0]) if n else None
+        scores = [(qg.float() * dk.float()[:, :, None]).sum(-1, keepdim=True).flatten(1, 2) * scale for dk in diag[:n]]
+        merged = torch.logsumexp(torch.cat([lse] + scores, -1), -1, keepdim=True)
+        acc = torch.exp(lse - merged) * out_c.float()
+        for s, dv in zip(scores, diag[n:]):
+            acc = acc + torch.exp(s - merged) * _broadcast_kv(dv, q)
+        out = torch.empty_like(out_c)  # the fused kernel's layout, which its backward expects of out and dO
+        out.copy_(acc)
+        ctx.save_for_backward(q, k0, v0, out, merged, *diag)
+        ctx.state, ctx.n, ctx.scale = state, n, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k0, v0, out, merged, *diag = ctx.saved_tensors
+        n, scale = ctx.n, ctx.scale
+        grad = torch.empty_like(out)
+        grad.copy_(dout)
+        dq, dk0, dv0 = _causal_backward(grad, q, k0, v0, out, merged, scale, ctx.state)
+        if not n:
+            return dq, dk0, dv0
+        gf, qg = grad.float(), _by_kv_group(q, diag[0]).float()
+        row = (gf * out.float()).sum(-1, keepdim=True)                    # dO·O, as the fused backward takes it
+        dq = dq.float()
+        dks, dvs = [], []
+        for dk, dv in zip(diag[:n], diag[n:]):
+            s = (qg * dk.float()[:, :, None]).sum(-1, keepdim=True).flatten(1, 2) * scale
+            p = torch.exp(s - merged)                                       # [B,h,T,1]
+            ds = p * ((gf * _broadcast_kv(dv, q).float()).sum(-1, keepdim=True) - row)
+            dq = dq + ds * _broadcast_kv(dk, q).float() * scale
+            dks.append(_sum_groups(ds * qg.flatten(1, 2) * scale, dk))
+            dvs.append(_sum_groups(p * gf, dv))
+        return (dq.to(q.dtype), dk0, dv0, *dks, *dvs)
+
+
+def _by_kv_group(q, kv):
+    """q [B,h,T,d] as [B,kv,h/kv,T,d]: the heads that share each key/value head (repeat_interleave order)."""
+    b, h, t, d = q.shape
+    return q.view(b, kv.shape[1], h // kv.shape[1], t, d)
+
+
+def _broadcast_kv(x, q):
+    """[B,kv,T,d] → [B,h,T,d] view-expanded to q's heads."""
+    b, kvh, t, d = x.shape
+    return x[:, :, None].expand(b, kvh, q.shape[1] // kvh, t, d).flatten(1, 2)
+
+
+def _sum_groups(x, like):
+    """[B,h,T,d] gradients → [B,kv,T,d], summing the heads that share a key/value head."""
+    b, kvh, t, d = like.shape
+    return x.view(b, kvh, -1, t, d).sum(2).to(like.dtype)
+
+
+def causal_attention_with_diagonals(q, k0, v0, diag_keys, diag_values):
+    """Step k's TTT attention on one-document rows: q, k0, v0 [B,h,T,d] (step 0's keys with q's
+    heads), diag_keys/values: steps 1..k, [B,kv,T,d]. Returns [B,h,T,d]."""
+    return _CausalWithDiagonals.apply(q, k0, v0, *diag_keys, *diag_values)
 
 
 TTT_BLOCK = 128  # flex_attention's block size

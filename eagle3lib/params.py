@@ -133,8 +133,13 @@ class TrainParams(Section):
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="compute dtype: auto = bf16 autocast on GPU, fp32 on CPU; bfloat16 autocasts on CPU too")
     activation_checkpointing: bool = Field(
-        False, description="recompute each TTT step in the backward pass (GPU/flex path): long rows fit, ~25% slower")
+        False, description="recompute each TTT step in the backward pass: long rows fit, ~25% slower")
     compile_layer: bool = Field(False, description="torch.compile the decoder layer's norms and MLP (GPU)")
+    float8: bool = Field(False, description="FP8 matmuls for fc, o_proj and the MLP (torchao rowwise recipe; Ada/"
+                         "Hopper GPUs; pip install torchao): faster, at FP8 precision (train.convert_to_float8)")
+    attention: Literal["auto", "flex", "merged", "dense"] = Field(
+        "auto", description="TTT attention: auto = on GPUs cuDNN causal attention merged with the TTT diagonals for "
+        "rows of one document (long rows), flex_attention for packed rows; dense on the CPU (drafter.ttt_forward)")
     freeze_lm_head: bool = Field(False, description="keep lm_head at its initial value (the target's rows, see "
                                  "init_lm_head_from_target) instead of training it; speculators' default")
 

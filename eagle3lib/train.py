@@ -14,6 +14,7 @@ so N processes take exactly the step one process takes with the same global batc
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -143,7 +144,8 @@ def valid_positions(batch: dict, k: int) -> torch.Tensor:
 
 
 def ttt_loss_sums(drafter: Drafter, batch: dict, embed: torch.Tensor, head_full: torch.Tensor, steps: int,
-                  with_metrics: bool = True, checkpoint: bool = False, fused_loss: bool | None = None):
+                  with_metrics: bool = True, checkpoint: bool = False, fused_loss: bool | None = None,
+                  attention: str = "auto"):
     """Run the TTT chain on a batch. Returns, per step: Σ over valid positions of the soft CE
     against the target's distribution on the draft vocab, the valid counts, and (with_metrics)
     whether the draft's argmax is the target's argmax over the full vocab, with the valid masks.
@@ -156,8 +158,9 @@ def ttt_loss_sums(drafter: Drafter, batch: dict, embed: torch.Tensor, head_full:
         probs = target_probs(final, head_full[drafter.t2d].to(compute), compute)   # [B·T, V_draft]
         # The full-vocab argmax costs as much as a target lm_head; only metrics need it.
         target_best = target_argmax(final.float(), head_full.float()) if with_metrics else None
-    step_embeds = [F.embedding(shift_left(ids, 1 + k), embed).to(dtype) for k in range(steps)]
-    hidden = drafter.ttt_forward(aux, step_embeds, batch["position_ids"], docs, checkpoint=checkpoint)
+    # Step k at t is fed token t+1+k: one tensor of the next tokens, K-1 longer, serves all steps.
+    embeds = F.embedding(F.pad(ids[:, 1:], (0, steps)), embed).to(dtype)
+    hidden = drafter.ttt_forward(aux, embeds, batch["position_ids"], docs, attention=attention, checkpoint=checkpoint)
     sums, counts, rights, valids = [], [], [], []
     for k in range(steps):
         valid = valid_positions(batch, k)
@@ -266,11 +269,42 @@ def all_reduce_grads(params: list, world: int) -> None:
 
 
 def compile_decoder_layer(drafter: Drafter) -> None:
-    """torch.compile the layer's elementwise-heavy parts (norms, concat, MLP with its SiLU·up),
-    fusing what would otherwise be separate passes over [T, 14336]-sized activations."""
+    """torch.compile the layer's elementwise-heavy parts of a TTT step (norm, q/k/v sum, rotary; MLP
+    with its SiLU·up), fusing what would otherwise be separate passes over [T, 14336]-sized activations."""
     layer = drafter.layer
-    layer.attn_input = torch.compile(layer.attn_input)
+    layer.step_qkv = torch.compile(layer.step_qkv)
+    layer.self_attn.output = torch.compile(layer.self_attn.output)  # with train.float8: o_proj's input scaling fused
     layer.finish = torch.compile(layer.finish)
+
+
+FLOAT8_MODULES = ("fc", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def convert_to_float8(drafter: Drafter, emulate: bool = False) -> list[str]:
+    """Train fc, o_proj and the MLP with FP8 matmuls (e4m3, row-wise dynamic scales: torchao's "rowwise"
+    recipe): forward and both backward GEMMs at FP8 rate, master weights, optimizer and checkpoint as
+    before. q/k/v run as two bf16 GEMMs of weight halves (Drafter.ttt_forward) and lm_head inside the
+    fused loss, so they stay bf16. emulate: FP8 numerics without FP8 hardware (tests). Returns the names."""
+    try:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    except ImportError as e:
+        raise RuntimeError("train.float8 needs torchao: pip install 'eagle3-workbook[fp8]' (or torchao)") from e
+    if not emulate and not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
+        raise RuntimeError("train.float8 needs a GPU with FP8 matmuls (compute capability ≥ 8.9: Ada, Hopper, "
+                           "Blackwell); set train.float8: false here")
+    config = Float8LinearConfig.from_recipe_name("rowwise")
+    if emulate:
+        config = dataclasses.replace(config, emulate=True)
+    converted = []
+
+    def wanted(module, name):
+        if name.split(".")[-1] in FLOAT8_MODULES and module.in_features % 16 == 0 and module.out_features % 16 == 0:
+            converted.append(name)
+            return True
+        return False
+
+    convert_to_float8_training(drafter, config=config, module_filter_fn=wanted)
+    return converted
 
 
 def _dist_info():
@@ -322,6 +356,8 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
     embed, head = setup.embed.to(device), setup.head.to(device)
     setup.embed, setup.head = embed, head
     params = [p for p in drafter.parameters() if p.requires_grad]
+    if tp.float8:
+        log(f"FP8 matmuls (torchao rowwise) in {', '.join(convert_to_float8(drafter))}")
     if tp.compile_layer:
         compile_decoder_layer(drafter)
     # fused: one CUDA kernel for the whole update instead of a foreach chain (same maths)
@@ -392,7 +428,7 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
             batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in mb.items()}
             with torch.autocast(autocast_device, dtype=torch.bfloat16, enabled=use_bf16):
                 sums, _, _, _ = ttt_loss_sums(drafter, batch, embed, head, tp.ttt_steps, with_metrics=False,
-                                              checkpoint=tp.activation_checkpointing)
+                                              checkpoint=tp.activation_checkpointing, attention=tp.attention)
             loss = (weights * sums / counts.clamp(min=1)).sum()
             loss.backward()
             step_loss += loss.detach()

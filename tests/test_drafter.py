@@ -47,9 +47,9 @@ def test_ttt_equals_chain_on_real_states(real_states):
     ids, aux, drafter, embed = real_states
     n = ids.shape[1] - STEPS - 1
     pos = torch.arange(n)[None]
-    step_embeds = [embed[ids[:, 1 + k: 1 + k + n]] for k in range(STEPS)]
+    embeds = embed[ids[:, 1:n + STEPS]]  # step k at t: token t+1+k
     with torch.no_grad():
-        hidden = drafter.ttt_forward(aux[:, :n], step_embeds, pos, torch.zeros_like(pos))
+        hidden = drafter.ttt_forward(aux[:, :n], embeds, pos, torch.zeros_like(pos))
         worst = 0.0
         for t in (0, 1, n // 2, n - 1):
             chain = chain_logits(drafter, embed, ids, aux, t, STEPS)
@@ -64,16 +64,15 @@ def test_packed_documents_do_not_see_each_other(real_states):
     ids, aux, drafter, embed = real_states
     a = 12
     n = ids.shape[1] - STEPS - 1
-    # The row: positions 0..a-1 of the conversation as doc 0, then the whole first n positions again as doc 1.
+    # The row: positions 0..a-1 of the conversation as doc 0, then the whole conversation again as doc 1
+    # (its first n positions, then its continuation, as a packed row of the trainer reads on).
     row_aux = torch.cat([aux[:, :a], aux[:, :n]], 1)
-    row_ids = torch.cat([ids[:, :a + STEPS + 1], ids], 1)  # token stream with each doc's continuation
+    row_ids = torch.cat([ids[:, :a], ids], 1)
     pos = torch.cat([torch.arange(a), torch.arange(n)])[None]
     docs = torch.cat([torch.zeros(a, dtype=torch.long), torch.ones(n, dtype=torch.long)])[None]
-    # Step-k input at row index i is the token 1+k after it inside its own document.
-    src = torch.cat([torch.arange(a), a + STEPS + 1 + torch.arange(n)])
-    step_embeds = [embed[row_ids[0, src + 1 + k]][None] for k in range(STEPS)]
+    embeds = embed[row_ids[:, 1:a + n + STEPS]]
     with torch.no_grad():
-        hidden = drafter.ttt_forward(row_aux, step_embeds, pos, docs)
+        hidden = drafter.ttt_forward(row_aux, embeds, pos, docs)
         for t in (3, n - 1):
             chain = chain_logits(drafter, embed, ids, aux, t, STEPS)
             for k in range(STEPS):
@@ -108,13 +107,13 @@ def test_flex_attention_path_equals_the_dense_one():
     drafter = Drafter(cfg).eval()
     t = 40
     aux = torch.randn(2, t, 144)
-    step_embeds = [torch.randn(2, t, 64) for _ in range(4)]
+    embeds = torch.randn(2, t + 3, 64)  # 4 steps
     docs = torch.tensor([[0] * 15 + [1] * 20 + [-1] * 5, [0] * 40])
     pos = torch.cat([torch.arange(15), torch.arange(20), torch.zeros(5, dtype=torch.long)])[None].repeat(2, 1)
     pos[1] = torch.arange(40)
     with torch.no_grad():
-        dense = drafter.ttt_forward(aux, step_embeds, pos, docs, attention="dense")
-        flex = drafter.ttt_forward(aux, step_embeds, pos, docs, attention="flex")
+        dense = drafter.ttt_forward(aux, embeds, pos, docs, attention="dense")
+        flex = drafter.ttt_forward(aux, embeds, pos, docs, attention="flex")
     real = docs >= 0
     for a, b in zip(dense, flex):
         assert (a - b)[real].abs().max() <= 1e-5
@@ -140,32 +139,32 @@ def several_block_case(device):
             pos[r, start:start + n] = torch.arange(n)
             start += n
     aux = torch.randn(2, t, 72)
-    step_embeds = [torch.randn(2, t, 64) for _ in range(3)]
+    embeds = torch.randn(2, t + 2, 64)  # 3 steps
     to = lambda x: x.to(device)  # noqa: E731
-    return Drafter(cfg).to(device), to(aux), [to(e) for e in step_embeds], to(pos), to(docs)
+    return Drafter(cfg).to(device), to(aux), to(embeds), to(pos), to(docs)
 
 
 def test_flex_block_masks_over_several_blocks_equal_the_dense_path():
     from eagle3lib.drafter import ttt_block_masks
-    drafter, aux, step_embeds, pos, docs = several_block_case("cpu")
+    drafter, aux, embeds, pos, docs = several_block_case("cpu")
     full_blocks = ttt_block_masks(torch.nn.functional.pad(docs, (0, 84), value=-1), 300, 1)[0].full_kv_num_blocks
     assert full_blocks.sum() > 0  # full blocks are covered, not only partial ones
     real = docs >= 0
     with torch.no_grad():
-        dense = drafter.ttt_forward(aux, step_embeds, pos, docs, attention="dense")
-        flex = drafter.ttt_forward(aux, step_embeds, pos, docs, attention="flex")
+        dense = drafter.ttt_forward(aux, embeds, pos, docs, attention="dense")
+        flex = drafter.ttt_forward(aux, embeds, pos, docs, attention="flex")
     for a, b in zip(dense, flex):
         assert (a - b)[real].abs().max() <= 1e-5
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention has no backward on the CPU")
 def test_flex_gradients_with_and_without_checkpointing_equal_the_dense_path():
-    drafter, aux, step_embeds, pos, docs = several_block_case("cuda")
+    drafter, aux, embeds, pos, docs = several_block_case("cuda")
     real = docs >= 0
 
     def grads(**kw):
         drafter.zero_grad()
-        outs = drafter.ttt_forward(aux, step_embeds, pos, docs, **kw)
+        outs = drafter.ttt_forward(aux, embeds, pos, docs, **kw)
         sum(((o * real[..., None]) ** 2).sum() for o in outs).backward()
         return {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
 
@@ -175,6 +174,76 @@ def test_flex_gradients_with_and_without_checkpointing_equal_the_dense_path():
         for name, g in dense.items():
             # flex's Triton kernel multiplies fp32 in TF32 (~1e-3 relative); a wrong mask is off by O(1).
             assert (g - flex[name]).abs().max() <= 1e-2 * g.abs().max(), (checkpoint, name)
+
+
+def one_document_case(device):
+    """Rows of one document each, GQA, one row ending in padding: the case of the merged path."""
+    torch.manual_seed(2)
+    cfg = DrafterConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                        intermediate_size=64, vocab_size=300, draft_vocab_size=100, target_hidden_size=24,
+                        aux_layer_ids=[1, 2, 3])
+    t = 150
+    docs = torch.zeros(2, t, dtype=torch.long)
+    docs[1, 131:] = -1
+    pos = torch.arange(t).repeat(2, 1) * (docs >= 0)
+    to = lambda x: x.to(device)  # noqa: E731
+    return Drafter(cfg).to(device), to(torch.randn(2, t, 72)), to(torch.randn(2, t + 3, 64)), to(pos), to(docs)
+
+
+def ttt_outputs_and_grads(drafter, aux, embeds, pos, docs, **kw):
+    """The TTT outputs at real positions and the parameters' gradients of a loss over them."""
+    drafter.zero_grad()
+    real = (docs >= 0)[..., None]
+    outs = drafter.ttt_forward(aux, embeds, pos, docs, **kw)
+    sum(((o.float() * real) ** 2).sum() for o in outs).backward()
+    return [o.float() * real for o in outs], {n: p.grad.clone() for n, p in drafter.named_parameters()
+                                              if p.grad is not None}
+
+
+def assert_close(ref, got, tol, what):
+    for (o_ref, o_got) in zip(ref[0], got[0]):
+        assert (o_ref - o_got).abs().max() <= tol * o_ref.abs().max(), f"{what}: outputs"
+    assert ref[1].keys() == got[1].keys()
+    for name, g in ref[1].items():
+        assert (g - got[1][name]).abs().max() <= tol * g.abs().max(), f"{what}: {name}"
+
+
+def test_merged_attention_equals_the_dense_path_forward_and_backward():
+    """The one-document path (causal attention with its log-sum-exp, merged with the diagonal keys;
+    its backward hands the merged statistics to the causal kernel's backward) computes the dense path's
+    outputs and gradients. Here with the reference kernel pair; tests/test_drafter's CUDA test runs cuDNN's."""
+    case = one_document_case("cpu")
+    dense = ttt_outputs_and_grads(*case, attention="dense")
+    for checkpoint in (False, True):
+        assert_close(dense, ttt_outputs_and_grads(*case, attention="merged", checkpoint=checkpoint), 1e-4,
+                     f"merged, checkpoint={checkpoint}")
+        assert_close(dense, ttt_outputs_and_grads(*case, attention="dense", checkpoint=checkpoint), 1e-5,
+                     f"dense, checkpoint={checkpoint}")
+
+
+def test_one_document_rows_decides_where_the_merged_path_applies():
+    from eagle3lib.drafter import one_document_rows
+    assert one_document_rows(torch.tensor([[0, 0, 0, -1, -1], [3, 3, 3, 3, 3]]))
+    assert not one_document_rows(torch.tensor([[0, 0, 1, 1, -1]]))      # packed
+    assert not one_document_rows(torch.tensor([[0, 0, -1, 0, 0]]))     # a real position after padding
+    assert not one_document_rows(torch.tensor([[-1, -1, -1]]))         # padding only
+    drafter, aux, embeds, pos, docs = several_block_case("cpu")
+    with pytest.raises(ValueError, match="one document"):
+        drafter.ttt_forward(aux, embeds, pos, docs, attention="merged")
+    with pytest.raises(ValueError, match="T\\+K-1"):
+        drafter.ttt_forward(aux, embeds[:, :10], pos, docs)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN attention runs on CUDA")
+def test_merged_cudnn_path_equals_the_dense_path_on_gpus():
+    """cuDNN's causal kernel and its backward fed the merged log-sum-exp (bf16 under autocast) against the
+    dense path in fp32: a wrong merge or a log-sum-exp in other units is off by O(1), bf16 by ~1e-2."""
+    case = one_document_case("cuda")
+    dense = ttt_outputs_and_grads(*case, attention="dense")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        for checkpoint in (False, True):
+            assert_close(dense, ttt_outputs_and_grads(*case, attention="merged", checkpoint=checkpoint), 5e-2,
+                         f"merged on cuDNN, checkpoint={checkpoint}")
 
 
 def test_block_masks_built_per_block_equal_the_ones_flex_builds_pair_by_pair():

@@ -46,12 +46,12 @@ def setup(embedded_target):
     aux, embed = aux.float().clone(), model.get_input_embeddings().weight.detach().clone()
     n = seq.shape[1] - TTT_STEPS - 1
     pos = torch.arange(n)[None]
-    step_embeds = [embed[seq[:, 1 + k:1 + k + n]] for k in range(TTT_STEPS)]
+    embeds = embed[seq[:, 1:n + TTT_STEPS]]                      # step k at t: token t+1+k
     to_draft = torch.cumsum(learned.t2d.long(), 0) - 1           # target id -> draft id
     start = len(prompts[0]) - 2                                  # predicting the continuation
     opt = torch.optim.Adam(learned.parameters(), lr=3e-3)
     for _ in range(80):
-        hidden = learned.ttt_forward(aux[:, :n], step_embeds, pos, torch.zeros_like(pos))
+        hidden = learned.ttt_forward(aux[:, :n], embeds, pos, torch.zeros_like(pos))
         loss = sum(F.cross_entropy(learned.logits(h)[0, start:], to_draft[seq[0, 2 + k + start:2 + k + n]])
                    for k, h in enumerate(hidden))
         opt.zero_grad()
