@@ -125,6 +125,8 @@ class TrainParams(Section):
     checkpoint_every: int = Field(500, gt=0)
     prefetch_shards: int = Field(2, ge=0, description="shards read and checked in background threads while the "
                                  "current one trains; host memory holds this many + 1 per training process")
+    batch_prefetch: int = Field(2, ge=0, description="micro-batches packed ahead in a background thread while "
+                                "the current one trains (0: in the training thread)")
     eval_every: int = Field(200, gt=0)
     eval_max_tokens: int = Field(50_000, gt=0, description="validation tokens per evaluation")
     init_lm_head_from_target: bool = Field(True, description="start lm_head/norm from the target's rows of the draft vocab")

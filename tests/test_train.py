@@ -189,3 +189,49 @@ def test_deepseek_v3_shaped_target_extracts_and_trains(tmp_path, embedded_cache)
     run_dir = make_run(tmp_path, model, tokenizer, {"max_tokens": 128 * 3, "eval_every": 3})
     summary = train.run_stage(params_file(tmp_path), str(run_dir))
     assert summary["steps"] == 3 and torch.isfinite(torch.tensor(summary["eval"]["loss_per_step"])).all()
+
+
+def test_make_batch_lays_out_packed_rows_with_padding_at_the_end():
+    def seq(n, start):
+        ids = torch.arange(start, start + n, dtype=torch.int32)
+        return train.Sequence(ids, (ids % 2).to(torch.uint8), ids[:, None].repeat(1, 6).to(torch.bfloat16),
+                              -ids[:, None].repeat(1, 2).to(torch.bfloat16))
+    rows = list(train.pack_rows(iter([seq(3, 10), seq(4, 20), seq(9, 30), seq(2, 50)]), 8))
+    assert [[len(s.input_ids) for s in r] for r in rows] == [[3, 4], [8], [2]]   # greedy, truncated to 8
+    b = train.make_batch(rows[:2], 8)
+    assert b["tokens"] == 15
+    assert b["input_ids"].tolist() == [[10, 11, 12, 20, 21, 22, 23, 0], list(range(30, 38))]
+    assert b["doc_ids"].tolist() == [[0, 0, 0, 1, 1, 1, 1, -1], [0] * 8]
+    assert b["position_ids"].tolist() == [[0, 1, 2, 0, 1, 2, 3, 0], list(range(8))]
+    assert b["loss_mask"].tolist() == [[0, 1, 0, 0, 1, 0, 1, 0], [0, 1] * 4]
+    assert b["aux"].shape == (2, 8, 6) and b["aux"][0, :7, 0].tolist() == [10, 11, 12, 20, 21, 22, 23]
+    assert (b["aux"][0, 7] == 0).all() and (b["final"][0, 7] == 0).all() and b["final"][1, 2, 1] == -32
+    assert b["input_ids"].dtype == torch.long and b["aux"].dtype == torch.bfloat16
+
+
+def test_in_background_keeps_order_raises_where_the_source_did_and_stops_on_close():
+    assert list(train.in_background(iter(range(50)), 3)) == list(range(50))
+
+    def failing():
+        yield from range(5)
+        raise ValueError("shard 5 is corrupt")
+    got = []
+    with pytest.raises(ValueError, match="shard 5"):
+        for x in train.in_background(failing(), 2):
+            got.append(x)
+    assert got == list(range(5))
+
+    closed = []
+
+    def endless():
+        try:
+            i = 0
+            while True:
+                yield i
+                i += 1
+        finally:
+            closed.append(True)
+    stream = train.in_background(endless(), 2)
+    assert [next(stream) for _ in range(10)] == list(range(10))
+    stream.close()
+    assert closed == [True]   # the source was closed in its thread, and that thread has ended
