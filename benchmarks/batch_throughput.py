@@ -51,8 +51,9 @@ def write_synthetic_shards(out_dir: str, tokens: int, hidden: int, shard_tokens:
     return at
 
 
-def measure(shards: ShardSet, max_seq_len: int, batch_rows: int, prefetch_shards: int, batch_prefetch: int,
+def measure(shard_dir: str, max_seq_len: int, batch_rows: int, prefetch_shards: int, batch_prefetch: int,
             epochs: int, step_ms: float = 0.0) -> dict:
+    shards = ShardSet(shard_dir)  # a fresh one per measurement: as a training run, it checks each sha256 once
     tp = SimpleNamespace(max_seq_len=max_seq_len, batch_rows=batch_rows, batch_prefetch=batch_prefetch)
     setup = SimpleNamespace(train_sequences=lambda epoch: shard_sequences(shards, 0, epoch, prefetch=prefetch_shards))
     stream = micro_batches(setup, tp, 0, 0)
@@ -84,17 +85,16 @@ def main():
     ap.add_argument("--shard-tokens", type=int, default=262_144, help="as params/tiny-h200.yaml's extract.shard_max_tokens")
     ap.add_argument("--max-seq-len", type=int, default=4096)
     ap.add_argument("--batch-rows", type=int, default=4)
-    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--prefetch-shards", type=int, default=2)
     ap.add_argument("--step-ms", type=float, default=0.0, help="a stand-in training step per micro-batch (sleep)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         total = write_synthetic_shards(d, args.tokens, args.hidden, args.shard_tokens)
-        shards = ShardSet(d)
-        print(json.dumps({"tokens_per_epoch": total, "shards": len(shards.shards), "hidden": args.hidden,
+        print(json.dumps({"tokens_per_epoch": total, "shards": len(ShardSet(d).shards), "hidden": args.hidden,
                           "max_seq_len": args.max_seq_len, "batch_rows": args.batch_rows}), flush=True)
         for batch_prefetch in (0, 2):
-            print(json.dumps(measure(shards, args.max_seq_len, args.batch_rows, args.prefetch_shards, batch_prefetch,
+            print(json.dumps(measure(d, args.max_seq_len, args.batch_rows, args.prefetch_shards, batch_prefetch,
                                      args.epochs, args.step_ms)), flush=True)
 
 

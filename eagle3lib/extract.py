@@ -644,6 +644,7 @@ class ShardSet:
             raise ValueError(f"{out_dir}: extraction is incomplete (sequences {gaps} missing of "
                              f"{self.manifest['num_sequences']}); rerun extract() on this folder to finish it")
         self.shards = sorted(self.manifest["shards"], key=lambda e: e["first_sequence"])
+        self._verified = {}  # file -> (size, mtime_ns, inode) when its sha256 last matched
 
     def __len__(self):
         return sum(e["sequences"] for e in self.shards)
@@ -653,10 +654,20 @@ class ShardSet:
         return sum(e["tokens"] for e in self.shards)
 
     def load(self, i):
-        """Tensors of shard i (verified against the manifest)."""
+        """Tensors of shard i, verified against the manifest: its sha256 the first time this ShardSet reads it,
+        and again whenever its size, mtime or inode has changed since. Training reads every shard once an epoch,
+        and hashing was most of the read (sha256 ~0.5 GB/s with the read, 1.3 GB/s without, on this CPU)."""
         e = self.shards[i]
         path = os.path.join(self.out_dir, e["file"])
-        t = read_shard(path, e["sha256"] if self.verify else None)
+        try:
+            st = os.stat(path)
+            stamp = (st.st_size, st.st_mtime_ns, st.st_ino)
+        except OSError:
+            stamp = None  # read_shard says what is wrong
+        checked = stamp is not None and self._verified.get(e["file"]) == stamp
+        t = read_shard(path, e["sha256"] if self.verify and not checked else None)
+        if self.verify and stamp is not None:
+            self._verified[e["file"]] = stamp
         if t["first_sequence"] != e["first_sequence"] or t["seq_starts"].numel() - 1 != e["sequences"]:
             raise ShardError(f"{path}: holds {t['seq_starts'].numel() - 1} sequences from {t['first_sequence']}, "
                              f"the manifest expects {e['sequences']} from {e['first_sequence']}; delete it and "

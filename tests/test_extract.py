@@ -354,7 +354,8 @@ def test_bad_inputs_refused(model, tmp_path):
         extract(model, dict(tok, input_ids=tok["input_ids"] + 1000), AUX, str(tmp_path / "b"), CONTRACT, **SMALL)
 
 
-def test_shard_prefetch_yields_what_plain_reading_does(model, tokens, tmp_path):
+def test_shard_prefetch_yields_what_plain_reading_does(model, tokens, tmp_path, monkeypatch):
+    from eagle3lib import extract as extract_module
     from eagle3lib.train import shard_sequences
     out = str(tmp_path / "hidden")
     extract(model, tokens, AUX, out, CONTRACT, **SMALL)
@@ -366,7 +367,16 @@ def test_shard_prefetch_yields_what_plain_reading_does(model, tokens, tmp_path):
         for a, b in zip(plain, ahead):
             for x, y in zip((a.input_ids, a.loss_mask, a.aux, a.final), (b.input_ids, b.loss_mask, b.aux, b.final)):
                 assert torch.equal(x, y)
-    # a bad shard met while prefetching is still reported, as the sha256 error of that file
+    # each shard's sha256 is computed once: the second epoch read the same unchanged files without hashing
+    hashed = []
+    real_sha256 = extract_module.hashlib.sha256
+    monkeypatch.setattr(extract_module.hashlib, "sha256", lambda data=b"": hashed.append(len(data)) or real_sha256(data))
+    list(shard_sequences(shards, seed=3, epoch=2, prefetch=2))
+    assert hashed == []
+    assert len(list(shard_sequences(ShardSet(out), seed=3, epoch=2, prefetch=2))) == 40  # a new ShardSet hashes again
+    assert len(hashed) == len(load_manifest(out)["shards"])
+    # a bad shard met while prefetching is still reported, as the sha256 error of that file, also when it
+    # changed after its sha256 was checked
     first = load_manifest(out)["shards"][0]["file"]
     path = os.path.join(out, first)
     with open(path, "r+b") as f:
