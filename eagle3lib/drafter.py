@@ -228,7 +228,7 @@ class Drafter(nn.Module):
             raise ValueError(f"embeds has {embeds.shape[1]} positions for {t} aux positions: expected T+K-1 ≥ T")
         if attention == "auto":
             attention = ("merged" if one_document_rows(doc_ids) else "flex") if aux.is_cuda else "dense"
-        if attention == "merged" and not one_document_rows(doc_ids):
+        elif attention == "merged" and not one_document_rows(doc_ids):
             raise ValueError("attention='merged' needs rows of one document followed only by padding; "
                              "use 'flex' (or 'auto') for packed rows")
         attn, layer = self.layer.self_attn, self.layer
