@@ -471,59 +471,61 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
     started = time.time()
     drafter.train()
     last_eval = None
-    while state["step"] < total_steps:
-        if tp.max_minutes and state["train_seconds"] + (time.time() - started) > tp.max_minutes * 60:
-            log(f"time budget of {tp.max_minutes} min reached at step {state['step']}")
-            break
-        # Everyone sees the step's micro-batches; each rank computes its share.
-        waited = time.perf_counter()
-        micro = [next(stream) for _ in range(tp.grad_accum * world)]
-        state["data_wait_s"] = state.get("data_wait_s", 0.0) + time.perf_counter() - waited
-        mine = micro[rank::world]
-        counts = torch.zeros(tp.ttt_steps, device=device)
-        for _, _, mb in micro:  # global normalizer, identical on every rank without communication
-            counts += torch.stack([valid_positions(mb, k).sum() for k in range(tp.ttt_steps)]).to(device)
-        lr = lr_at(state["step"], total_steps, tp.lr, tp.warmup_steps)
-        for g in opt.param_groups:
-            g["lr"] = lr
-        opt.zero_grad(set_to_none=True)
-        step_loss = torch.zeros((), device=device)
-        for _, _, mb in mine:
-            batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in mb.items()}
-            with torch.autocast(autocast_device, dtype=torch.bfloat16, enabled=use_bf16):
-                sums, _, _, _ = ttt_loss_sums(drafter, batch, embed, head, tp.ttt_steps, with_metrics=False,
-                                              checkpoint=tp.activation_checkpointing, attention=tp.attention)
-            loss = (weights * sums / counts.clamp(min=1)).sum()
-            loss.backward()
-            step_loss += loss.detach()
-        all_reduce_grads(params, world)
-        if world > 1:
-            dist.all_reduce(step_loss)
-        if not torch.isfinite(step_loss):
-            last = latest_checkpoint(ckpt_root)
-            raise TrainingError(f"loss became {step_loss.item()} at step {state['step']}; nothing after the last good "
-                                f"checkpoint ({last or 'none yet'}) was saved. Lower train.lr (now {tp.lr}) or "
-                                f"check the hidden-state shards for inf/nan, then rerun (resume continues from it).")
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, tp.grad_clip)
-        opt.step()
-        state["step"] += 1
-        state["epoch"], state["micro_in_epoch"] = micro[-1][0], micro[-1][1] + 1
-        state["tokens"] += sum(mb["tokens"] for _, _, mb in micro)
-        elapsed = state["train_seconds"] + time.time() - started
-        entry = {"step": state["step"], "loss": round(step_loss.item(), 5), "lr": lr, "grad_norm": round(grad_norm.item(), 4),
-                 "tokens": state["tokens"], "tokens_per_s": round(state["tokens"] / max(elapsed, 1e-9), 1)}
-        write_log(entry)
-        if state["step"] % tp.eval_every == 0 or state["step"] == total_steps:
-            last_eval = evaluate(setup, tp.ttt_steps, max_depth, device)
-            last_eval["at_step"] = state["step"]
-            write_log({"step": state["step"], "eval": last_eval})
-            log(f"step {state['step']}/{total_steps} loss {entry['loss']:.4f} "
-                f"est_accept_len@5 {last_eval['est_accept_len'].get('5')} cond_acc {[round(x, 3) for x in last_eval['cond_acc']]}")
-        if state["step"] % tp.checkpoint_every == 0:
-            state["train_seconds"] = state["train_seconds"] + time.time() - started
-            started = time.time()
-            checkpoint()
-    stream.close()  # stops the batch thread
+    try:  # the batch thread stops however the loop ends (a notebook keeps the failed frame alive)
+        while state["step"] < total_steps:
+            if tp.max_minutes and state["train_seconds"] + (time.time() - started) > tp.max_minutes * 60:
+                log(f"time budget of {tp.max_minutes} min reached at step {state['step']}")
+                break
+            # Everyone sees the step's micro-batches; each rank computes its share.
+            waited = time.perf_counter()
+            micro = [next(stream) for _ in range(tp.grad_accum * world)]
+            state["data_wait_s"] = state.get("data_wait_s", 0.0) + time.perf_counter() - waited
+            mine = micro[rank::world]
+            counts = torch.zeros(tp.ttt_steps, device=device)
+            for _, _, mb in micro:  # global normalizer, identical on every rank without communication
+                counts += torch.stack([valid_positions(mb, k).sum() for k in range(tp.ttt_steps)]).to(device)
+            lr = lr_at(state["step"], total_steps, tp.lr, tp.warmup_steps)
+            for g in opt.param_groups:
+                g["lr"] = lr
+            opt.zero_grad(set_to_none=True)
+            step_loss = torch.zeros((), device=device)
+            for _, _, mb in mine:
+                batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in mb.items()}
+                with torch.autocast(autocast_device, dtype=torch.bfloat16, enabled=use_bf16):
+                    sums, _, _, _ = ttt_loss_sums(drafter, batch, embed, head, tp.ttt_steps, with_metrics=False,
+                                                  checkpoint=tp.activation_checkpointing, attention=tp.attention)
+                loss = (weights * sums / counts.clamp(min=1)).sum()
+                loss.backward()
+                step_loss += loss.detach()
+            all_reduce_grads(params, world)
+            if world > 1:
+                dist.all_reduce(step_loss)
+            if not torch.isfinite(step_loss):
+                last = latest_checkpoint(ckpt_root)
+                raise TrainingError(f"loss became {step_loss.item()} at step {state['step']}; nothing after the last good "
+                                    f"checkpoint ({last or 'none yet'}) was saved. Lower train.lr (now {tp.lr}) or "
+                                    f"check the hidden-state shards for inf/nan, then rerun (resume continues from it).")
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, tp.grad_clip)
+            opt.step()
+            state["step"] += 1
+            state["epoch"], state["micro_in_epoch"] = micro[-1][0], micro[-1][1] + 1
+            state["tokens"] += sum(mb["tokens"] for _, _, mb in micro)
+            elapsed = state["train_seconds"] + time.time() - started
+            entry = {"step": state["step"], "loss": round(step_loss.item(), 5), "lr": lr, "grad_norm": round(grad_norm.item(), 4),
+                     "tokens": state["tokens"], "tokens_per_s": round(state["tokens"] / max(elapsed, 1e-9), 1)}
+            write_log(entry)
+            if state["step"] % tp.eval_every == 0 or state["step"] == total_steps:
+                last_eval = evaluate(setup, tp.ttt_steps, max_depth, device)
+                last_eval["at_step"] = state["step"]
+                write_log({"step": state["step"], "eval": last_eval})
+                log(f"step {state['step']}/{total_steps} loss {entry['loss']:.4f} "
+                    f"est_accept_len@5 {last_eval['est_accept_len'].get('5')} cond_acc {[round(x, 3) for x in last_eval['cond_acc']]}")
+            if state["step"] % tp.checkpoint_every == 0:
+                state["train_seconds"] = state["train_seconds"] + time.time() - started
+                started = time.time()
+                checkpoint()
+    finally:
+        stream.close()
     state["train_seconds"] = state["train_seconds"] + time.time() - started
     if last_eval is None or last_eval.get("at_step") != state["step"]:
         last_eval = evaluate(setup, tp.ttt_steps, max_depth, device)
