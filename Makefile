@@ -9,7 +9,7 @@ export OMP_WAIT_POLICY := PASSIVE
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run test lab browser clean-venv
+.PHONY: setup run test lab browser fp8-site clean-venv
 
 setup: $(VENV)/.installed
 
@@ -26,8 +26,14 @@ run: setup vllm-env sglang-env
 	$(BIN)/python -m eagle3lib run $(PARAMS)
 
 # The engine environments let the tests run the real vLLM/SGLang load-back gates; Chromium checks the reports.
-test: setup vllm-env sglang-env browser
+test: setup vllm-env sglang-env browser fp8-site
 	$(BIN)/python -m pytest -q -ra tests
+
+# torchao for tests/test_float8.py (FP8 training emulated on the CPU), outside .venv: see pyproject's fp8 extra.
+fp8-site: .fp8-site/.installed
+.fp8-site/.installed:
+	$(BIN)/pip install -q --no-deps --target .fp8-site 'torchao>=0.16'
+	touch $@
 
 # The kernel spec 'python3' (the notebooks' kernel) is rewritten to point at .venv's python by absolute path,
 # so notebooks see eagle3lib whatever the PATH. LAB_ARGS passes options, e.g. LAB_ARGS="--no-browser --port 8899".

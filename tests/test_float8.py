@@ -1,5 +1,7 @@
 """train.float8: torchao's FP8 training recipe on the drafter's projections, emulated on the CPU."""
 import copy
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -7,7 +9,11 @@ import torch
 from eagle3lib.drafter import Drafter, DrafterConfig
 from eagle3lib.train import convert_to_float8, ttt_loss_sums
 
-pytest.importorskip("torchao.float8", reason="train.float8 needs torchao (pip install '.[fp8]')")
+# `make test` installs torchao into .fp8-site, outside the workbook's environment (pyproject's fp8 extra says why).
+FP8_SITE = Path(__file__).resolve().parent.parent / ".fp8-site"
+if FP8_SITE.is_dir() and str(FP8_SITE) not in sys.path:
+    sys.path.append(str(FP8_SITE))
+pytest.importorskip("torchao.float8", reason="train.float8 needs torchao: `make fp8-site` (or pip install '.[fp8]')")
 
 
 def small_drafter():
