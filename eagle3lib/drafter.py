@@ -337,8 +337,7 @@ def _causal_forward(q, k, v, scale):
     if q.is_cuda:
         r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
         return r[0], r[1], r[2:8]
-    s = (q.float() @ k.float().transpose(-1, -2)) * scale              # the reference, for the CPU and tests
-    s = s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), float("-inf"))
+    s = _causal_scores(q, k, scale)                                      # the reference, for the CPU and tests
     lse = torch.logsumexp(s, -1, keepdim=True)
     return (torch.exp(s - lse) @ v.float()).to(q.dtype), lse, None
 
@@ -349,11 +348,22 @@ def _causal_backward(dout, q, k, v, out, lse, scale, state):
         cum_q, cum_k, max_q, max_k, seed, offset = state
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
             dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale)
-    qf, kf, vf, df = q.float(), k.float(), v.float(), dout.float()
-    s = (qf @ kf.transpose(-1, -2)) * scale
-    p = torch.exp(s - lse).masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), 0.0)
-    ds = p * (df @ vf.transpose(-1, -2) - (df * out.float()).sum(-1, keepdim=True))
-    return (ds @ kf * scale).to(q.dtype), (ds.transpose(-1, -2) @ qf * scale).to(k.dtype), (p.transpose(-1, -2) @ df).to(v.dtype)
+    df = dout.float()
+    p = torch.exp(_causal_scores(q, k, scale) - lse)                     # 0 above the diagonal
+    ds = p * (df @ v.float().transpose(-1, -2) - (df * out.float()).sum(-1, keepdim=True))
+    dq, dk = ds @ k.float() * scale, ds.transpose(-1, -2) @ q.float() * scale
+    return dq.to(q.dtype), dk.to(k.dtype), (p.transpose(-1, -2) @ df).to(v.dtype)
+
+
+def _causal_scores(q, k, scale):
+    """fp32 scores q·k·scale, -inf above the diagonal (the CPU reference kernel pair)."""
+    s = (q.float() @ k.float().transpose(-1, -2)) * scale
+    return s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), float("-inf"))
+
+
+def _diagonal_score(qg, dk, scale):
+    """q·k at each query's own position: qg [B,kv,h/kv,T,d] against one step's keys dk [B,kv,T,d] → [B,h,T,1] fp32."""
+    return (qg.float() * dk.float()[:, :, None]).sum(-1, keepdim=True).flatten(1, 2) * scale
 
 
 class _CausalWithDiagonals(torch.autograd.Function):
@@ -364,7 +374,7 @@ class _CausalWithDiagonals(torch.autograd.Function):
         scale = q.shape[-1] ** -0.5
         out_c, lse, state = _causal_forward(q, k0, v0, scale)
         qg = _by_kv_group(q, diag[0]) if n else None
-        scores = [(qg.float() * dk.float()[:, :, None]).sum(-1, keepdim=True).flatten(1, 2) * scale for dk in diag[:n]]
+        scores = [_diagonal_score(qg, dk, scale) for dk in diag[:n]]
         merged = torch.logsumexp(torch.cat([lse] + scores, -1), -1, keepdim=True)
         acc = torch.exp(lse - merged) * out_c.float()
         for s, dv in zip(scores, diag[n:]):
@@ -389,8 +399,7 @@ class _CausalWithDiagonals(torch.autograd.Function):
         dq = dq.float()
         dks, dvs = [], []
         for dk, dv in zip(diag[:n], diag[n:]):
-            s = (qg * dk.float()[:, :, None]).sum(-1, keepdim=True).flatten(1, 2) * scale
-            p = torch.exp(s - merged)                                       # [B,h,T,1]
+            p = torch.exp(_diagonal_score(qg, dk, scale) - merged)                                       # [B,h,T,1]
             ds = p * ((gf * _broadcast_kv(dv, q).float()).sum(-1, keepdim=True) - row)
             dq = dq + ds * _broadcast_kv(dk, q).float() * scale
             dks.append(_sum_groups(ds * qg.flatten(1, 2) * scale, dk))

@@ -325,7 +325,7 @@ def _dist_info():
 def micro_batches(setup: TrainSetup, tp, start_epoch: int, skip: int) -> Iterator[tuple[int, int, dict]]:
     """(epoch, index in epoch, micro-batch) for the whole stream, skipping `skip` of the first epoch;
     made tp.batch_prefetch batches ahead in a background thread (the copies release the GIL)."""
-    return in_background(_micro_batches(setup, tp, start_epoch, skip), getattr(tp, "batch_prefetch", 0))
+    return in_background(_micro_batches(setup, tp, start_epoch, skip), tp.batch_prefetch)
 
 
 def _micro_batches(setup: TrainSetup, tp, start_epoch: int, skip: int) -> Iterator[tuple[int, int, dict]]:
