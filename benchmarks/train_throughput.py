@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import time
 
@@ -47,7 +48,7 @@ def synthetic_batch(cfg: DrafterConfig, seq: int, device, dtype):
 def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, device: str,
             checkpoint: bool = False, compile_layer: bool = False, profile: bool = False,
             freeze_lm_head: bool = False, eager_loss: bool = False, attention: str = "auto",
-            float8: bool = False) -> dict:
+            float8: bool = False, eager_merge: bool = False) -> dict:
     """Median tokens/s of full training steps on one packed row of seq tokens, and peak memory.
     Under torchrun every rank runs the step on its own row and the gradients are all-reduced
     as eagle3lib.train does; tokens/s is then the sum over ranks."""
@@ -64,6 +65,8 @@ def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, dev
         convert_to_float8(drafter, emulate=not cuda)
     if compile_layer:
         compile_decoder_layer(drafter)
+    if eager_merge:  # the merged attention's merge eager although the layer is compiled (ablation)
+        drafter.compile_merge = False
     drafter.lm_head.weight.requires_grad_(not freeze_lm_head)  # speculators' default: frozen
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype) * 0.02
     head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, device=device, dtype=dtype) * 0.02
@@ -105,9 +108,10 @@ def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, dev
                 torch.cuda.synchronize()
         sort = "device_time_total" if cuda else "cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70), flush=True)
+        print(json.dumps({"profile": kernel_breakdown(prof, statistics.median(times), cuda)}), flush=True)
     out = {"seq": seq, "ranks": world, "checkpoint": checkpoint, "compile_layer": compile_layer,
            "freeze_lm_head": freeze_lm_head, "loss_kernel": "eager" if eager_loss or not cuda else "compiled",
-           "attention": attention, "float8": float8,
+           "attention": attention, "float8": float8, "merge_compiled": drafter.compile_merge,
            "tokens_per_s": round(world * seq / statistics.median(times), 1),
            "step_s_median": round(statistics.median(times), 4), "loss": round(loss.item(), 4)}
     if cuda:
@@ -115,9 +119,39 @@ def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, dev
     return out
 
 
+KERNEL_KINDS = [  # (kind, name pattern), first match wins; CUDA kernel names, or aten op names on the CPU
+    ("gemm", r"nvjet|gemm|cutlass|xmma|sm90_|^aten::(mm|addmm|bmm)$"),
+    ("attention", r"cudnn|fmha|flash|attention"),
+    ("compiled (triton)", r"^triton_"),
+    ("copy/cast", r"copy|convert|cast"),
+    ("reduce", r"reduce|norm|softmax|sum|logsumexp"),
+    ("elementwise", r"elementwise|vectorized|unrolled|index|cat|fill|mul|add|exp"),
+]
+
+
+def kernel_breakdown(prof, step_s: float, cuda: bool, top: int = 30) -> dict:
+    """Kernel time of one profiled step by kind and the top kernels (on the CPU: ops' self time), against
+    the unprofiled step time: on a GPU, kernel_ms well below step_ms means it waits on the host."""
+    from torch.autograd import DeviceType
+    per_name: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == (DeviceType.CUDA if cuda else DeviceType.CPU):
+            rec = per_name.setdefault(e.name, [0.0, 0])
+            rec[0] += (e.device_time_total if cuda else e.self_cpu_time_total) / 1000
+            rec[1] += 1
+    kinds: dict[str, float] = {}
+    for name, (ms, _) in per_name.items():
+        kind = next((k for k, pat in KERNEL_KINDS if re.search(pat, name, re.I)), "other")
+        kinds[kind] = kinds.get(kind, 0.0) + ms
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"step_ms": round(step_s * 1000, 2), "kernel_ms": round(sum(kinds.values()), 2),
+            "by_kind_ms": {k: round(v, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+            "top": [[n[:90], round(ms, 2), calls] for n, (ms, calls) in ranked]}
+
+
 def measure_or_oom(cfg, seq, ttt, steps, warmup, device, checkpoint: str, compile_layer: bool,
                    profile: bool = False, freeze_lm_head: bool = False, eager_loss: bool = False,
-                   attention: str = "auto", float8: bool = False) -> dict:
+                   attention: str = "auto", float8: bool = False, eager_merge: bool = False) -> dict:
     """checkpoint: "off", "on", or "auto" (off, and on again if off runs out of memory)."""
     tries = {"off": [False], "on": [True], "auto": [False, True]}[checkpoint]
     errors = []
@@ -125,7 +159,7 @@ def measure_or_oom(cfg, seq, ttt, steps, warmup, device, checkpoint: str, compil
         try:
             return measure(cfg, seq, ttt, steps, warmup, device, checkpoint=ckpt, compile_layer=compile_layer,
                            profile=profile, freeze_lm_head=freeze_lm_head, eager_loss=eager_loss,
-                           attention=attention, float8=float8)
+                           attention=attention, float8=float8, eager_merge=eager_merge)
         except torch.OutOfMemoryError as e:
             errors.append(f"checkpoint={ckpt}: out of memory: {str(e).splitlines()[0]}")
         finally:
@@ -150,6 +184,8 @@ def main():
     ap.add_argument("--eager-loss", action="store_true", help="the loss's per-chunk maths eager, not compiled (ablation)")
     ap.add_argument("--attention", choices=["auto", "flex", "merged", "dense"], default="auto",
                     help="TTT attention (Drafter.ttt_forward); auto = merged (cuDNN) on these one-document rows")
+    ap.add_argument("--eager-merge", action="store_true",
+                    help="the merged attention's log-sum-exp merge eager, not compiled (ablation)")
     ap.add_argument("--float8", action="store_true", help="FP8 matmuls in fc, o_proj, MLP (train.float8; torchao)")
     ap.add_argument("--impl", choices=["ours", "speculators", "both"], default="ours",
                     help="whose training step: ours, vLLM speculators' EAGLE-3 (benchmarks/speculators_throughput.py),"
@@ -197,7 +233,8 @@ def main():
             continue
         r = measure_or_oom(cfg, seq, args.ttt, args.steps, args.warmup, args.device, args.checkpoint, args.compile_layer,
                            profile=args.profile and rank == 0 and not results, freeze_lm_head=args.freeze_lm_head,
-                           eager_loss=args.eager_loss, attention=args.attention, float8=args.float8)
+                           eager_loss=args.eager_loss, attention=args.attention, float8=args.float8,
+                           eager_merge=args.eager_merge)
         results.append(r)
         if rank == 0:
             print(json.dumps({"impl": "ours", **r} if args.impl == "both" else r), flush=True)

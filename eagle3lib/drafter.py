@@ -180,6 +180,7 @@ class Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
         self.rotary = LlamaRotaryEmbedding(cfg.llama_config())
+        self.compile_merge = False  # ttt_forward's merged attention: its merge torch.compile'd (train.compile_layer)
 
     @property
     def layer(self) -> DecoderLayer:
@@ -252,7 +253,8 @@ class Drafter(nn.Module):
                 return _flex_attention(q, torch.cat(keys, 2), torch.cat(values, 2), block_mask=masks[k],
                                        enable_gqa=groups > 1)
             if attention == "merged":
-                return causal_attention_with_diagonals(q, keys[0], values[0], keys[1:], values[1:])
+                return causal_attention_with_diagonals(q, keys[0], values[0], keys[1:], values[1:],
+                                                       compiled=self.compile_merge)
             return _dense_ttt_attention(q, keys, values, prefix_mask)
 
         def one_step(k, hidden, *cached):
@@ -366,45 +368,78 @@ def _diagonal_score(qg, dk, scale):
     return (qg.float() * dk.float()[:, :, None]).sum(-1, keepdim=True).flatten(1, 2) * scale
 
 
+def _merge_diagonals(q, out_c, lse, scale, *diag):
+    """The causal part's output and log-sum-exp merged with steps 1..k's diagonal keys (diag = keys
+    then values, [B,kv,T,d]) → (out [B,h,T,d] in out_c's dtype, merged log-sum-exp [B,h,T,1] fp32)."""
+    n = len(diag) // 2
+    qg = _by_kv_group(q, diag[0])
+    scores = [_diagonal_score(qg, dk, scale) for dk in diag[:n]]
+    merged = torch.logsumexp(torch.cat([lse] + scores, -1), -1, keepdim=True)
+    acc = torch.exp(lse - merged) * out_c.float()
+    for s, dv in zip(scores, diag[n:]):
+        acc = acc + torch.exp(s - merged) * _broadcast_kv(dv, q)
+    return acc.to(out_c.dtype), merged
+
+
+def _diagonal_grads(grad, out, merged, q, dq_causal, scale, *diag):
+    """The diagonal keys' share of the gradients: dq (the causal part's dq_causal added), then dk and
+    dv of each diagonal step. Elementwise: each query meets one key of each step."""
+    n = len(diag) // 2
+    gf, qg = grad.float(), _by_kv_group(q, diag[0]).float()
+    row = (gf * out.float()).sum(-1, keepdim=True)                        # dO·O, as the fused backward takes it
+    dq = dq_causal.float()
+    dks, dvs = [], []
+    for dk, dv in zip(diag[:n], diag[n:]):
+        p = torch.exp(_diagonal_score(qg, dk, scale) - merged)                                           # [B,h,T,1]
+        ds = p * ((gf * _broadcast_kv(dv, q).float()).sum(-1, keepdim=True) - row)
+        dq = dq + ds * _broadcast_kv(dk, q).float() * scale
+        dks.append(_sum_groups(ds * qg.flatten(1, 2) * scale, dk))
+        dvs.append(_sum_groups(p * gf, dv))
+    return (dq.to(q.dtype), *dks, *dvs)
+
+
+_compiled_merge = None
+
+
+def merge_kernels(compiled: bool):
+    """(_merge_diagonals, _diagonal_grads), torch.compile'd when compiled: each becomes a kernel or two
+    instead of ~10 eager fp32 passes per diagonal over [B,h,T,d] (on the H200 those passes ate most of
+    what cuDNN's causal kernel saves over flex). dynamic: the row length changes from batch to batch."""
+    global _compiled_merge
+    if not compiled:
+        return _merge_diagonals, _diagonal_grads
+    if _compiled_merge is None:
+        _compiled_merge = (torch.compile(_merge_diagonals, dynamic=True, fullgraph=True),
+                           torch.compile(_diagonal_grads, dynamic=True, fullgraph=True))
+    return _compiled_merge
+
+
 class _CausalWithDiagonals(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k0, v0, *diag):
+    def forward(ctx, q, k0, v0, compiled, *diag):
         """q, k0, v0 [B,h,T,d]; diag = keys then values of steps 1..k, [B,kv,T,d] (GQA: broadcast)."""
-        n = len(diag) // 2
         scale = q.shape[-1] ** -0.5
         out_c, lse, state = _causal_forward(q, k0, v0, scale)
-        qg = _by_kv_group(q, diag[0]) if n else None
-        scores = [_diagonal_score(qg, dk, scale) for dk in diag[:n]]
-        merged = torch.logsumexp(torch.cat([lse] + scores, -1), -1, keepdim=True)
-        acc = torch.exp(lse - merged) * out_c.float()
-        for s, dv in zip(scores, diag[n:]):
-            acc = acc + torch.exp(s - merged) * _broadcast_kv(dv, q)
+        merge, _ = merge_kernels(compiled)
+        acc, merged = merge(q, out_c, lse, scale, *diag) if diag else (out_c, lse)
         out = torch.empty_like(out_c)  # the fused kernel's layout, which its backward expects of out and dO
         out.copy_(acc)
         ctx.save_for_backward(q, k0, v0, out, merged, *diag)
-        ctx.state, ctx.n, ctx.scale = state, n, scale
+        ctx.state, ctx.scale, ctx.compiled = state, scale, compiled
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k0, v0, out, merged, *diag = ctx.saved_tensors
-        n, scale = ctx.n, ctx.scale
         grad = torch.empty_like(out)
         grad.copy_(dout)
-        dq, dk0, dv0 = _causal_backward(grad, q, k0, v0, out, merged, scale, ctx.state)
-        if not n:
-            return dq, dk0, dv0
-        gf, qg = grad.float(), _by_kv_group(q, diag[0]).float()
-        row = (gf * out.float()).sum(-1, keepdim=True)                    # dO·O, as the fused backward takes it
-        dq = dq.float()
-        dks, dvs = [], []
-        for dk, dv in zip(diag[:n], diag[n:]):
-            p = torch.exp(_diagonal_score(qg, dk, scale) - merged)                                       # [B,h,T,1]
-            ds = p * ((gf * _broadcast_kv(dv, q).float()).sum(-1, keepdim=True) - row)
-            dq = dq + ds * _broadcast_kv(dk, q).float() * scale
-            dks.append(_sum_groups(ds * qg.flatten(1, 2) * scale, dk))
-            dvs.append(_sum_groups(p * gf, dv))
-        return (dq.to(q.dtype), dk0, dv0, *dks, *dvs)
+        dq, dk0, dv0 = _causal_backward(grad, q, k0, v0, out, merged, ctx.scale, ctx.state)
+        if diag:
+            _, diagonal_grads = merge_kernels(ctx.compiled)
+            dq, *d_diag = diagonal_grads(grad, out, merged, q, dq, ctx.scale, *diag)
+        else:
+            d_diag = []
+        return (dq, dk0, dv0, None, *d_diag)
 
 
 def _by_kv_group(q, kv):
@@ -425,10 +460,11 @@ def _sum_groups(x, like):
     return x.view(b, kvh, -1, t, d).sum(2).to(like.dtype)
 
 
-def causal_attention_with_diagonals(q, k0, v0, diag_keys, diag_values):
+def causal_attention_with_diagonals(q, k0, v0, diag_keys, diag_values, compiled: bool = False):
     """Step k's TTT attention on one-document rows: q, k0, v0 [B,h,T,d] (step 0's keys with q's
-    heads), diag_keys/values: steps 1..k, [B,kv,T,d]. Returns [B,h,T,d]."""
-    return _CausalWithDiagonals.apply(q, k0, v0, *diag_keys, *diag_values)
+    heads), diag_keys/values: steps 1..k, [B,kv,T,d]. Returns [B,h,T,d].
+    compiled: the merge torch.compile'd (merge_kernels)."""
+    return _CausalWithDiagonals.apply(q, k0, v0, compiled, *diag_keys, *diag_values)
 
 
 TTT_BLOCK = 128  # flex_attention's block size

@@ -9,13 +9,17 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_train_throughput_dry_run_prints_figures():
     out = subprocess.run([sys.executable, "benchmarks/train_throughput.py", "--small", "--device", "cpu",
-                          "--seqs", "128,200", "--steps", "1", "--warmup", "1", "--freeze-lm-head"],
+                          "--seqs", "128,200", "--steps", "1", "--warmup", "1", "--freeze-lm-head", "--profile"],
                          cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert [r["seq"] for r in summary["results"]] == [128, 200]
     for r in summary["results"]:
         assert r["tokens_per_s"] > 0 and r["freeze_lm_head"] and r["loss"] > 0
+    # --profile: one step's time by kind at the first length; its matmuls are found and counted
+    profile = json.loads(next(line for line in out.stdout.splitlines() if line.startswith('{"profile"')))["profile"]
+    assert profile["by_kind_ms"]["gemm"] > 0 and profile["kernel_ms"] >= profile["by_kind_ms"]["gemm"]
+    assert any(name == "aten::mm" for name, ms, calls in profile["top"])
 
 
 def test_train_levers_dry_run_prints_figures():

@@ -221,6 +221,39 @@ def test_merged_attention_equals_the_dense_path_forward_and_backward():
                      f"dense, checkpoint={checkpoint}")
 
 
+def test_compiled_merge_equals_the_eager_merge():
+    """merge_kernels' torch.compile'd merge and diagonal gradients (train.compile_layer; here inductor's CPU
+    code) compute what the eager functions do, for GQA heads and two diagonal steps."""
+    from eagle3lib.drafter import causal_attention_with_diagonals
+    torch.manual_seed(3)
+    b, heads, kv, t, d = 2, 4, 2, 40, 16
+    q, k0, v0 = (torch.randn(b, heads, t, d, requires_grad=True) for _ in range(3))
+    diag = [torch.randn(b, kv, t, d, requires_grad=True) for _ in range(4)]
+    dout = torch.randn(b, heads, t, d)
+    results = []
+    for compiled in (False, True):
+        out = causal_attention_with_diagonals(q, k0, v0, diag[:2], diag[2:], compiled=compiled)
+        grads = torch.autograd.grad(out, [q, k0, v0, *diag], dout)
+        results.append((out, grads))
+    (out_eager, g_eager), (out_compiled, g_compiled) = results
+    torch.testing.assert_close(out_compiled, out_eager, rtol=1e-5, atol=1e-5)
+    for a, c in zip(g_eager, g_compiled):
+        torch.testing.assert_close(c, a, rtol=1e-4, atol=1e-5)
+
+
+def test_compiled_layer_trains_as_the_eager_one():
+    """train.compile_layer (compile_decoder_layer: q/k/v, o_proj, MLP, the merge, the output norm, all through
+    torch.compile; here inductor's CPU code) changes neither the TTT outputs and gradients nor the names
+    the checkpoint is saved under."""
+    from eagle3lib.train import compile_decoder_layer
+    drafter, aux, embeds, pos, docs = one_document_case("cpu")
+    names = list(drafter.state_dict())
+    eager = ttt_outputs_and_grads(drafter, aux, embeds, pos, docs, attention="merged")
+    compile_decoder_layer(drafter)
+    assert drafter.compile_merge and list(drafter.state_dict()) == names
+    assert_close(eager, ttt_outputs_and_grads(drafter, aux, embeds, pos, docs, attention="merged"), 1e-4, "compiled")
+
+
 def test_one_document_rows_decides_where_the_merged_path_applies():
     from eagle3lib.drafter import one_document_rows
     assert one_document_rows(torch.tensor([[0, 0, 0, -1, -1], [3, 3, 3, 3, 3]]))
@@ -241,9 +274,10 @@ def test_merged_cudnn_path_equals_the_dense_path_on_gpus():
     case = one_document_case("cuda")
     dense = ttt_outputs_and_grads(*case, attention="dense")
     with torch.autocast("cuda", dtype=torch.bfloat16):
-        for checkpoint in (False, True):
+        for compiled, checkpoint in [(False, False), (False, True), (True, False), (True, True)]:
+            case[0].compile_merge = compiled  # the merge through Triton (train.compile_layer)
             assert_close(dense, ttt_outputs_and_grads(*case, attention="merged", checkpoint=checkpoint), 5e-2,
-                         f"merged on cuDNN, checkpoint={checkpoint}")
+                         f"merged on cuDNN, compiled merge={compiled}, checkpoint={checkpoint}")
 
 
 def test_block_masks_built_per_block_equal_the_ones_flex_builds_pair_by_pair():

@@ -22,13 +22,15 @@ if [ "${ONLY_LONG:-0}" != 1 ]; then
   tail -n 3 "$OUT/pytest_gpu.log"
   bench --impl speculators --seqs 8192
   # The same work as speculators' step (its lm_head frozen), layer compiled: flex attention, then the
-  # default on these one-document rows (cuDNN causal ⊕ diagonals), then with FP8 matmuls.
+  # default on these one-document rows (cuDNN causal ⊕ diagonals, the merge compiled; with a kernel
+  # breakdown of one step), the same with the merge eager, then with FP8 matmuls.
   bench --seqs 8192 --freeze-lm-head --compile-layer --checkpoint off --attention flex
-  bench --seqs 8192 --freeze-lm-head --compile-layer --checkpoint off
+  bench --seqs 8192 --freeze-lm-head --compile-layer --checkpoint off --profile
+  bench --seqs 8192 --freeze-lm-head --compile-layer --checkpoint off --eager-merge
   bench --seqs 8192 --freeze-lm-head --compile-layer --checkpoint off --float8
   # As the trainer runs by default (lm_head trained), with the layer compiled, and with FP8 too.
   bench --seqs 8192 --compile-layer --checkpoint off
-  bench --seqs 8192 --compile-layer --checkpoint off --float8 --profile
+  bench --seqs 8192 --compile-layer --checkpoint off --float8
 fi
 [ "${LONG:-1}" = 1 ] && bench --seqs "${SEQS_LONG:-32768,131072}" --compile-layer   # checkpointing where needed
 grep -h '^{' "$OUT/ablation.jsonl"
