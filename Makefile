@@ -27,7 +27,7 @@ run: setup vllm-env sglang-env
 
 # The engine environments let the tests run the real vLLM/SGLang load-back gates; Chromium checks the reports.
 test: setup vllm-env sglang-env browser fp8-site
-	$(BIN)/python -m pytest -q -ra tests
+	$(BIN)/python -m pytest -q -ra --durations=15 tests
 
 # torchao for tests/test_float8.py (FP8 training emulated on the CPU), outside .venv: see pyproject's fp8 extra.
 fp8-site: .fp8-site/.installed
