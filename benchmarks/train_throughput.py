@@ -178,7 +178,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--checkpoint", choices=["off", "on", "auto"], default="auto",
                     help="activation checkpointing per TTT step; auto = only where off runs out of memory")
-    ap.add_argument("--compile-layer", action="store_true", help="torch.compile the decoder layer's norms and MLP")
+    ap.add_argument("--compile-layer", action="store_true",
+                    help="torch.compile each TTT step's elementwise work (train.compile_layer)")
     ap.add_argument("--profile", action="store_true", help="print a kernel breakdown of one step at the first length")
     ap.add_argument("--freeze-lm-head", action="store_true", help="ours with a frozen lm_head, as speculators trains")
     ap.add_argument("--eager-loss", action="store_true", help="the loss's per-chunk maths eager, not compiled (ablation)")

@@ -136,7 +136,8 @@ class TrainParams(Section):
         "auto", description="compute dtype: auto = bf16 autocast on GPU, fp32 on CPU; bfloat16 autocasts on CPU too")
     activation_checkpointing: bool = Field(
         False, description="recompute each TTT step in the backward pass: long rows fit, ~25% slower")
-    compile_layer: bool = Field(False, description="torch.compile the decoder layer's norms and MLP (GPU)")
+    compile_layer: bool = Field(False, description="torch.compile each TTT step's elementwise work: norms, q/k/v + rotary, "
+                                                  "the MLP, the merged attention's merge, the output norm (GPU)")
     float8: bool = Field(False, description="FP8 matmuls for fc, o_proj and the MLP (torchao rowwise recipe; Ada/"
                          "Hopper GPUs; pip install torchao): faster, at FP8 precision (train.convert_to_float8)")
     attention: Literal["auto", "flex", "merged", "dense"] = Field(
