@@ -279,8 +279,9 @@ def all_reduce_grads(params: list, world: int) -> None:
 
 def compile_decoder_layer(drafter: Drafter) -> None:
     """torch.compile the elementwise-heavy parts of a TTT step (norm, q/k/v sum, rotary; MLP with its
-    SiLU·up; the merged attention's merge; the output norm before the loss), fusing what would otherwise be separate passes over
-    [T, 14336]-sized activations. Bound methods are replaced, so parameter names stay as they were."""
+    SiLU·up; the merged attention's merge; the output norm before the loss), fusing what would otherwise
+    be separate passes over [T, 14336]-sized activations. Bound methods are replaced, so parameter names
+    stay as they were."""
     layer = drafter.layer
     layer.step_qkv = torch.compile(layer.step_qkv)
     layer.self_attn.output = torch.compile(layer.self_attn.output)  # with train.float8: o_proj's input scaling fused
