@@ -421,10 +421,12 @@ class _CausalWithDiagonals(torch.autograd.Function):
         """q, k0, v0 [B,h,T,d]; diag = keys then values of steps 1..k, [B,kv,T,d] (GQA: broadcast)."""
         scale = q.shape[-1] ** -0.5
         out_c, lse, state = _causal_forward(q, k0, v0, scale)
-        merge, _ = merge_kernels(compiled)
-        acc, merged = merge(q, out_c, lse, scale, *diag) if diag else (out_c, lse)
-        out = torch.empty_like(out_c)  # the fused kernel's layout, which its backward expects of out and dO
-        out.copy_(acc)
+        out, merged = out_c, lse  # step 0: no diagonals, the causal part is all
+        if diag:
+            merge, _ = merge_kernels(compiled)
+            acc, merged = merge(q, out_c, lse, scale, *diag)
+            out = torch.empty_like(out_c)  # the fused kernel's layout, which its backward expects of out and dO
+            out.copy_(acc)
         ctx.save_for_backward(q, k0, v0, out, merged, *diag)
         ctx.state, ctx.scale, ctx.compiled = state, scale, compiled
         return out
