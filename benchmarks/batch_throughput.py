@@ -22,8 +22,8 @@ from types import SimpleNamespace
 import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
 import torch
 
-from eagle3lib.extract import FORMAT, MANIFEST, ShardSet, write_shard
-from eagle3lib.train import micro_batches, shard_sequences
+from eagle3lib.extract.shards import FORMAT, MANIFEST, ShardSet, write_shard
+from eagle3lib.train.trainer import micro_batches, shard_sequences
 
 
 def write_synthetic_shards(out_dir: str, tokens: int, hidden: int, shard_tokens: int, seed: int = 0) -> int:

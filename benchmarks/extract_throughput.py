@@ -15,8 +15,9 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from eagle3lib.extract import (capture_hidden_states, default_shard_max_tokens, extract, iter_batches,  # noqa: E402
-                               measure_forward_tokens_per_s)
+from eagle3lib.extract.shards import (
+    capture_hidden_states, default_shard_max_tokens, extract, iter_batches, measure_forward_tokens_per_s,
+)
 
 SHAPES = {
     "tiny": dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,

@@ -17,13 +17,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from eagle3lib import data, engines, target
+from eagle3lib.prepare import conversations
+from eagle3lib import engines
+from eagle3lib import target
 from eagle3lib.params import cache_dir, load_params
 
 
 def wave_generator(server, tokenizer, max_new_tokens, eos_ids, window):
     """hf's batch interface over the engine: a wave's prompts, `window` at a time, all back before it returns."""
-    reply = data.engine_reply(server, tokenizer, max_new_tokens, eos_ids, threading.Lock())
+    reply = conversations.engine_reply(server, tokenizer, max_new_tokens, eos_ids, threading.Lock())
 
     def generate(model, tokenizer, prompts, max_new_tokens, eos_ids):
         with ThreadPoolExecutor(window) as pool:
@@ -42,29 +44,29 @@ def main():
     args = ap.parse_args()
 
     p = load_params(args.params, {"engine.extra_args": ["--dtype", args.dtype]} if args.dtype else None)
-    convs, _ = data.load_conversations(p.data.sources, limit=args.conversations)
+    convs, _ = conversations.load_conversations(p.data.sources, limit=args.conversations)
     model, tokenizer = target.load_target_info(p.target.name, cache_dir(p))
-    eos_ids = data.eos_token_ids(model, tokenizer)
+    eos_ids = conversations.eos_token_ids(model, tokenizer)
     kw = dict(budget_tokens=10**9, max_new_tokens=args.max_new_tokens, batch_size=args.window, progress=False,
               max_prompt_tokens=p.data.regenerate.max_prompt_tokens, backend="engine")
     out, results = Path(tempfile.mkdtemp(prefix="regen-bench-")), {}
     target_dir = target.resolve_target(p.target.name, cache_dir(p))
     with engines.make(p.engine, target_dir, None, None, out) as server:
         print(f"{p.engine.name} ready in {server.ready_s:.1f} s; {len(convs)} conversations, window {args.window}")
-        data.regenerate_responses(model, tokenizer, convs[:args.window], out / "warmup.jsonl", engine=server, **kw)
+        conversations.regenerate_responses(model, tokenizer, convs[:args.window], out / "warmup.jsonl", engine=server, **kw)
         for mode in ("waves", "window"):
             t0 = time.perf_counter()
             if mode == "waves":
-                stats = data.regenerate_responses(
+                stats = conversations.regenerate_responses(
                     model, tokenizer, convs, out / f"{mode}.jsonl",
                     generate=wave_generator(server, tokenizer, args.max_new_tokens, eos_ids, args.window), **kw)
             else:
-                stats = data.regenerate_responses(model, tokenizer, convs, out / f"{mode}.jsonl", engine=server, **kw)
+                stats = conversations.regenerate_responses(model, tokenizer, convs, out / f"{mode}.jsonl", engine=server, **kw)
             seconds = time.perf_counter() - t0
             results[mode] = {"tokens": stats["tokens_generated"], "turns": stats["turns_regenerated"],
                              "seconds": round(seconds, 2), "tokens_per_s": round(stats["tokens_generated"] / seconds, 1)}
             print(mode, json.dumps(results[mode]))
-    same = data.read_regenerated(out / "waves.jsonl") == data.read_regenerated(out / "window.jsonl")
+    same = conversations.read_regenerated(out / "waves.jsonl") == conversations.read_regenerated(out / "window.jsonl")
     print(json.dumps({"engine": p.engine.name, "conversations": len(convs), "window": args.window,
                       "max_new_tokens": args.max_new_tokens, **results, "identical_records": same,
                       "window_over_waves": round(results["window"]["tokens_per_s"] / results["waves"]["tokens_per_s"], 2)}))

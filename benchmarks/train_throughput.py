@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from eagle3lib.drafter import Drafter, DrafterConfig
-from eagle3lib.train import all_reduce_grads, compile_decoder_layer, convert_to_float8, ttt_loss_sums
+from eagle3lib.train.trainer import all_reduce_grads, compile_decoder_layer, convert_to_float8, ttt_loss_sums
 
 LLAMA_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                 intermediate_size=14336, vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096,
@@ -51,7 +51,7 @@ def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, dev
             float8: bool = False, eager_merge: bool = False) -> dict:
     """Median tokens/s of full training steps on one packed row of seq tokens, and peak memory.
     Under torchrun every rank runs the step on its own row and the gradients are all-reduced
-    as eagle3lib.train does; tokens/s is then the sum over ranks."""
+    as eagle3lib.train.trainer does; tokens/s is then the sum over ranks."""
     cuda = device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -71,7 +71,7 @@ def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, dev
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype) * 0.02
     head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, device=device, dtype=dtype) * 0.02
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)  # as eagle3lib.train makes it
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)  # as eagle3lib.train.trainer makes it
     batch = synthetic_batch(cfg, seq, device, dtype)
     weights = torch.tensor([0.8 ** k for k in range(ttt)], device=device)
     if cuda:

@@ -8,7 +8,7 @@ import eagle3lib  # noqa: F401  (sets OMP_WAIT_POLICY before anything imports to
 
 
 def _overrides(items: list[str]) -> dict:
-    from .params import parse_override
+    from eagle3lib.params import parse_override
     return dict(parse_override(s) for s in items)
 
 
@@ -47,13 +47,13 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command in ("convert", "verify"):
         return _export_command(args)
-    from .params import ParamsError, dumps, load_params
+    from eagle3lib.params import ParamsError, dumps, load_params
 
     try:
         if args.command == "params":
             print(dumps(load_params(args.file, _overrides(args.set))), end="")
             return 0
-        from .pipeline import StageError, run_pipeline
+        from eagle3lib.workbook.pipeline import StageError, run_pipeline
         import logging
         if not args.quiet:
             logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -71,12 +71,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _export_command(args) -> int:
-    from . import export
+    from eagle3lib.convert import layouts
     try:
         if args.command == "convert":
-            print(export.export(args.checkpoint, args.to, args.out, target=args.target))
+            print(layouts.export(args.checkpoint, args.to, args.out, target=args.target))
             return 0
-        report = export.verify(args.folder, args.engine, target=args.target, python=args.python)
+        report = layouts.verify(args.folder, args.engine, target=args.target, python=args.python)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -286,7 +286,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 def cache_dir(p: Params) -> Path:
     if p.run.cache_dir:
         return Path(p.run.cache_dir)
-    from .target import default_cache_dir
+    from eagle3lib.target import default_cache_dir
     return default_cache_dir()
 
 

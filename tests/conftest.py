@@ -30,7 +30,7 @@ def embedded_target(embedded_cache):
 def ci_run(tmp_path_factory, embedded_cache):
     """The whole pipeline on params/ci.yaml, once per session (several minutes on 2 cores):
     (run folder, the overrides it ran with)."""
-    from eagle3lib import pipeline
+    from eagle3lib.workbook import pipeline
     out_root = tmp_path_factory.mktemp("outputs")
     overrides = {"run.output_root": str(out_root), "run.cache_dir": str(embedded_cache[0])}
     run_dir = pipeline.run_pipeline(ROOT / "params" / "ci.yaml", overrides, log_output=False)

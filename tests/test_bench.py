@@ -1,8 +1,9 @@
 """bench.py: predicted acceptance, losslessness, the report, and one real sweep on the vLLM CPU server."""
 import pytest
 
-from eagle3lib import bench, engines
-from eagle3lib.metrics import acceptance_summary
+from eagle3lib.bench import sweep
+from eagle3lib import engines
+from eagle3lib.train.metrics import acceptance_summary
 from eagle3lib.params import BenchParams, EngineParams
 
 from test_engines import drafts, need  # noqa: F401  (the random drafter's exports; a module-scoped fixture)
@@ -11,17 +12,17 @@ from test_engines import drafts, need  # noqa: F401  (the random drafter's expor
 def test_predicted_matches_the_training_estimate():
     summary = acceptance_summary([0.8, 0.6, 0.5], [0.8, 0.7, 0.6], max_depth=16)
     for depth in (1, 3, 5, 16):
-        pred = bench.predicted(summary, depth)
+        pred = sweep.predicted(summary, depth)
         assert pred["accept_len"] == pytest.approx(float(summary["est_accept_len"][str(depth)]), abs=1e-4)
         assert len(pred["per_pos"]) == depth
-    assert bench.predicted(summary, 3)["per_pos"] == pytest.approx(summary["joint_acc"])
-    assert bench.predicted(summary, 5)["per_pos"][4] == pytest.approx(0.8 * 0.7 * 0.6 ** 3)
+    assert sweep.predicted(summary, 3)["per_pos"] == pytest.approx(summary["joint_acc"])
+    assert sweep.predicted(summary, 5)["per_pos"][4] == pytest.approx(0.8 * 0.7 * 0.6 ** 3)
 
 
 def test_compare_outputs_reports_every_difference():
     base = [{"id": "a", "token_ids": [1, 2, 3], "text": "abc"}, {"id": "b", "token_ids": [4, 5], "text": "de"}]
     spec = [{"id": "a", "token_ids": [1, 2, 3], "text": "abc"}, {"id": "b", "token_ids": [4, 6], "text": "dX"}]
-    cmp = bench.compare_outputs(spec, base)
+    cmp = sweep.compare_outputs(spec, base)
     assert cmp["lossless_frac"] == 0.5
     assert cmp["differences"] == [{"id": "b", "first_diff": 1, "baseline": "de", "speculative": "dX"}]
 
@@ -41,13 +42,13 @@ ROWS = [
 
 
 def test_recommendation_table_and_plots(tmp_path):
-    rec = bench.recommend(ROWS, "/models/t", {"vllm": "/x/vllm", "sglang": "/x/sglang"})
+    rec = sweep.recommend(ROWS, "/models/t", {"vllm": "/x/vllm", "sglang": "/x/sglang"})
     assert rec["1"]["config"] == "depth5" and rec["8"]["config"] == "baseline"
     assert '"num_speculative_tokens": 5' in rec["1"]["vllm"] and "--speculative-num-draft-tokens 6" in rec["1"]["sglang"]
     assert "--speculative" not in rec["8"]["vllm"] + rec["8"]["sglang"]
-    page = bench.table_html(ROWS)
+    page = sweep.table_html(ROWS)
     assert page.count("<tr>") == 5 and "75%" in page and "0.70 0.40 0.20 0.10 0.00" in page
-    from eagle3lib import plots
+    from eagle3lib.workbook import plots
     for fig in (plots.bench_throughput(ROWS), plots.bench_acceptance(ROWS),
                 plots.bench_per_position(ROWS, {"step_acc": [0.7, 0.5, 0.4]})):
         fig.savefig(tmp_path / "f.png")
@@ -60,9 +61,9 @@ def test_real_sweep_is_lossless_in_fp32(drafts, embedded_target, tmp_path):  # n
     tokenizer = embedded_target[1]
     conv = [{"id": f"p{i}", "messages": [{"role": "user", "content": t}]}
             for i, t in enumerate(["Name three colors.", "What is 2+2?", "Write a haiku about rain."])]
-    prompts = bench.prompt_ids(tokenizer, conv, 3)
+    prompts = sweep.prompt_ids(tokenizer, conv, 3)
     params = BenchParams(depths=[3], concurrency=[1, 3], num_prompts=3, max_tokens=16, dtype="float32")
-    sweep = bench.benchmark(EngineParams(), params, drafts["target"], drafts["vllm"], prompts, tmp_path,
+    sweep = sweep.benchmark(EngineParams(), params, drafts["target"], drafts["vllm"], prompts, tmp_path,
                             eval_summary=acceptance_summary([0.1], [0.1], 3))
     rows = sweep["rows"]
     assert [(r["config"], r["concurrency"]) for r in rows] == [

@@ -10,7 +10,7 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 
-from eagle3lib import pipeline
+from eagle3lib.workbook import pipeline
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 # What a reader must never see: a traceback, an exception's name, an error line.

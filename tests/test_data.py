@@ -5,7 +5,7 @@ import threading
 import pytest
 import torch
 
-from eagle3lib import data as D
+from eagle3lib.prepare import conversations as D
 
 
 def sharegpt(cid, *turns):
@@ -385,7 +385,7 @@ def test_bench_prompts_round_trip(tmp_path):
 
 
 def test_interleave_keeps_each_lists_share_at_every_prefix():
-    from eagle3lib.data import interleave
+    from eagle3lib.prepare.conversations import interleave
     train, val = [f"t{i}" for i in range(19)], ["v0"]
     mixed = interleave(train, val)
     assert sorted(mixed) == sorted(train + val) and 9 <= mixed.index("v0") <= 10

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 from eagle3lib.drafter import Drafter, DrafterConfig, DraftCache
-from eagle3lib.extract import capture_hidden_states
+from eagle3lib.extract.shards import capture_hidden_states
 from eagle3lib.target import default_aux_layer_ids, num_layers
 
 STEPS = 7
@@ -245,7 +245,7 @@ def test_compiled_layer_trains_as_the_eager_one():
     """train.compile_layer (compile_decoder_layer: q/k/v, o_proj, MLP, the merge, the output norm, all through
     torch.compile; here inductor's CPU code) changes neither the TTT outputs and gradients nor the names
     the checkpoint is saved under."""
-    from eagle3lib.train import compile_decoder_layer
+    from eagle3lib.train.trainer import compile_decoder_layer
     drafter, aux, embeds, pos, docs = one_document_case("cpu")
     names = list(drafter.state_dict())
     eager = ttt_outputs_and_grads(drafter, aux, embeds, pos, docs, attention="merged")

@@ -6,7 +6,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3lib import extract, pipeline, provenance
+from eagle3lib.extract import shards
+from eagle3lib.workbook import pipeline
+from eagle3lib.bench import replay
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -45,8 +47,8 @@ def test_extract_wrote_checksummed_shards(ci_run):
         assert r[key] and r[key] > 0, key
     # bf16: input id (4) + mask (1) + 3 aux + 1 final states of 576 (2 bytes each), plus headers.
     assert 4 + 1 + 4 * 576 * 2 <= r["bytes_per_token"] < 4 + 1 + 4 * 576 * 2 + 64
-    shards = extract.ShardSet(run_dir / "01_extract" / "train")
-    assert shards.contract["aux_layer_ids"] == [2, 15, 27] and shards.num_tokens == r["splits"]["train"]["total_tokens"]
+    shard_set = shards.ShardSet(run_dir / "01_extract" / "train")
+    assert shard_set.contract["aux_layer_ids"] == [2, 15, 27] and shard_set.num_tokens == r["splits"]["train"]["total_tokens"]
 
 
 def test_training_beats_the_untrained_drafter(ci_run):
@@ -66,7 +68,7 @@ def test_rerun_skips_and_a_deleted_shard_is_redone(ci_run, capsys):
     victim = run_dir / "01_extract" / "train" / manifest["shards"][0]["file"]
     victim.write_bytes(victim.read_bytes()[:1000])  # truncated
     pipeline.run_pipeline(ROOT / "params" / "ci.yaml", overrides, only_stage="extract", log_output=False)
-    assert extract.ShardSet(run_dir / "01_extract" / "train").verify_all() == manifest["num_sequences"]
+    assert shards.ShardSet(run_dir / "01_extract" / "train").verify_all() == manifest["num_sequences"]
 
 
 def test_convert_exports_pass_the_load_back_gate(ci_run):
@@ -98,13 +100,13 @@ def test_benchmark_replay_matches_the_engine(ci_run):
     engine's no-speculation outputs, token for token, and the acceptance vLLM measured with the same drafter."""
     run_dir = ci_run[0]
     rows = result(run_dir, "05_benchmark")["figures"]["rows"]
-    prov = provenance.load(run_dir / "05_benchmark" / "provenance.json")
+    prov = replay.load(run_dir / "05_benchmark" / "provenance.json")
     assert prov["depths"] == [5] and prov["target_dtype"] == "float32" and len(prov["prompts"]) == 4
     for rec in prov["prompts"]:
-        replay = rec["replays"]["5"]
-        assert replay["equals_baseline"], rec["id"]
-        assert len(replay["source"]) == 32 and max(replay["source"]) <= 5
-        assert "".join(replay["pieces"]) and replay["pieces"] == rec["baseline"]["pieces"]
+        at5 = rec["replays"]["5"]
+        assert at5["equals_baseline"], rec["id"]
+        assert len(at5["source"]) == 32 and max(at5["source"]) <= 5
+        assert "".join(at5["pieces"]) and at5["pieces"] == rec["baseline"]["pieces"]
     engine = next(row for row in rows if row["config"] == "depth5-float32")
     assert prov["summary"]["5"]["accept_len"] == pytest.approx(engine["accept_len"], abs=0.1)
     # the report shows it: the summary table and a coloured prompt

@@ -16,12 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3lib import engines, export as ex
+from eagle3lib import engines
+from eagle3lib.convert import layouts as ex
 from eagle3lib.drafter import Drafter, DrafterConfig
 from eagle3lib.engines import EngineError, alive_in_group
 from eagle3lib.params import EngineParams
 from eagle3lib.target import EMBEDDED_TARGET, make_contract
-from eagle3lib.train import save_drafter
+from eagle3lib.train.trainer import save_drafter
 from eagle3lib.vocab import build_draft_vocab, d2t_sha256
 
 AUX = [2, 15, 27]
@@ -155,7 +156,7 @@ def test_vllm_serves_drafter_and_stops_whole_group(drafts, embedded_cache, embed
 def test_regeneration_through_the_engine_equals_hf_greedy(embedded_cache, embedded_target, tmp_path):
     """data.regenerate with backend "engine": a vLLM server (no drafter, fp32) writes the same replies
     as model.generate in this process, multi-turn included, and is stopped afterwards."""
-    from eagle3lib import data
+    from eagle3lib.prepare import conversations
     from eagle3lib.params import RegenerateParams
     need("vllm")
     model, tokenizer = embedded_target
@@ -166,17 +167,17 @@ def test_regeneration_through_the_engine_equals_hf_greedy(embedded_cache, embedd
                                       {"role": "assistant", "content": "Red."}]},
         {"id": "hi", "messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]}]
     rg = dict(budget_tokens=200, max_new_tokens=20, batch_size=2)
-    hf = data.regenerate(RegenerateParams(**rg), model, tokenizer, convs, tmp_path / "hf" / "regenerated.jsonl",
+    hf = conversations.regenerate(RegenerateParams(**rg), model, tokenizer, convs, tmp_path / "hf" / "regenerated.jsonl",
                          progress=False)
     out = tmp_path / "engine" / "regenerated.jsonl"
-    engine = data.regenerate(RegenerateParams(**rg, backend="engine"), model, tokenizer, convs, out,
+    engine = conversations.regenerate(RegenerateParams(**rg, backend="engine"), model, tokenizer, convs, out,
                              engine_params=EngineParams(extra_args=["--dtype", "float32"]),
                              target_dir=embedded_cache[1], progress=False)
     assert engine["backend"] == "engine:vllm" and engine["engine_start_s"] > 0
     assert (out.parent / engine["engine_log"]).read_text().startswith("$ ")
     for key in ("regenerated", "turns_regenerated", "tokens_generated", "stops"):
         assert engine[key] == hf[key], key
-    assert data.read_regenerated(out) == data.read_regenerated(tmp_path / "hf" / "regenerated.jsonl")
+    assert conversations.read_regenerated(out) == conversations.read_regenerated(tmp_path / "hf" / "regenerated.jsonl")
     assert hf["turns_regenerated"] >= 3   # the two-turn conversation got both its turns back
 
 

@@ -13,11 +13,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3lib import export as ex
+from eagle3lib.convert import layouts as ex
 from eagle3lib.__main__ import main as cli
 from eagle3lib.drafter import Drafter, DrafterConfig
 from eagle3lib.target import EMBEDDED_TARGET, make_contract
-from eagle3lib.train import save_drafter
+from eagle3lib.train.trainer import save_drafter
 from eagle3lib.vocab import build_draft_vocab, d2t_sha256
 
 AUX = [2, 15, 27]

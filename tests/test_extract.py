@@ -1,4 +1,4 @@
-"""Tests for eagle3lib.extract on a tiny random Llama (the real architecture), real files on disk."""
+"""Tests for eagle3lib.extract.shards on a tiny random Llama (the real architecture), real files on disk."""
 import json
 import os
 import random
@@ -14,9 +14,9 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3lib.extract import (FORMAT, ShardError, ShardSet, capture_hidden_states, extract, iter_batches, load_manifest,
-                               make_batch, measure_forward_tokens_per_s, plan_batches, plan_shards, read_shard,
-                               verify_and_repair)
+from eagle3lib.extract.shards import (
+    FORMAT, ShardError, ShardSet, capture_hidden_states, extract, iter_batches, load_manifest, make_batch, measure_forward_tokens_per_s, plan_batches, plan_shards, read_shard, verify_and_repair,
+)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AUX = [2, 3, 3]  # [2, L//2, L-3] for L=6
@@ -162,7 +162,7 @@ import os, sys
 os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 import torch, transformers
 from safetensors.torch import load_file
-from eagle3lib.extract import extract
+from eagle3lib.extract.shards import extract
 model = transformers.LlamaForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
 extract(model, load_file(sys.argv[2]), {aux}, sys.argv[3], {contract}, batch_tokens=256, shard_max_tokens=60,
         progress=False)
@@ -355,8 +355,8 @@ def test_bad_inputs_refused(model, tmp_path):
 
 
 def test_shard_prefetch_yields_what_plain_reading_does(model, tokens, tmp_path, monkeypatch):
-    from eagle3lib import extract as extract_module
-    from eagle3lib.train import shard_sequences
+    from eagle3lib.extract import shards as extract_module
+    from eagle3lib.train.trainer import shard_sequences
     out = str(tmp_path / "hidden")
     extract(model, tokens, AUX, out, CONTRACT, **SMALL)
     shards = ShardSet(out)

@@ -10,9 +10,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3lib import extract, extract_sglang as sg, params as P
+from eagle3lib.extract import shards
+from eagle3lib.extract import sglang as sg
+from eagle3lib import params as P
 from eagle3lib.engines.sglang import SGLang
-from eagle3lib.export import check_sglang, check_sglang_args
+from eagle3lib.convert.layouts import check_sglang, check_sglang_args
 
 REPO = Path(__file__).resolve().parent.parent
 SGLANG_PY = REPO / ".venv-sglang" / "bin" / "python"
@@ -171,14 +173,14 @@ def test_sglang_staging_round_trip(tmp_path):
 @pytest.fixture(scope="module")
 def chat_tokens(embedded_target):
     """8 ShareGPT conversations of the embedded data through the target's chat template, at most 192 tokens."""
-    from eagle3lib import data
-    convs, _ = data.load_conversations(data.EMBEDDED_DATA, limit=8)
-    return data.tokenize_split(embedded_target[1], convs, 192, progress=False)
+    from eagle3lib.prepare import conversations
+    convs, _ = conversations.load_conversations(conversations.EMBEDDED_DATA, limit=8)
+    return conversations.tokenize_split(embedded_target[1], convs, 192, progress=False)
 
 
 def test_final_norm_equals_hf(embedded_target):
     """vLLM's id L is the pre-norm state; our final_norm of it is HF's hidden_states[-1], in fp32 and bf16."""
-    from eagle3lib.extract_vllm import final_norm
+    from eagle3lib.extract.vllm import final_norm
     model = embedded_target[0]
     ids = torch.randint(0, 49152, (1, 40), generator=torch.Generator().manual_seed(0))
     with torch.inference_mode():
@@ -201,19 +203,19 @@ def test_vllm_backend_equals_hf(embedded_target, embedded_cache, chat_tokens, tm
     within 1e-5 relative, each aux slot closest to its own HF layer (not a neighbour), equal argmax. Inside
     `with capture:` the engine serves a second call and a repair (a deleted shard is redone, only it); the
     plain-prefill figure is measured; a rerun of the finished folder starts no engine."""
-    from eagle3lib.extract_vllm import VLLMCapture
+    from eagle3lib.extract.vllm import VLLMCapture
     from eagle3lib.target import make_contract
     model, tokenizer = embedded_target
     contract = make_contract("embedded:smollm2-135m-instruct", model, tokenizer, OURS, "float32")
     kw = dict(batch_tokens=1024, shard_max_tokens=600, store_dtype=torch.float32, progress=False)
-    ref = extract.extract(model, chat_tokens, OURS, str(tmp_path / "hf"), contract, **kw)
+    ref = shards.extract(model, chat_tokens, OURS, str(tmp_path / "hf"), contract, **kw)
     cap = VLLMCapture(embedded_cache[1], OURS, dtype="float32", python=str(VLLM_PY), extra_args=["--max-model-len", "1024"],
                       log_dir=tmp_path / "logs", prefill_benchmark_batches=1, batch_tokens=1024)
     with cap:
-        got = extract.extract_with(cap, chat_tokens, OURS, str(tmp_path / "vllm"), contract, **kw)
-        first = extract.load_manifest(tmp_path / "vllm")["shards"][0]
+        got = shards.extract_with(cap, chat_tokens, OURS, str(tmp_path / "vllm"), contract, **kw)
+        first = shards.load_manifest(tmp_path / "vllm")["shards"][0]
         os.remove(tmp_path / "vllm" / first["file"])
-        repair = extract.extract_with(cap, chat_tokens, OURS, str(tmp_path / "vllm"), contract, **kw)
+        repair = shards.extract_with(cap, chat_tokens, OURS, str(tmp_path / "vllm"), contract, **kw)
     print(json.dumps({k: v for k, v in got.items() if not isinstance(v, dict)}, default=str))
     assert got["backend"] == "vllm" and got["complete"] and got["tokens"] == chat_tokens["input_ids"].numel()
     assert got["shards"] == ref["shards"] >= 2 and got["bytes"] == ref["bytes"]
@@ -222,30 +224,30 @@ def test_vllm_backend_equals_hf(embedded_target, embedded_cache, chat_tokens, tm
     assert got["wire_bytes"] == got["tokens"] * 4 * 576 * 4           # (3 aux + pre-norm final) fp32 values
     assert repair["engine_reused"] and repair["sequences"] == first["sequences"] and "engine_start_s" not in repair
     assert not any(p.name.startswith(".vllm-work") for p in tmp_path.iterdir())   # cleaned up on exit
-    a, b = extract.load_manifest(tmp_path / "vllm"), extract.load_manifest(tmp_path / "hf")
+    a, b = shards.load_manifest(tmp_path / "vllm"), shards.load_manifest(tmp_path / "hf")
     assert [(e["file"], e["sequences"], e["tokens"]) for e in a["shards"]] == \
         [(e["file"], e["sequences"], e["tokens"]) for e in b["shards"]]
-    assert extract.ShardSet(tmp_path / "vllm").contract == contract
-    agree = extract.compare_shard_sets(tmp_path / "vllm", tmp_path / "hf", lm_head=model.lm_head.weight.detach(),
+    assert shards.ShardSet(tmp_path / "vllm").contract == contract
+    agree = shards.compare_shard_sets(tmp_path / "vllm", tmp_path / "hf", lm_head=model.lm_head.weight.detach(),
                                        rel_tol=1e-5)
     print(json.dumps(agree))
     assert set(agree["layers"]) == {"aux_2", "aux_15", "aux_27", "final"}
     assert agree["ok"] and agree["argmax_agree"] == 1.0, agree
-    probe = extract.layer_probe(model, tmp_path / "vllm", OURS, max_sequences=3)
+    probe = shards.layer_probe(model, tmp_path / "vllm", OURS, max_sequences=3)
     assert probe["ok"], probe
     for slot in probe["slots"]:                 # the neighbours are far: an off-by-one would not hide
         own = slot["rel_rms"][str(slot["want"])]
         assert own < 1e-5 and all(e > 1e3 * own for j, e in slot["rel_rms"].items() if j != str(slot["want"]))
-    again = extract.extract_with(cap, chat_tokens, OURS, str(tmp_path / "vllm"), contract, **kw)
+    again = shards.extract_with(cap, chat_tokens, OURS, str(tmp_path / "vllm"), contract, **kw)
     assert again["tokens"] == 0 and again["tokens_per_s"] is None and "engine_start_s" not in again
 
 
 # ------------------------------------------------------------------------------------ params ----
 
 def test_backend_param_and_dispatch(embedded_cache, tmp_path):
-    from eagle3lib import extract_backends
-    from eagle3lib.extract_sglang import SGLangCapture
-    from eagle3lib.extract_vllm import VLLMCapture
+    from eagle3lib.extract import backends
+    from eagle3lib.extract.sglang import SGLangCapture
+    from eagle3lib.extract.vllm import VLLMCapture
     params = REPO / "params" / "tiny.yaml"
     with pytest.raises(P.ParamsError, match=r"extract.backend: unknown extraction backend 'vlm'; expected one of: 'hf'.*'vllm'.*'sglang'"):
         P.load_params(params, {"extract.backend": "vlm"})
@@ -253,14 +255,14 @@ def test_backend_param_and_dispatch(embedded_cache, tmp_path):
     cache = {"run.cache_dir": str(embedded_cache[0])}
     p = P.load_params(params, {**cache, "extract.backend": "vllm", "engine.name": "vllm",
                                "engine.extra_args": ["--enforce-eager"]})
-    s = extract_backends.setup(p)
+    s = backends.setup(p)
     assert s["model"] is None and s["aux_ids"] == OURS and s["target_dir"] == str(embedded_cache[1])
     assert s["contract"]["hidden_size"] == 576 and s["contract"]["aux_layer_ids"] == OURS
-    cap = extract_backends.make_capture(p, s, log_dir=tmp_path)
+    cap = backends.make_capture(p, s, log_dir=tmp_path)
     assert isinstance(cap, VLLMCapture) and cap.layers == OURS + [30] and cap.dtype == p.target.dtype
     assert cap.extra_args == ["--enforce-eager", "--max-model-len", str(p.data.max_seq_len + 16)]
     # engine.* belongs to the deploy engine; it applies to the extraction engine only when it is the same one
     p = P.load_params(params, {**cache, "extract.backend": "sglang", "engine.name": "vllm",
                                "engine.extra_args": ["--enforce-eager"]})
-    cap = extract_backends.make_capture(p, extract_backends.setup(p), log_dir=tmp_path)
+    cap = backends.make_capture(p, backends.setup(p), log_dir=tmp_path)
     assert isinstance(cap, SGLangCapture) and cap.extra_args == [] and cap.num_layers == 30

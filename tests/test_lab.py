@@ -13,7 +13,7 @@ import nbformat
 import pytest
 
 from eagle3lib import params as P
-from eagle3lib import pipeline
+from eagle3lib.workbook import pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from eagle3lib.loss import linear_soft_ce, target_probs
+from eagle3lib.train.loss import linear_soft_ce, target_probs
 
 
 def plain(h, weight, target_logits, valid, offset):

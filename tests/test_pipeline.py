@@ -8,12 +8,13 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from eagle3lib import pipeline
+from eagle3lib.workbook import pipeline
 
 STAGE_CODE = {
     "00_first": """
 import json, pathlib
-from eagle3lib import params as P, pipeline
+from eagle3lib import params as P
+from eagle3lib.workbook import pipeline
 p = P.load_params(params_file, overrides)
 out = pipeline.stage_dir(run_dir, "00_first")
 (out / "made.txt").write_text(str(p.bench.max_tokens))
@@ -21,7 +22,8 @@ pipeline.save_result(run_dir, "00_first", {"n": p.bench.max_tokens}, headline={"
                      artifacts=["made.txt"])
 """,
     "01_second": """
-from eagle3lib import params as P, pipeline
+from eagle3lib import params as P
+from eagle3lib.workbook import pipeline
 p = P.load_params(params_file, overrides)
 first = pipeline.load_result(run_dir, "00_first")
 if p.bench.num_prompts == 13:

@@ -6,12 +6,14 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from eagle3lib import pipeline, report
+from eagle3lib.workbook import pipeline
+from eagle3lib.workbook import report
 
 WIDGET_STAGE = '''
 from tqdm.auto import tqdm
-from eagle3lib import params as P, pipeline, widgets
-from eagle3lib.metrics import acceptance_summary
+from eagle3lib import params as P
+from eagle3lib.workbook import pipeline, widgets
+from eagle3lib.train.metrics import acceptance_summary
 p = P.load_params(params_file, overrides)
 out = pipeline.stage_dir(run_dir, "00_look")
 for _ in tqdm(range(7), desc="counting"):
@@ -38,7 +40,7 @@ def make_workbook(tmp_path):
     nbformat.write(nb, nbs / "00_look.ipynb")
     second = new_notebook(metadata=nb.metadata)
     second.cells = [params.copy(), new_code_cell(
-        'from eagle3lib import pipeline\npipeline.save_result(run_dir, "01_next", {}, headline={"fine": True})')]
+        'from eagle3lib.workbook import pipeline\npipeline.save_result(run_dir, "01_next", {}, headline={"fine": True})')]
     nbformat.write(second, nbs / "01_next.ipynb")
     params_file = tmp_path / "params" / "t.yaml"
     params_file.parent.mkdir()

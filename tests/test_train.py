@@ -13,7 +13,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from eagle3lib import data, extract, pipeline, target, train
+from eagle3lib.prepare import conversations
+from eagle3lib.extract import shards
+from eagle3lib.workbook import pipeline
+from eagle3lib import target
+from eagle3lib.train import trainer
 from eagle3lib.params import load_params
 
 AUX = [1, 3, 5]
@@ -42,8 +46,8 @@ def make_run(root: Path, model, tokenizer, train_params: dict, n_train=40) -> Pa
     contract = target.make_contract(str(tdir), model, tokenizer, AUX, "float32")
     for split, n, seed in (("train", n_train, 1), ("val", 8, 2)):
         tokens = random_tokens(n, model.config.vocab_size, seed)
-        data.save_tokens(prep / f"{split}.safetensors", tokens)
-        extract.extract(model, tokens, AUX, run_dir / "01_extract" / split, contract, batch_tokens=1024,
+        conversations.save_tokens(prep / f"{split}.safetensors", tokens)
+        shards.extract(model, tokens, AUX, run_dir / "01_extract" / split, contract, batch_tokens=1024,
                         shard_max_tokens=700, store_dtype=torch.float32, progress=False)
     target.write_contract(prep, contract)
     pipeline.save_result(run_dir, "00_prepare", {})
@@ -74,15 +78,15 @@ def params_file(root):
 
 
 def state(folder):
-    return train.load_drafter(folder).state_dict()
+    return trainer.load_drafter(folder).state_dict()
 
 
 def test_training_learns_and_writes_the_canonical_checkpoint(tmp_path, small_target):
     run_dir = make_run(tmp_path, *small_target, {"max_tokens": 128 * 40, "eval_every": 40})
     p = load_params(params_file(tmp_path))
-    setup, vocab_stats = train.build_setup(p, run_dir)
-    before = train.evaluate(setup, 3, 5, "cpu")
-    summary = train.train(setup, p.train, log=lambda *a: None)
+    setup, vocab_stats = trainer.build_setup(p, run_dir)
+    before = trainer.evaluate(setup, 3, 5, "cpu")
+    summary = trainer.train(setup, p.train, log=lambda *a: None)
     after = summary["eval"]
     assert after["loss_per_step"][0] < 0.8 * before["loss_per_step"][0]
     assert after["step_acc"][0] > before["step_acc"][0]
@@ -103,19 +107,19 @@ def test_training_learns_and_writes_the_canonical_checkpoint(tmp_path, small_tar
 def test_resume_after_kill_ends_where_an_uninterrupted_run_does(tmp_path, small_target):
     slow = {"batch_rows": 4, "max_seq_len": 256, "max_tokens": 1024 * 16, "checkpoint_every": 4, "eval_every": 100}
     ref_dir = make_run(tmp_path / "ref", *small_target, slow)
-    train.run_stage(params_file(tmp_path / "ref"), str(ref_dir))
+    trainer.run_stage(params_file(tmp_path / "ref"), str(ref_dir))
     run_dir = make_run(tmp_path / "killed", *small_target, slow)
-    proc = subprocess.Popen([sys.executable, "-m", "eagle3lib.train", params_file(tmp_path / "killed"), str(run_dir)],
+    proc = subprocess.Popen([sys.executable, "-m", "eagle3lib.train.trainer", params_file(tmp_path / "killed"), str(run_dir)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     ckpt = run_dir / "02_train" / "checkpoints"
     deadline = time.time() + 120
-    while not (ckpt / "step_0000004" / train.STATE_FILE).exists() and time.time() < deadline and proc.poll() is None:
+    while not (ckpt / "step_0000004" / trainer.STATE_FILE).exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "training finished before it could be killed"
     assert not (run_dir / "02_train" / "drafter").exists()
-    summary = train.run_stage(params_file(tmp_path / "killed"), str(run_dir))
+    summary = trainer.run_stage(params_file(tmp_path / "killed"), str(run_dir))
     assert summary["steps"] == 16
     ref, resumed = state(ref_dir / "02_train" / "drafter"), state(run_dir / "02_train" / "drafter")
     for k in ref:
@@ -128,11 +132,11 @@ def test_torchrun_two_processes_equal_one_with_the_same_global_batch(tmp_path, s
     common = {"max_tokens": 128 * 2 * 3, "checkpoint_every": 100, "eval_every": 100, "warmup_steps": 1}
     single = make_run(tmp_path / "single", *small_target, common | {"grad_accum": 2})
     # torchrun gives each rank one thread; the reference gets one too, so float sums run in the same order.
-    subprocess.run([sys.executable, "-m", "eagle3lib.train", params_file(tmp_path / "single"), str(single)],
+    subprocess.run([sys.executable, "-m", "eagle3lib.train.trainer", params_file(tmp_path / "single"), str(single)],
                    env=os.environ | {"OMP_NUM_THREADS": "1"}, check=True, capture_output=True)
     s1 = json.loads((single / "02_train" / "train_summary.json").read_text())
     ddp = make_run(tmp_path / "ddp", *small_target, common | {"grad_accum": 1})
-    s2 = train.launch(params_file(tmp_path / "ddp"), str(ddp), {}, 2)
+    s2 = trainer.launch(params_file(tmp_path / "ddp"), str(ddp), {}, 2)
     assert s2["world_size"] == 2 and len(s2["rank_weight_digests"]) == 2
     assert len(set(s2["rank_weight_digests"])) == 1, "ranks diverged"
     assert s1["steps"] == s2["steps"] == 3 and s1["tokens"] == s2["tokens"]
@@ -144,29 +148,29 @@ def test_torchrun_two_processes_equal_one_with_the_same_global_batch(tmp_path, s
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, small_target):
     run_dir = make_run(tmp_path, *small_target, {"max_tokens": 128 * 4})
     p = load_params(params_file(tmp_path))
-    setup, _ = train.build_setup(p, run_dir)
-    train.train(setup, p.train, log=lambda *a: None)
+    setup, _ = trainer.build_setup(p, run_dir)
+    trainer.train(setup, p.train, log=lambda *a: None)
     good = run_dir / "02_train" / "checkpoints" / "step_0000004"
     before = (good / "model.safetensors").read_bytes()
     p = load_params(params_file(tmp_path), {"train.max_tokens": 128 * 12})
-    setup, _ = train.build_setup(p, run_dir)
+    setup, _ = trainer.build_setup(p, run_dir)
     setup.head[5] = float("nan")  # a corrupt target head: every target distribution turns nan
-    with pytest.raises(train.TrainingError, match=r"loss became nan at step 4.*step_0000004.*train.lr"):
-        train.train(setup, p.train, log=lambda *a: None)
+    with pytest.raises(trainer.TrainingError, match=r"loss became nan at step 4.*step_0000004.*train.lr"):
+        trainer.train(setup, p.train, log=lambda *a: None)
     assert (good / "model.safetensors").read_bytes() == before
-    assert train.latest_checkpoint(run_dir / "02_train" / "checkpoints") == good
+    assert trainer.latest_checkpoint(run_dir / "02_train" / "checkpoints") == good
 
 
 def test_online_mode_trains_on_the_same_states_as_shards(tmp_path, small_target):
     run_dir = make_run(tmp_path, *small_target, {})
     p = load_params(params_file(tmp_path))
-    shards_setup, _ = train.build_setup(p, run_dir)
-    online_setup, _ = train.build_setup(load_params(params_file(tmp_path), {"train.source": "online"}), run_dir)
-    a = train.evaluate(shards_setup, 3, 3, "cpu")
-    b = train.evaluate(online_setup, 3, 3, "cpu")
+    shards_setup, _ = trainer.build_setup(p, run_dir)
+    online_setup, _ = trainer.build_setup(load_params(params_file(tmp_path), {"train.source": "online"}), run_dir)
+    a = trainer.evaluate(shards_setup, 3, 3, "cpu")
+    b = trainer.evaluate(online_setup, 3, 3, "cpu")
     assert a["loss_per_step"] == pytest.approx(b["loss_per_step"], rel=1e-5)
     assert a["step_acc"] == b["step_acc"]
-    s = train.train(online_setup, p.train, log=lambda *x: None)
+    s = trainer.train(online_setup, p.train, log=lambda *x: None)
     assert s["steps"] == 12
 
 
@@ -181,24 +185,24 @@ def test_deepseek_v3_shaped_target_extracts_and_trains(tmp_path, embedded_cache)
     model = DeepseekV3ForCausalLM(cfg).eval()
     tokenizer = AutoTokenizer.from_pretrained(embedded_cache[1])
     ids = torch.randint(0, 256, (1, 30))
-    aux, final = extract.capture_hidden_states(model, ids, torch.ones_like(ids), AUX)
+    aux, final = shards.capture_hidden_states(model, ids, torch.ones_like(ids), AUX)
     with torch.no_grad():
         ref = model(ids, output_hidden_states=True)
         assert torch.allclose(model.lm_head(final.clone()), ref.logits, atol=1e-5)
     assert torch.equal(aux[0, :, :64], ref.hidden_states[1][0])
     run_dir = make_run(tmp_path, model, tokenizer, {"max_tokens": 128 * 3, "eval_every": 3})
-    summary = train.run_stage(params_file(tmp_path), str(run_dir))
+    summary = trainer.run_stage(params_file(tmp_path), str(run_dir))
     assert summary["steps"] == 3 and torch.isfinite(torch.tensor(summary["eval"]["loss_per_step"])).all()
 
 
 def test_make_batch_lays_out_packed_rows_with_padding_at_the_end():
     def seq(n, start):
         ids = torch.arange(start, start + n, dtype=torch.int32)
-        return train.Sequence(ids, (ids % 2).to(torch.uint8), ids[:, None].repeat(1, 6).to(torch.bfloat16),
+        return trainer.Sequence(ids, (ids % 2).to(torch.uint8), ids[:, None].repeat(1, 6).to(torch.bfloat16),
                               -ids[:, None].repeat(1, 2).to(torch.bfloat16))
-    rows = list(train.pack_rows(iter([seq(3, 10), seq(4, 20), seq(9, 30), seq(2, 50)]), 8))
+    rows = list(trainer.pack_rows(iter([seq(3, 10), seq(4, 20), seq(9, 30), seq(2, 50)]), 8))
     assert [[len(s.input_ids) for s in r] for r in rows] == [[3, 4], [8], [2]]   # greedy, truncated to 8
-    b = train.make_batch(rows[:2], 8)
+    b = trainer.make_batch(rows[:2], 8)
     assert b["tokens"] == 15
     assert b["input_ids"].tolist() == [[10, 11, 12, 20, 21, 22, 23, 0], list(range(30, 38))]
     assert b["doc_ids"].tolist() == [[0, 0, 0, 1, 1, 1, 1, -1], [0] * 8]
@@ -210,14 +214,14 @@ def test_make_batch_lays_out_packed_rows_with_padding_at_the_end():
 
 
 def test_in_background_keeps_order_raises_where_the_source_did_and_stops_on_close():
-    assert list(train.in_background(iter(range(50)), 3)) == list(range(50))
+    assert list(trainer.in_background(iter(range(50)), 3)) == list(range(50))
 
     def failing():
         yield from range(5)
         raise ValueError("shard 5 is corrupt")
     got = []
     with pytest.raises(ValueError, match="shard 5"):
-        for x in train.in_background(failing(), 2):
+        for x in trainer.in_background(failing(), 2):
             got.append(x)
     assert got == list(range(5))
 
@@ -231,7 +235,7 @@ def test_in_background_keeps_order_raises_where_the_source_did_and_stops_on_clos
                 i += 1
         finally:
             closed.append(True)
-    stream = train.in_background(endless(), 2)
+    stream = trainer.in_background(endless(), 2)
     assert [next(stream) for _ in range(10)] == list(range(10))
     stream.close()
     assert closed == [True]   # the source was closed in its thread, and that thread has ended

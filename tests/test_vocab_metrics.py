@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from eagle3lib.metrics import AcceptanceCounter, acceptance_summary
+from eagle3lib.train.metrics import AcceptanceCounter, acceptance_summary
 from eagle3lib.vocab import build_draft_vocab, coverage, d2t_sha256, draft_ids_to_target, token_counts
 
 

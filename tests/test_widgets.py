@@ -5,9 +5,10 @@ import re
 import ipywidgets
 import pytest
 
-from eagle3lib import report, widgets
-from eagle3lib.metrics import acceptance_summary
-from eagle3lib.provenance import TARGET
+from eagle3lib.workbook import report
+from eagle3lib.workbook import widgets
+from eagle3lib.train.metrics import acceptance_summary
+from eagle3lib.bench.replay import TARGET
 
 from test_bench import ROWS
 

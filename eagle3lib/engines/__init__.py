@@ -13,9 +13,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .. import export
-from .base import EngineError, Server, alive_in_group, check_port, free_port, group_members, log_tail  # noqa: F401
-from . import sglang, vllm
+from eagle3lib.convert import layouts
+from eagle3lib.engines.server import (  # noqa: F401  (the engines' API)
+    EngineError, Server, alive_in_group, check_port, free_port, group_members, log_tail,
+)
+from eagle3lib.engines import sglang
+from eagle3lib.engines import vllm
 
 CLASSES = {"vllm": vllm.VLLM, "sglang": sglang.SGLang}
 
@@ -27,7 +30,7 @@ def config_name(depth: int | None, dtype: str | None = None) -> str:
 
 def python_for(engine_params) -> str:
     """The interpreter that runs the engine: engine.python, else .venv-<engine> of this repo, else this one."""
-    return export.engine_python(engine_params.name, engine_params.python) or sys.executable
+    return layouts.engine_python(engine_params.name, engine_params.python) or sys.executable
 
 
 def make(engine_params, target_dir, draft_dir, depth: int | None, log_dir, dtype: str | None = None) -> Server:
@@ -35,7 +38,7 @@ def make(engine_params, target_dir, draft_dir, depth: int | None, log_dir, dtype
     (None: no speculation); its log is log_dir/<engine>-<config>.log. Call start() or use `with`."""
     name = engine_params.name
     # Launch command without --host/--port (Server adds them); both engines take --dtype.
-    cmd = export.launch_command(name, target_dir, draft_dir, depth, python_for(engine_params))
+    cmd = layouts.launch_command(name, target_dir, draft_dir, depth, python_for(engine_params))
     cmd += (["--dtype", dtype] if dtype else []) + list(engine_params.extra_args)
     env = (vllm.CPU_ENV if name == "vllm" else {}) | dict(engine_params.env)
     log = Path(log_dir) / f"{name}-{config_name(depth, dtype)}.log"

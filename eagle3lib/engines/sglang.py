@@ -13,24 +13,24 @@ from __future__ import annotations
 import json
 import time
 
-from .. import export
-from .base import EngineError, Server, http_json
+from eagle3lib.convert import layouts
+from eagle3lib.engines.server import EngineError, Server, http_json
 
 
 def preflight(target_dir, draft_dir, depth: int, python: str) -> dict:
     """Resolve the launch flags with SGLang's own prepare_server_args (--device cpu, no GPU needed) and
     check them; returns the resolved report, raises EngineError listing the problems."""
-    args = ["--model-path", str(target_dir), "--device", "cpu"] + export.sglang_launch_args(draft_dir, depth)
-    problems = export.check_sglang_args(args)
-    report = export.run_engine_check(["sglang", str(draft_dir), "--args", json.dumps(args)], python)
+    args = ["--model-path", str(target_dir), "--device", "cpu"] + layouts.sglang_launch_args(draft_dir, depth)
+    problems = layouts.check_sglang_args(args)
+    report = layouts.run_engine_check(["sglang", str(draft_dir), "--args", json.dumps(args)], python)
     problems += report.get("problems", [])
-    contract = export.read_contract(draft_dir)
+    contract = layouts.read_contract(draft_dir)
     ids = report.get("eagle_aux_hidden_state_layer_ids")
-    report["captured_hf_layers"] = export.sglang_captured_ids(ids, contract.get("target_architecture"),
+    report["captured_hf_layers"] = layouts.sglang_captured_ids(ids, contract.get("target_architecture"),
                                                               contract.get("num_layers") or 0) if ids else None
     if ids and report["captured_hf_layers"] != contract.get("aux_layer_ids"):
         problems.append(f"SGLang will capture HF hidden_states {report['captured_hf_layers']}, the drafter was "
-                        f"trained on {contract.get('aux_layer_ids')}: re-export it with eagle3lib.export.")
+                        f"trained on {contract.get('aux_layer_ids')}: re-export it with eagle3lib.convert.layouts.")
     if problems:
         raise EngineError("SGLang would not run the drafter as asked:\n  " + "\n  ".join(problems))
     return report
@@ -58,7 +58,7 @@ class SGLang(Server):
     name = "sglang"
 
     def start(self) -> float:
-        problems = export.check_sglang_args(self.base_command) if "--speculative-algorithm" in self.base_command else []
+        problems = layouts.check_sglang_args(self.base_command) if "--speculative-algorithm" in self.base_command else []
         if problems:
             raise EngineError("SGLang launch flags for an EAGLE-3 drafter are wrong:\n  " + "\n  ".join(problems))
         return super().start()

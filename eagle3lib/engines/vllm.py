@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 import time
 
-from .base import Server, http_json, http_text
+from eagle3lib.engines.server import Server, http_json, http_text
 
 # Counters summed over their label sets (engine, model_name); per_pos is split by position.
 COUNTERS = {"vllm:spec_decode_num_drafts_total": "drafts",

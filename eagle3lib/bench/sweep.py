@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 from tqdm.auto import tqdm
 
-from . import engines, export
+from eagle3lib import engines
+from eagle3lib.convert import layouts
 
 
 # ------------------------------------------------------------------------------ inputs ----
@@ -163,7 +164,7 @@ def recommend(rows: list[dict], target_dir, drafts: dict) -> dict:
         d = best["depth"] or None
         out[str(c)] = {"config": best["config"], "depth": best["depth"], "tokens_per_s": round(best["tokens_per_s"], 1),
                        "speedup": round(best["speedup"], 3), "accept_len": best.get("accept_len"),
-                       **{e: shlex.join(export.launch_command(e, target_dir, drafts.get(e, f"<{e} export>"), d, "python"))
+                       **{e: shlex.join(layouts.launch_command(e, target_dir, drafts.get(e, f"<{e} export>"), d, "python"))
                           for e in ("vllm", "sglang")}}
     return out
 

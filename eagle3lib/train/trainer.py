@@ -7,7 +7,7 @@ the drafter's own hidden state from step k-1. Loss: soft cross-entropy, step k
 weighted step_weight_decay**k, over positions whose predicted token is an
 assistant token of the same document.
 
-Single process or `torchrun --nproc_per_node N -m eagle3lib.train PARAMS RUN_DIR`:
+Single process or `torchrun --nproc_per_node N -m eagle3lib.train.trainer PARAMS RUN_DIR`:
 rank r takes every N-th micro-batch of the same stream, gradients are summed
 with all_reduce and the loss is normalized by the global count of positions,
 so N processes take exactly the step one process takes with the same global batch.
@@ -35,9 +35,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from .drafter import Drafter, DrafterConfig
-from .loss import compute_dtype, linear_soft_ce, target_probs
-from .metrics import AcceptanceCounter
+from eagle3lib.drafter import Drafter, DrafterConfig
+from eagle3lib.train.loss import compute_dtype, linear_soft_ce, target_probs
+from eagle3lib.train.metrics import AcceptanceCounter
 
 CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
@@ -555,7 +555,7 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
 # -------------------------------------------------------------- the stage ----
 
 def draft_vocab_from_tokens(train_tokens: dict, val_tokens: dict, vocab_size: int, draft_vocab_size: int):
-    from . import vocab
+    from eagle3lib import vocab
     counts = vocab.token_counts(train_tokens["input_ids"], train_tokens["loss_mask"], vocab_size)
     all_counts = vocab.token_counts(train_tokens["input_ids"], torch.ones_like(train_tokens["loss_mask"]), vocab_size)
     d2t, t2d = vocab.build_draft_vocab(counts, draft_vocab_size, fallback_counts=all_counts)
@@ -567,7 +567,7 @@ def draft_vocab_from_tokens(train_tokens: dict, val_tokens: dict, vocab_size: in
 
 def online_sequences(model, tokens: dict, aux_layer_ids, seed: int, epoch: int, shuffle: bool = True):
     """Sequences with the target's states computed now (train.source: online), one forward each."""
-    from .extract import capture_hidden_states
+    from eagle3lib.extract.shards import capture_hidden_states
     starts = tokens["seq_starts"].tolist()
     order = epoch_order(len(starts) - 1, seed, epoch) if shuffle else range(len(starts) - 1)
     device = next(model.parameters()).device
@@ -580,13 +580,16 @@ def online_sequences(model, tokens: dict, aux_layer_ids, seed: int, epoch: int, 
 
 def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
     """Everything 02_train needs from the params and the earlier stages; returns (setup, vocab stats)."""
-    from . import data, pipeline, target, vocab
-    from .extract import ShardSet
-    from .params import cache_dir
+    from eagle3lib.prepare import conversations
+    from eagle3lib.workbook import pipeline
+    from eagle3lib import target
+    from eagle3lib import vocab
+    from eagle3lib.extract.shards import ShardSet
+    from eagle3lib.params import cache_dir
     run_dir = Path(run_dir)
     prep_dir = run_dir / "00_prepare"
     pipeline.load_result(run_dir, "00_prepare")
-    train_tokens, val_tokens = data.load_tokens(prep_dir / "train.safetensors"), data.load_tokens(prep_dir / "val.safetensors")
+    train_tokens, val_tokens = conversations.load_tokens(prep_dir / "train.safetensors"), conversations.load_tokens(prep_dir / "val.safetensors")
     target_path = target.resolve_target(p.target.name, cache_dir(p))
     from transformers import AutoConfig
     tcfg = AutoConfig.from_pretrained(target_path, trust_remote_code=p.target.trust_remote_code)
@@ -648,7 +651,7 @@ def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
 
 def run_stage(params_file: str, run_dir: str, overrides: dict | None = None) -> dict:
     """Build and train in this process (rank-aware under torchrun); writes train_summary.json on rank 0."""
-    from .params import load_params
+    from eagle3lib.params import load_params
     p = load_params(params_file, overrides)
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -677,10 +680,10 @@ def launch(params_file: str, run_dir: str, overrides: dict | None, nproc: int) -
         return run_stage(params_file, run_dir, overrides)
     import subprocess
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "eagle3lib.train", params_file, run_dir, json.dumps(overrides or {})]
+           "-m", "eagle3lib.train.trainer", params_file, run_dir, json.dumps(overrides or {})]
     subprocess.run(cmd, check=True)
     return json.loads((Path(run_dir) / "02_train" / "train_summary.json").read_text())
 
 
-if __name__ == "__main__":  # torchrun --nproc_per_node N -m eagle3lib.train PARAMS RUN_DIR [OVERRIDES_JSON]
+if __name__ == "__main__":  # torchrun --nproc_per_node N -m eagle3lib.train.trainer PARAMS RUN_DIR [OVERRIDES_JSON]
     run_stage(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]) if len(sys.argv) > 3 else {})

@@ -3,7 +3,7 @@
 A builder returns an ipywidgets box: controls above an `HTML` widget that is re-rendered when a control
 changes (an HTML widget rather than an Output one, so it behaves the same in JupyterLab, under papermill
 and in tests). `show(widget, static_html)` puts both in one output: JupyterLab renders the widget, the
-report (nbconvert; the pipeline drops the widget state, eagle3lib.report.static_widgets) the static HTML.
+report (nbconvert; the pipeline drops the widget state, eagle3lib.workbook.report.static_widgets) the static HTML.
 """
 from __future__ import annotations
 
@@ -13,8 +13,10 @@ import io
 
 import ipywidgets as W
 
-from . import bench, plots, report
-from .provenance import TARGET
+from eagle3lib.bench import sweep
+from eagle3lib.workbook import plots
+from eagle3lib.workbook import report
+from eagle3lib.bench.replay import TARGET
 
 STYLE = f"<style>{report.CSS.strip()}" + """
 .e3-tokens{white-space:pre-wrap;font-family:system-ui,sans-serif;line-height:1.7;border:1px solid #ddd;
@@ -210,7 +212,7 @@ def provenance_explorer(prov: dict, depth: int | None = None, prompt_index: int 
 
 def provenance_table_html(prov: dict, rows: list[dict]) -> str:
     """Per depth: the replay's acceptance against the engine's measured and the training's predicted one."""
-    from .provenance import compare_with_engine
+    from eagle3lib.bench.replay import compare_with_engine
     return (f"{STYLE}{report.table_html(compare_with_engine(prov, rows))}")
 
 
@@ -222,7 +224,7 @@ def speed_html(rows: list[dict], concurrency: int, recommendation: dict | None =
     if rec:
         line = (f"<p>Fastest at concurrency {concurrency}: <b>{html.escape(rec['config'])}</b>, "
                 f"{report.fmt(rec['tokens_per_s'])} tokens/s ({report.fmt(rec['speedup'])}x the baseline).</p>")
-    return f"{STYLE}{report.table_html(bench.table(sel))}{line}"
+    return f"{STYLE}{report.table_html(sweep.table(sel))}{line}"
 
 
 def speed_explorer(rows: list[dict], recommendation: dict | None = None) -> W.VBox:

@@ -14,8 +14,10 @@ Whatever the backend: the same shards, manifest, contract and HF hidden_states i
 """
 from __future__ import annotations
 
-from . import extract, params as P, target
-from .export import engine_python
+from eagle3lib.extract import shards
+from eagle3lib import params as P
+from eagle3lib import target
+from eagle3lib.convert.layouts import engine_python
 
 
 def setup(p) -> dict:
@@ -28,7 +30,7 @@ def setup(p) -> dict:
         config, target_dir = model.config, None
     else:
         target_dir = target.resolve_target(p.target.name, cache)
-        extract.target_config_json(target_dir)            # a local folder: the engine and we read the same files
+        shards.target_config_json(target_dir)            # a local folder: the engine and we read the same files
         info, tokenizer = target.load_target_info(target_dir, cache, trust_remote_code=p.target.trust_remote_code)
         config, model = info.config, None
     layers = target.num_layers(config)
@@ -52,20 +54,20 @@ def make_capture(p, s: dict, log_dir=None):
     """The capture object (extract.HFCapture / extract_vllm.VLLMCapture / extract_sglang.SGLangCapture)."""
     backend = p.extract.backend
     if backend == "hf":
-        return extract.HFCapture(s["model"], s["aux_ids"], p.extract.batch_tokens)
+        return shards.HFCapture(s["model"], s["aux_ids"], p.extract.batch_tokens)
     e = engine_settings(p, backend)
     if e["python"] is None:
         raise FileNotFoundError(f"extract.backend is {backend!r} but no interpreter with {backend} was found: set "
                                 f"engine.name: {backend} and engine.python, or build .venv-{backend} (make {backend}-env)")
     if backend == "vllm":
-        from .extract_vllm import VLLMCapture
+        from eagle3lib.extract.vllm import VLLMCapture
         flags = list(e["extra_args"])
         if "--max-model-len" not in flags:       # prompt (<= data.max_seq_len) + the one generated token
             flags += ["--max-model-len", str(p.data.max_seq_len + 16)]
         return VLLMCapture(s["target_dir"], s["aux_ids"], dtype=p.target.dtype, python=e["python"], extra_args=flags,
                            env=e["env"], log_dir=log_dir, prefill_benchmark_batches=p.extract.forward_benchmark_batches,
                            batch_tokens=p.extract.batch_tokens, timeout_s=e["start_timeout_s"])
-    from .extract_sglang import SGLangCapture
+    from eagle3lib.extract.sglang import SGLangCapture
     return SGLangCapture(s["target_dir"], s["aux_ids"], batch_tokens=p.extract.batch_tokens, dtype=p.target.dtype,
                          python=e["python"], extra_args=e["extra_args"], host=e["host"], port=e["port"],
                          start_timeout_s=e["start_timeout_s"], env=e["env"], log_dir=log_dir,
@@ -77,16 +79,16 @@ def plain_prefill_tokens_per_s(p, s: dict, capture, tokens, result: dict | None,
     no writes); an engine, the same engine's plain prefill (no hidden states asked), taken from the
     extraction's result when it measured it, else measured now. None when there is nothing to time."""
     n = p.extract.forward_benchmark_batches
-    batches = list(extract.iter_batches(tokens, p.extract.batch_tokens, p.extract.shard_max_tokens))[:n + 1]
+    batches = list(shards.iter_batches(tokens, p.extract.batch_tokens, p.extract.shard_max_tokens))[:n + 1]
     if not n or not batches:
         return None
     if p.extract.backend == "hf":
-        return extract.measure_forward_tokens_per_s(s["model"], batches[:n])
+        return shards.measure_forward_tokens_per_s(s["model"], batches[:n])
     if result and result.get("plain_prefill_tokens_per_s"):
         return result["plain_prefill_tokens_per_s"]
     if len(batches) < 2:
         return None
-    tok = extract.as_token_tensors(tokens)
+    tok = shards.as_token_tensors(tokens)
     seqs = [q for b in batches for q in b[0]]
     if p.extract.backend == "vllm":
         return capture.measure_plain_prefill(tok, seqs, len(batches[0][0]), log_dir or ".")["plain_prefill_tokens_per_s"]

@@ -1,10 +1,10 @@
 """Engine-side load-back checks, run in the engine's own interpreter (.venv-vllm / .venv-sglang).
 
-    python eagle3lib/engine_check.py vllm DRAFT_DIR --target TARGET_DIR [--depth D]
-    python eagle3lib/engine_check.py sglang DRAFT_DIR --args '[...launch flags...]'
+    python eagle3lib/engines/inside/load_check.py vllm DRAFT_DIR --target TARGET_DIR [--depth D]
+    python eagle3lib/engines/inside/load_check.py sglang DRAFT_DIR --args '[...launch flags...]'
 
 Prints one JSON report line. Standalone on purpose (stdlib, torch, safetensors and the engine only):
-the engines pin transformers versions that our .venv does not have, so eagle3lib.export runs this
+the engines pin transformers versions that our .venv does not have, so eagle3lib.convert.layouts runs this
 file through a subprocess and never imports an engine itself.
 
 vllm: builds the VllmConfig that `vllm serve TARGET --speculative-config {...}` would build, loads the
@@ -167,7 +167,7 @@ def check_sglang(draft, argv):
                         f"{server_args.speculative_algorithm}; an EAGLE-3 drafter needs EAGLE3.")
     return {"engine": "sglang", "problems": problems, "sglang_version": sglang.__version__, "resolved": resolved,
             "draft_architectures": list(draft_config.hf_config.architectures or []),
-            # which HF layers these ids capture depends on the target's class (eagle3lib.export.sglang_captured_ids)
+            # which HF layers these ids capture depends on the target's class (eagle3lib.convert.layouts.sglang_captured_ids)
             "eagle_aux_hidden_state_layer_ids": list(ids) if ids else None}
 
 

@@ -661,7 +661,7 @@ def regenerate(rg, model, tokenizer, conversations, out_path: Path, engine_param
                   progress=progress, max_prompt_tokens=rg.max_prompt_tokens)
     if rg.backend == "hf":
         return regenerate_responses(model, tokenizer, conversations, out_path, **kwargs)
-    from . import engines
+    from eagle3lib import engines
     server = engines.make(engine_params, target_dir, None, None, Path(out_path).parent)
     with server:
         stats = regenerate_responses(model, tokenizer, conversations, out_path, engine=server,

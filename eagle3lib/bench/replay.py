@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from .drafter import DraftCache, Drafter
+from eagle3lib.drafter import DraftCache, Drafter
 
 TARGET = 0  # source of a token the target produced itself
 

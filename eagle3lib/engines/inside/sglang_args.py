@@ -1,11 +1,11 @@
 """The sglang extraction backend's launch flags through SGLang's own parser, in SGLang's interpreter.
 
-    python eagle3lib/sglang_extract_check.py '["--model-path", "T", "--enable-return-hidden-states", ...]'
+    python eagle3lib/engines/inside/sglang_args.py '["--model-path", "T", "--enable-return-hidden-states", ...]'
 
 Prints one JSON line: the resolved ServerArgs fields the backend relies on, and, for an EAGLE3
 launch, the draft-config aux ids SGLang hands to the target's set_eagle3_layers_to_capture.
 Standalone on purpose (stdlib and sglang only): SGLang pins its own transformers, so
-eagle3lib.extract_sglang runs this file through a subprocess and never imports sglang itself.
+eagle3lib.extract.sglang runs this file through a subprocess and never imports sglang itself.
 Add `--device cpu` to the flags to run it on a machine without a GPU (no GPU work is done).
 """
 import json

@@ -1,7 +1,7 @@
-"""vLLM's side of the vllm extraction backend, run in vLLM's interpreter (.venv-vllm) by eagle3lib.extract_vllm.
+"""vLLM's side of the vllm extraction backend, run in vLLM's interpreter (.venv-vllm) by eagle3lib.extract.vllm.
 
-    python eagle3lib/vllm_capture.py capture --target DIR --layers 2,15,27,30 --work DIR [--dtype D] [-- FLAGS...]
-    python eagle3lib/vllm_capture.py prefill --target DIR --tokens FILE --warmup K [--dtype D] [-- FLAGS...]
+    python eagle3lib/engines/inside/vllm_capture.py capture --target DIR --layers 2,15,27,30 --work DIR [--dtype D] [-- FLAGS...]
+    python eagle3lib/engines/inside/vllm_capture.py prefill --target DIR --tokens FILE --warmup K [--dtype D] [-- FLAGS...]
 
 Standalone on purpose (stdlib, torch, safetensors and vLLM only): vLLM pins a transformers that our .venv
 does not have. FLAGS are vLLM's own engine flags (as for `vllm serve`: --tensor-parallel-size,
@@ -27,7 +27,7 @@ import time
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 PREFIX = "@@eagle3lib "
-CONNECTOR_MODULE = "eagle3lib.vllm_hidden_states_connector"
+CONNECTOR_MODULE = "vllm_connector"  # this folder is on the engine's PYTHONPATH
 
 
 def say(obj):

@@ -19,9 +19,9 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from .params import Params, load_params, run_dir as params_run_dir
+from eagle3lib.params import Params, load_params, run_dir as params_run_dir
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 
 # Params sections each stage reads; a stage reruns when these, its notebook or
@@ -134,7 +134,7 @@ def render_html(notebook: Path, hide_code: bool, result: dict | None = None,
     import nbformat
     from nbconvert import HTMLExporter
 
-    from . import report
+    from eagle3lib.workbook import report
 
     nb = nbformat.read(notebook, as_version=4)
     report.static_widgets(nb)
@@ -199,7 +199,7 @@ def execute_stage(p: Params, stage: str, run_dir: Path, overrides: dict, log_out
         error = _notebook_error(executed) if executed.is_file() else f"{type(e).__name__}: {e}"
     seconds = round(time.time() - started, 1)
     if error is None and not result_path.is_file():
-        error = "the notebook finished without calling eagle3lib.pipeline.save_result"
+        error = "the notebook finished without calling eagle3lib.workbook.pipeline.save_result"
     report_name = executed.with_suffix(".html").name
     if error is not None:
         result = {"stage": stage, "status": "failed", "error": error, "seconds": seconds,
@@ -249,8 +249,8 @@ def write_run_json(p: Params, run_dir: Path) -> None:
 
 def write_index(run_dir: Path, stage_names: list[str]) -> Path:
     """outputs/<run>/index.html: each stage's status, time and headline figures linking its report, the
-    benchmark's recommendation, the figures, the params and versions (eagle3lib.report.index_html)."""
-    from . import report
+    benchmark's recommendation, the figures, the params and versions (eagle3lib.workbook.report.index_html)."""
+    from eagle3lib.workbook import report
 
     out = run_dir / "index.html"
     out.write_text(report.index_html(run_dir, stage_names))

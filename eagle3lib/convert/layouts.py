@@ -35,8 +35,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from .drafter import ARCHITECTURE
-from .target import AUX_LAYER_ID_CONVENTION, CONTRACT_FILE, default_cache_dir, read_contract, target_fingerprint
+from eagle3lib.drafter import ARCHITECTURE
+from eagle3lib.target import (
+    AUX_LAYER_ID_CONVENTION, CONTRACT_FILE, default_cache_dir, read_contract, target_fingerprint,
+)
 
 ENGINES = ("sglang", "vllm", "speculators")
 LAYOUTS = ("canonical", "speculators", "specforge")
@@ -247,7 +249,7 @@ def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dic
     if contract.get("aux_layer_ids") not in (None, aux):
         raise ValueError(f"{src_dir}: its config reads target layers {aux} (HF hidden_states indexing) but the "
                          f"contract says {contract['aux_layer_ids']}; fix the config or the contract.")
-    from .vocab import d2t_sha256
+    from eagle3lib.vocab import d2t_sha256
     found = {"draft_vocab_size": int(draft_vocab), "d2t_sha256": d2t_sha256(renamed["d2t"]),
              "hidden_size": int(target_hidden), "vocab_size": llama.get("vocab_size")}
     bad = [f"{k}: contract {contract[k]!r}, checkpoint {v!r}" for k, v in found.items() if contract.get(k) not in (None, v)]
@@ -264,7 +266,7 @@ def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dic
 def check_target(contract: dict, target, cache_dir=None) -> None:
     """Refuse when `target` (name, folder or hub id) is not the target the contract names."""
     from transformers import AutoConfig
-    from .target import resolve_target
+    from eagle3lib.target import resolve_target
     cache_dir = cache_dir or default_cache_dir()
     found = target_fingerprint(AutoConfig.from_pretrained(resolve_target(str(target), Path(cache_dir))))
     want = contract.get("target_fingerprint")
@@ -368,7 +370,7 @@ def check_sglang_args(args: list[str]) -> list[str]:
 # -------------------------------------------------------------------------------- gate ----
 
 def _contract_problems(folder, tensors: dict, contract: dict) -> list[str]:
-    from .vocab import d2t_sha256
+    from eagle3lib.vocab import d2t_sha256
     problems = []
     d2t = tensors.get("d2t")
     if d2t is not None and contract.get("d2t_sha256") not in (None, d2t_sha256(d2t)):
@@ -456,7 +458,7 @@ def check_sglang(folder, contract: dict | None = None) -> dict:
         if captured != contract.get("aux_layer_ids"):
             problems.append(f"SGLang will capture HF hidden_states {captured} (config ids {ids} on a {arch or 'Llama-like'} "
                             f"target, see set_eagle3_layers_to_capture), but the drafter was trained on "
-                            f"{contract.get('aux_layer_ids')}. Re-export with eagle3lib.export.")
+                            f"{contract.get('aux_layer_ids')}. Re-export with eagle3lib.convert.layouts.")
     if not any(n.startswith("midlayer.") for n in tensors) and any(n.startswith("layers.0.") for n in tensors):
         problems.append("layer tensors are named layers.0.*: SGLang releases before the layers.0 rename drop them "
                         "without a word (acceptance 1.0). Expected midlayer.*.")
@@ -494,13 +496,13 @@ def engine_python(engine: str, python=None) -> str | None:
     """Interpreter that has the engine: `python`, else .venv-<engine>/bin/python of this repo, else None."""
     if python:
         return str(python)
-    local = Path(__file__).resolve().parent.parent / f".venv-{engine}" / "bin" / "python"
+    local = Path(__file__).resolve().parents[2] / f".venv-{engine}" / "bin" / "python"
     return str(local) if local.is_file() else None
 
 
 def run_engine_check(args: list[str], python: str, timeout: float = 600) -> dict:
-    """Run eagle3lib/engine_check.py in the engine's interpreter; returns its JSON report."""
-    script = Path(__file__).resolve().parent / "engine_check.py"
+    """Run eagle3lib/engines/inside/load_check.py in the engine's interpreter; returns its JSON report."""
+    script = Path(__file__).resolve().parent.parent / "engines" / "inside" / "load_check.py"
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
     proc = subprocess.run([python, str(script), *args], capture_output=True, text=True, timeout=timeout, env=env)
@@ -524,7 +526,7 @@ def verify(folder, engine: str, target=None, cache_dir=None, python=None, depth:
         raise ValueError(f"Expected engine 'sglang' or 'vllm', found {engine!r}.")
     folder = Path(folder).resolve()
     contract = read_contract(folder)
-    from .target import resolve_target
+    from eagle3lib.target import resolve_target
     cache = Path(cache_dir or default_cache_dir())
     problems = []
     if target is not None:

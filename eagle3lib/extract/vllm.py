@@ -2,7 +2,7 @@
 
 This is how the speculators project generates offline EAGLE-3 data, and vLLM's tensor parallelism comes
 with it (pass --tensor-parallel-size in engine.extra_args on GPUs). vLLM runs in its own interpreter
-(engine.python, default .venv-vllm), so the capture runs there as a subprocess, eagle3lib/vllm_capture.py,
+(engine.python, default .venv-vllm), so the capture runs there as a subprocess, eagle3lib/engines/inside/vllm_capture.py,
 one per extraction call: it starts vllm.LLM once and then captures shard after shard on request (one JSON
 line each way; token ids in and hidden states out through files in the stage's folder). The shards are
 written here by extract.extract_with, the same writer, manifest, contract and resume as the hf backend.
@@ -21,7 +21,7 @@ What vLLM 0.32.0 returns and how it maps to ours (read in its source):
 - Requests: max_tokens 1 (the prefill computes every prompt row), prefix caching off (a cached prefix
   would not be recomputed into the hidden-states cache).
 - On vLLM's CPU build the stock ExampleHiddenStatesConnector crashes when a request finishes (CUDA
-  streams, pinned memory); eagle3lib.vllm_hidden_states_connector subclasses it with a CPU copy and is
+  streams, pinned memory); eagle3lib.engines.inside.vllm_connector subclasses it with a CPU copy and is
   loaded through kv_connector_module_path. On GPUs vLLM's own connector is used.
 Plain-prefill tokens/s (for the capture/prefill ratio) come from a plain vllm.LLM of the same flags on the
 first sequences, in a subprocess of its own before the capture engine starts.
@@ -44,12 +44,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from . import extract
-from .engines.base import GUARD, alive_in_group, log_tail
-from .export import engine_python
+from eagle3lib.extract import shards
+from eagle3lib.engines.server import GUARD, alive_in_group, log_tail
+from eagle3lib.convert.layouts import engine_python
 
-SCRIPT = Path(__file__).resolve().parent / "vllm_capture.py"
-REPO = Path(__file__).resolve().parent.parent
+INSIDE = Path(__file__).resolve().parent.parent / "engines" / "inside"
+SCRIPT = INSIDE / "vllm_capture.py"
 PREFIX = "@@eagle3lib "
 CPU_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
            "OMP_WAIT_POLICY": "PASSIVE"}
@@ -78,7 +78,7 @@ class _Worker:
         self.timeout_s = timeout_s
         cmd = [sys.executable, str(GUARD), str(os.getpid()), python, str(SCRIPT), *args]
         self.log.write(f"$ {' '.join(cmd)}\n")
-        pythonpath = str(REPO) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
+        pythonpath = str(INSIDE) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
                                      bufsize=1, start_new_session=True,
                                      env={**os.environ, **env, "PYTHONPATH": pythonpath})
@@ -138,7 +138,7 @@ class VLLMCapture:
     def __init__(self, target_dir, aux_layer_ids, dtype: str | None = None, python=None, extra_args=(), env=None,
                  log_dir=None, prefill_benchmark_batches=4, batch_tokens=4096, timeout_s=1800):
         self.target_dir, self.aux_layer_ids = str(target_dir), [int(i) for i in aux_layer_ids]
-        text, self.architecture = extract.target_config_json(target_dir)
+        text, self.architecture = shards.target_config_json(target_dir)
         self.hidden_size, self.vocab_size = int(text["hidden_size"]), int(text["vocab_size"])
         self.num_layers = int(text["num_hidden_layers"])
         self.eps = float(text.get("rms_norm_eps", 1e-6))
@@ -187,12 +187,12 @@ class VLLMCapture:
         """Plain-prefill measurement (optional), then the capture engine; returns the stats of the start."""
         self._work = Path(tempfile.mkdtemp(prefix=".vllm-work-", dir=Path(out_dir).resolve().parent))
         log_dir = Path(self.log_dir or self._work)
-        from .target import load_head_tensors
+        from eagle3lib.target import load_head_tensors
         self._norm = load_head_tensors(self.target_dir)["norm"]
         stats = {}
         if self.prefill_benchmark_batches:
             lengths = (tok["seq_starts"][1:] - tok["seq_starts"][:-1]).tolist()
-            batches = extract.plan_batches(lengths, [s for a, b in plan for s in range(a, b)], self.batch_tokens)
+            batches = shards.plan_batches(lengths, [s for a, b in plan for s in range(a, b)], self.batch_tokens)
             batches = batches[:self.prefill_benchmark_batches + 1]
             if len(batches) >= 2:
                 r = self.measure_plain_prefill(tok, [s for b in batches for s in b], len(batches[0]), log_dir)

@@ -34,7 +34,7 @@ captured HF indices in `set_eagle3_layers_to_capture`: Llama-like models j+1 alw
 that per architecture, sglang_captured_ids replays it (tests check one against the other).
 
 GPU check (one command; prints a JSON of per-layer differences, tokens/s, plain-prefill tokens/s):
-    python -m eagle3lib.extract_sglang --compare --n 64 --out /tmp/sglang-check \\
+    python -m eagle3lib.extract.sglang --compare --n 64 --out /tmp/sglang-check \\
         --extra-args "--attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.5"
 """
 from __future__ import annotations
@@ -55,9 +55,10 @@ from pathlib import Path
 
 import torch
 
-from . import extract
-from .export import (LAYER_TENSORS, SGLANG_CONVENTION, SGLANG_VERSION, engine_python,
-                     sglang_captured_ids, sglang_config_ids)
+from eagle3lib.extract import shards
+from eagle3lib.convert.layouts import (
+    LAYER_TENSORS, SGLANG_CONVENTION, SGLANG_VERSION, engine_python, sglang_captured_ids, sglang_config_ids,
+)
 
 try:  # the GPU bundle has orjson; a float list decodes ~3x faster with it
     import orjson as _fastjson
@@ -65,7 +66,7 @@ except ImportError:  # pragma: no cover - depends on the environment
     _fastjson = None
 
 CAPTURE_DRAFT_ARCH = "LlamaForCausalLMEagle3"
-CHECK_SCRIPT = Path(__file__).resolve().parent / "sglang_extract_check.py"
+CHECK_SCRIPT = Path(__file__).resolve().parent.parent / "engines" / "inside" / "sglang_args.py"
 STAGING = ".sglang-final"
 # Both servers: every prompt token recomputed and returned (see the module docstring).
 COMMON_FLAGS = ["--enable-return-hidden-states", "--disable-radix-cache", "--chunked-prefill-size", "-1"]
@@ -82,7 +83,7 @@ class SGLangExtractError(RuntimeError):
 
 def target_text_config(target_dir) -> tuple[dict, str]:
     """(text config dict, architecture) from config.json, without importing the model's code."""
-    return extract.target_config_json(target_dir)
+    return shards.target_config_json(target_dir)
 
 
 def write_capture_drafter(target_dir, aux_layer_ids, out_dir, dtype=torch.bfloat16) -> Path:
@@ -244,7 +245,7 @@ class SGLangCapture:
 
     # -- servers ---------------------------------------------------------------------------
     def _server_for(self, drafter_dir, log_dir):
-        from .engines.sglang import SGLang
+        from eagle3lib.engines.sglang import SGLang
         cmd = [self.python, "-m", "sglang.launch_server"] + server_args(self.target_dir, drafter_dir, self.dtype,
                                                                          self.extra_args)
         log = Path(log_dir) / f"sglang-extract-{'aux' if drafter_dir else 'final'}.log"
@@ -264,7 +265,7 @@ class SGLangCapture:
     def _run_pass(self, server, tok, lengths, seq_ids, width, bar=None):
         """{seq id: rows [len, width]} for these sequences through `server`; also counts wire bytes."""
         starts = tok["seq_starts"]
-        batches = extract.plan_batches(lengths, seq_ids, self.batch_tokens)
+        batches = shards.plan_batches(lengths, seq_ids, self.batch_tokens)
 
         def one(batch):
             prompts = [tok["input_ids"][int(starts[s]):int(starts[s + 1])].tolist() for s in batch]
@@ -288,7 +289,7 @@ class SGLangCapture:
     def _plain_prefill(self, server, tok, lengths, seq_ids):
         """Tokens/s of the same server's plain prefill (no hidden states asked) on the first batches."""
         starts = tok["seq_starts"]
-        batches = extract.plan_batches(lengths, seq_ids, self.batch_tokens)[:self.prefill_benchmark_batches + 1]
+        batches = shards.plan_batches(lengths, seq_ids, self.batch_tokens)[:self.prefill_benchmark_batches + 1]
         if len(batches) < 2:
             return None
 
@@ -384,9 +385,9 @@ def _staged_path(work, first, end):
 
 def _stage(work, first, end, final):
     """The final pass's states of one shard, written atomically (in float32: exact for any engine dtype)."""
-    chunks = extract._safetensors_chunks({"final_hidden": final.to(torch.float32).contiguous()},
+    chunks = shards._safetensors_chunks({"final_hidden": final.to(torch.float32).contiguous()},
                                         {"first": str(first), "end": str(end)})
-    extract._atomic_write(_staged_path(work, first, end), chunks)
+    shards._atomic_write(_staged_path(work, first, end), chunks)
 
 
 def _read_staged(work, first, end, hidden_size):
@@ -410,32 +411,33 @@ def _drop_staged(work, first, end):
 
 def _check_tokens(a, tokenizer):
     """The check's token arrays: --tokens FILE (data.save_tokens format), else N conversations of --data."""
-    from . import data
+    from eagle3lib.prepare import conversations
     if a.tokens:
-        tokens = data.load_tokens(a.tokens)
+        tokens = conversations.load_tokens(a.tokens)
         n = min(a.n, tokens["seq_starts"].numel() - 1)
         end = int(tokens["seq_starts"][n])
         return {"input_ids": tokens["input_ids"][:end], "loss_mask": tokens["loss_mask"][:end],
                 "seq_starts": tokens["seq_starts"][:n + 1], "ids": list(tokens.get("ids", range(n)))[:n]}
-    convs, _ = data.load_conversations(a.data, limit=a.n)
-    return data.tokenize_split(tokenizer, convs, a.max_seq_len, progress=False)
+    convs, _ = conversations.load_conversations(a.data, limit=a.n)
+    return conversations.tokenize_split(tokenizer, convs, a.max_seq_len, progress=False)
 
 
 def _save_tokens_main(a):
     """--save-tokens: tokenize N conversations here (no GPU, no sglang) for a GPU host without the data package."""
-    from . import data, target
+    from eagle3lib.prepare import conversations
+    from eagle3lib import target
     from transformers import AutoTokenizer
     cache = Path(a.cache_dir) if a.cache_dir else target.default_cache_dir()
     tokenizer = AutoTokenizer.from_pretrained(target.resolve_target(a.target, cache))
     a.tokens = None
-    path = data.save_tokens(a.save_tokens, _check_tokens(a, tokenizer))
+    path = conversations.save_tokens(a.save_tokens, _check_tokens(a, tokenizer))
     print(json.dumps({"tokens_file": str(path)}))
     return 0
 
 
 def _compare_main(a):
     """Extract N conversations through sglang and hf on the same tokens; print the differences as JSON."""
-    from . import data, target
+    from eagle3lib import target
     cache = Path(a.cache_dir) if a.cache_dir else target.default_cache_dir()
     target_dir = target.resolve_target(a.target, cache)
     model, tokenizer = target.load_target(target_dir, cache, dtype=a.dtype, device=a.device)
@@ -453,17 +455,17 @@ def _compare_main(a):
 
     cap = SGLangCapture(target_dir, aux_ids, batch_tokens=a.batch_tokens, dtype=a.dtype, python=a.engine_python,
                         extra_args=shlex.split(a.extra_args), log_dir=out, concurrency=a.concurrency)
-    r_sg = extract.extract_with(cap, tokens, aux_ids, str(out / "sglang"), contract, batch_tokens=a.batch_tokens,
+    r_sg = shards.extract_with(cap, tokens, aux_ids, str(out / "sglang"), contract, batch_tokens=a.batch_tokens,
                                 shard_max_tokens=a.shard_max_tokens, store_dtype=store, progress=False)
     # The plain forward first: its warm-up also warms the capture (CUDA context, kernels), which a cold
     # capture of a few batches would otherwise pay alone (seen: 0.036 of the forward's rate, cold).
-    hf_prefill = extract.measure_forward_tokens_per_s(
-        model, list(extract.iter_batches(tokens, a.batch_tokens, a.shard_max_tokens))[:5])
-    r_hf = extract.extract(model, tokens, aux_ids, str(out / "hf"), contract, batch_tokens=a.batch_tokens,
+    hf_prefill = shards.measure_forward_tokens_per_s(
+        model, list(shards.iter_batches(tokens, a.batch_tokens, a.shard_max_tokens))[:5])
+    r_hf = shards.extract(model, tokens, aux_ids, str(out / "hf"), contract, batch_tokens=a.batch_tokens,
                            shard_max_tokens=a.shard_max_tokens, store_dtype=store, progress=False)
     head = model.lm_head.weight.detach()
-    report["agreement"] = extract.compare_shard_sets(str(out / "sglang"), str(out / "hf"), lm_head=head)
-    report["layer_probe"] = extract.layer_probe(model, str(out / "sglang"), aux_ids, max_sequences=8)
+    report["agreement"] = shards.compare_shard_sets(str(out / "sglang"), str(out / "hf"), lm_head=head)
+    report["layer_probe"] = shards.layer_probe(model, str(out / "sglang"), aux_ids, max_sequences=8)
     keep = ("tokens_per_s", "seconds", "engine_start_s", "plain_prefill_tokens_per_s", "final_pass_tokens_per_s",
             "aux_pass_tokens_per_s", "wire_bytes_per_token", "bytes_per_token", "captured_hf_layers")
     report["sglang"] = {k: r_sg.get(k) for k in keep}

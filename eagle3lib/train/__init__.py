@@ -1,0 +1,1 @@
+"""Stage 02 train: the EAGLE-3 drafter trained with training-time test."""

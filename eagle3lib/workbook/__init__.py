@@ -1,0 +1,1 @@
+"""The workbook around the stages: the papermill pipeline, reports, widgets and plots."""
