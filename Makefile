@@ -1,5 +1,5 @@
 # make run   : set up .venv (once) and run the whole pipeline on the embedded default
-# make test  : set up .venv (once) and run the test suite
+# make test  : set up .venv (once), lint, and run the test suite
 # make lab   : set up .venv (once) and open JupyterLab on notebooks/ with .venv as the kernel
 PYTHON ?= python3.11
 VENV := .venv
@@ -9,7 +9,7 @@ export OMP_WAIT_POLICY := PASSIVE
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run test lab browser fp8-site clean-venv
+.PHONY: setup run test lint lab browser fp8-site clean-venv
 
 setup: $(VENV)/.installed
 
@@ -26,8 +26,13 @@ run: setup vllm-env sglang-env
 	$(BIN)/python -m eagle3lib run $(PARAMS)
 
 # The engine environments let the tests run the real vLLM/SGLang load-back gates; Chromium checks the reports.
-test: setup vllm-env sglang-env browser fp8-site
+test: lint vllm-env sglang-env browser fp8-site
 	$(BIN)/python -m pytest -q -ra --durations=15 tests
+
+# ruff's lint and format check over the library, tests, benchmarks and notebooks (config in pyproject.toml).
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 
 # torchao for tests/test_float8.py (FP8 training emulated on the CPU), outside .venv: see pyproject's fp8 extra.
 fp8-site: .fp8-site/.installed
@@ -50,7 +55,7 @@ browser:
 clean-venv:
 	rm -rf $(VENV)
 
-# ---- engine environments for the 03_convert load-back gate (eagle3lib/engine_check.py) ----
+# ---- engine environments for the 03_convert load-back gate (eagle3lib/engines/inside/load_check.py) ----
 # make vllm-env   : .venv-vllm with vLLM's CPU build (pins transformers<5.20, so not in .venv)
 # make sglang-env : .venv-sglang with sglang --no-deps + light deps (ServerArgs resolution only)
 # make engine-check: both gates' tests (tests/test_export.py), using these environments

@@ -10,6 +10,7 @@ with shard prefetching as train.prefetch_shards sets it. --step-ms stands in for
 (the host thread sleeps, as it waits on the GPU): then data_wait_s is the time the step loop waited for
 batches, as the trainer's summary reports it (an H200 ran SmolLM2's drafter at ~0.1 s a step).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,9 +20,9 @@ import tempfile
 import time
 from types import SimpleNamespace
 
-import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
 import torch
 
+import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
 from eagle3lib.extract.shards import FORMAT, MANIFEST, ShardSet, write_shard
 from eagle3lib.train.trainer import micro_batches, shard_sequences
 
@@ -38,21 +39,39 @@ def write_synthetic_shards(out_dir: str, tokens: int, hidden: int, shard_tokens:
             n += lengths[end]
             end += 1
         starts = torch.tensor([0] + lengths[first:end]).cumsum(0)
-        tensors = {"input_ids": torch.randint(0, 49152, (n,), dtype=torch.int32, generator=g),
-                   "loss_mask": torch.ones(n, dtype=torch.uint8),
-                   "aux_hidden": torch.randn(n, 3 * hidden, generator=g).to(torch.bfloat16),
-                   "final_hidden": torch.randn(n, hidden, generator=g).to(torch.bfloat16), "seq_starts": starts}
+        tensors = {
+            "input_ids": torch.randint(0, 49152, (n,), dtype=torch.int32, generator=g),
+            "loss_mask": torch.ones(n, dtype=torch.uint8),
+            "aux_hidden": torch.randn(n, 3 * hidden, generator=g).to(torch.bfloat16),
+            "final_hidden": torch.randn(n, hidden, generator=g).to(torch.bfloat16),
+            "seq_starts": starts,
+        }
         entries.append(write_shard(out_dir, tensors, first, [1, 2, 3]))
         first, at = end, at + n
-    manifest = {"format": FORMAT, "num_sequences": len(lengths), "num_tokens": at, "hidden_size": hidden,
-                "aux_layer_ids": [1, 2, 3], "store_dtype": "bfloat16", "complete": True, "shards": entries}
+    manifest = {
+        "format": FORMAT,
+        "num_sequences": len(lengths),
+        "num_tokens": at,
+        "hidden_size": hidden,
+        "aux_layer_ids": [1, 2, 3],
+        "store_dtype": "bfloat16",
+        "complete": True,
+        "shards": entries,
+    }
     with open(os.path.join(out_dir, MANIFEST), "w") as f:
         json.dump(manifest, f)
     return at
 
 
-def measure(shard_dir: str, max_seq_len: int, batch_rows: int, prefetch_shards: int, batch_prefetch: int,
-            epochs: int, step_ms: float = 0.0) -> dict:
+def measure(
+    shard_dir: str,
+    max_seq_len: int,
+    batch_rows: int,
+    prefetch_shards: int,
+    batch_prefetch: int,
+    epochs: int,
+    step_ms: float = 0.0,
+) -> dict:
     shards = ShardSet(shard_dir)  # a fresh one per measurement: as a training run, it checks each sha256 once
     tp = SimpleNamespace(max_seq_len=max_seq_len, batch_rows=batch_rows, batch_prefetch=batch_prefetch)
     setup = SimpleNamespace(train_sequences=lambda epoch: shard_sequences(shards, 0, epoch, prefetch=prefetch_shards))
@@ -73,16 +92,25 @@ def measure(shard_dir: str, max_seq_len: int, batch_rows: int, prefetch_shards: 
     finally:
         stream.close()
     s = time.perf_counter() - start
-    return {"prefetch_shards": prefetch_shards, "batch_prefetch": batch_prefetch, "step_ms": step_ms,
-            "tokens": tokens, "seconds": round(s, 2), "tokens_per_s": round(tokens / s),
-            "batch_MB_per_s": round(nbytes / s / 1e6), "data_wait_s": round(wait, 2)}
+    return {
+        "prefetch_shards": prefetch_shards,
+        "batch_prefetch": batch_prefetch,
+        "step_ms": step_ms,
+        "tokens": tokens,
+        "seconds": round(s, 2),
+        "tokens_per_s": round(tokens / s),
+        "batch_MB_per_s": round(nbytes / s / 1e6),
+        "data_wait_s": round(wait, 2),
+    }
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=576, help="target hidden size (SmolLM2-135M: 576)")
     ap.add_argument("--tokens", type=int, default=1_000_000)
-    ap.add_argument("--shard-tokens", type=int, default=262_144, help="as params/tiny-h200.yaml's extract.shard_max_tokens")
+    ap.add_argument(
+        "--shard-tokens", type=int, default=262_144, help="as params/tiny-h200.yaml's extract.shard_max_tokens"
+    )
     ap.add_argument("--max-seq-len", type=int, default=4096)
     ap.add_argument("--batch-rows", type=int, default=4)
     ap.add_argument("--epochs", type=int, default=3)
@@ -91,11 +119,33 @@ def main():
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
         total = write_synthetic_shards(d, args.tokens, args.hidden, args.shard_tokens)
-        print(json.dumps({"tokens_per_epoch": total, "shards": len(ShardSet(d).shards), "hidden": args.hidden,
-                          "max_seq_len": args.max_seq_len, "batch_rows": args.batch_rows}), flush=True)
+        print(
+            json.dumps(
+                {
+                    "tokens_per_epoch": total,
+                    "shards": len(ShardSet(d).shards),
+                    "hidden": args.hidden,
+                    "max_seq_len": args.max_seq_len,
+                    "batch_rows": args.batch_rows,
+                }
+            ),
+            flush=True,
+        )
         for batch_prefetch in (0, 2):
-            print(json.dumps(measure(d, args.max_seq_len, args.batch_rows, args.prefetch_shards, batch_prefetch,
-                                     args.epochs, args.step_ms)), flush=True)
+            print(
+                json.dumps(
+                    measure(
+                        d,
+                        args.max_seq_len,
+                        args.batch_rows,
+                        args.prefetch_shards,
+                        batch_prefetch,
+                        args.epochs,
+                        args.step_ms,
+                    )
+                ),
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@
 Prints tokens/s of: the plain forward (model.model, no hooks), capture_hidden_states alone,
 and extract() (forward + capture + bf16 shard writes, one run), on the same batches.
 """
+
 import argparse
 import os
 import tempfile
@@ -16,14 +17,31 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from eagle3lib.extract.shards import (
-    capture_hidden_states, default_shard_max_tokens, extract, iter_batches, measure_forward_tokens_per_s,
+    capture_hidden_states,
+    default_shard_max_tokens,
+    extract,
+    iter_batches,
+    measure_forward_tokens_per_s,
 )
 
 SHAPES = {
-    "tiny": dict(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-                 intermediate_size=128, vocab_size=256),
-    "smollm2": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
-                    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True),  # SmolLM2-135M's shape
+    "tiny": dict(
+        hidden_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+    ),
+    "smollm2": dict(
+        hidden_size=576,
+        num_hidden_layers=30,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        intermediate_size=1536,
+        vocab_size=49152,
+        tie_word_embeddings=True,
+    ),  # SmolLM2-135M's shape
 }
 
 
@@ -45,14 +63,19 @@ def main():
     g = torch.Generator().manual_seed(1)
     lengths = torch.randint(16, 512, (args.tokens // 256,), generator=g)
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    tokens = {"input_ids": torch.randint(0, cfg.vocab_size, (int(starts[-1]),), generator=g, dtype=torch.int32),
-              "loss_mask": torch.ones(int(starts[-1]), dtype=torch.uint8), "seq_starts": starts}
+    tokens = {
+        "input_ids": torch.randint(0, cfg.vocab_size, (int(starts[-1]),), generator=g, dtype=torch.int32),
+        "loss_mask": torch.ones(int(starts[-1]), dtype=torch.uint8),
+        "seq_starts": starts,
+    }
     n = int(starts[-1])
     shard_max_tokens = args.shard_max_tokens or default_shard_max_tokens(cfg.hidden_size, torch.bfloat16)
     batches = list(iter_batches(tokens, args.batch_tokens, shard_max_tokens))
     padded = sum(ids.numel() for _, ids, _ in batches)
-    print(f"{args.shape} ({args.dtype}), {len(lengths)} sequences, {n:,} tokens, {len(batches)} batches, "
-          f"padding {padded / n - 1:.1%}, torch threads {torch.get_num_threads()}")
+    print(
+        f"{args.shape} ({args.dtype}), {len(lengths)} sequences, {n:,} tokens, {len(batches)} batches, "
+        f"padding {padded / n - 1:.1%}, torch threads {torch.get_num_threads()}"
+    )
 
     def capture_tokens_per_s():
         t0 = time.perf_counter()
@@ -67,13 +90,23 @@ def main():
         fwd = max(fwd, measure_forward_tokens_per_s(model, batches, warmup=0))
         cap = max(cap, capture_tokens_per_s())
     with tempfile.TemporaryDirectory() as d:
-        r = extract(model, tokens, aux_ids, d, {"target": f"random-{args.shape}"}, batch_tokens=args.batch_tokens,
-                    shard_max_tokens=shard_max_tokens, progress=False)
+        r = extract(
+            model,
+            tokens,
+            aux_ids,
+            d,
+            {"target": f"random-{args.shape}"},
+            batch_tokens=args.batch_tokens,
+            shard_max_tokens=shard_max_tokens,
+            progress=False,
+        )
     print(f"forward only   {fwd:10,.0f} tokens/s")
     print(f"capture        {cap:10,.0f} tokens/s  ({cap / fwd:.2f}x forward)")
-    print(f"extract        {r['tokens_per_s']:10,.0f} tokens/s  ({r['tokens_per_s'] / fwd:.2f}x forward; "
-          f"{r['bytes_per_token']:,.0f} bytes/token on disk, {r['shards']} shards; capture {r['capture_s']} s, "
-          f"of which waiting for the shard writer {r['write_wait_s']} s, in {r['seconds']:.2f} s)")
+    print(
+        f"extract        {r['tokens_per_s']:10,.0f} tokens/s  ({r['tokens_per_s'] / fwd:.2f}x forward; "
+        f"{r['bytes_per_token']:,.0f} bytes/token on disk, {r['shards']} shards; capture {r['capture_s']} s, "
+        f"of which waiting for the shard writer {r['write_wait_s']} s, in {r['seconds']:.2f} s)"
+    )
 
 
 if __name__ == "__main__":

@@ -57,6 +57,7 @@ attention has no backward on the CPU) and the loss is speculators' eager twin
 (`loss_implementation="eager"`, the same KL), since its fused loss is Triton: flex attention, the
 fused kernels, the autotuner fix and torch.compile only run on the GPU.
 """
+
 from __future__ import annotations
 
 import gc
@@ -89,10 +90,16 @@ def _import_speculators():
     from speculators import SpeculatorsConfig, VerifierConfig
     from speculators.models.eagle3 import Eagle3DraftModel, Eagle3SpeculatorConfig, shift_batch
     from speculators.proposals.greedy import GreedyTokenProposalConfig
-    return types.SimpleNamespace(version=getattr(speculators, "__version__", None), SpeculatorsConfig=SpeculatorsConfig,
-                                 VerifierConfig=VerifierConfig, Eagle3DraftModel=Eagle3DraftModel,
-                                 Eagle3SpeculatorConfig=Eagle3SpeculatorConfig, shift_batch=shift_batch,
-                                 GreedyTokenProposalConfig=GreedyTokenProposalConfig)
+
+    return types.SimpleNamespace(
+        version=getattr(speculators, "__version__", None),
+        SpeculatorsConfig=SpeculatorsConfig,
+        VerifierConfig=VerifierConfig,
+        Eagle3DraftModel=Eagle3DraftModel,
+        Eagle3SpeculatorConfig=Eagle3SpeculatorConfig,
+        shift_batch=shift_batch,
+        GreedyTokenProposalConfig=GreedyTokenProposalConfig,
+    )
 
 
 def _unshare_loss_autotuners() -> bool:
@@ -121,8 +128,11 @@ def _unshare_loss_autotuners() -> bool:
         return False
 
     def own_autotuner(kernel):
-        tuned = triton.autotune(configs=fused._tile_configs(), key=list(kernel.keys),
-                                prune_configs_by={"early_config_prune": kernel.early_config_prune})(kernel.fn)
+        tuned = triton.autotune(
+            configs=fused._tile_configs(),
+            key=list(kernel.keys),
+            prune_configs_by={"early_config_prune": kernel.early_config_prune},
+        )(kernel.fn)
         assert [str(c) for c in tuned.configs] == [str(c) for c in kernel.configs]
         return tuned
 
@@ -138,23 +148,41 @@ def build_model(spec, shape: dict, ttt: int, device: str, attn_impl: str = "simp
 
     # speculators.train.cli.create_transformer_layer_config (draft_arch "llama", num_layers 1,
     # --full-attention-indices 0), then from_training_args' `_attn_implementation`.
-    layer = LlamaConfig(vocab_size=shape["vocab_size"], hidden_size=shape["hidden_size"],
-                        intermediate_size=shape["intermediate_size"], num_hidden_layers=1,
-                        num_attention_heads=shape["num_attention_heads"],
-                        num_key_value_heads=shape["num_key_value_heads"], hidden_act="silu",
-                        max_position_embeddings=shape["max_position_embeddings"], initializer_range=0.02,
-                        rms_norm_eps=shape["rms_norm_eps"], head_dim=shape["head_dim"], tie_word_embeddings=False,
-                        sliding_window=2048, use_sliding_window=False, layer_types=["full_attention"])
+    layer = LlamaConfig(
+        vocab_size=shape["vocab_size"],
+        hidden_size=shape["hidden_size"],
+        intermediate_size=shape["intermediate_size"],
+        num_hidden_layers=1,
+        num_attention_heads=shape["num_attention_heads"],
+        num_key_value_heads=shape["num_key_value_heads"],
+        hidden_act="silu",
+        max_position_embeddings=shape["max_position_embeddings"],
+        initializer_range=0.02,
+        rms_norm_eps=shape["rms_norm_eps"],
+        head_dim=shape["head_dim"],
+        tie_word_embeddings=False,
+        sliding_window=2048,
+        use_sliding_window=False,
+        layer_types=["full_attention"],
+    )
     layer.rope_parameters = dict(shape["rope_parameters"])
     layer._attn_implementation = attn_impl  # --draft-attn-impl
     config = spec.Eagle3SpeculatorConfig(
-        transformer_layer_config=layer, draft_vocab_size=shape["draft_vocab_size"], norm_before_residual=True,
-        norm_before_fc=True, fc_norm=False, norm_output=True, embed_requires_grad=False,
+        transformer_layer_config=layer,
+        draft_vocab_size=shape["draft_vocab_size"],
+        norm_before_residual=True,
+        norm_before_fc=True,
+        fc_norm=False,
+        norm_output=True,
+        embed_requires_grad=False,
         eagle_aux_hidden_state_layer_ids=list(shape["aux_layer_ids"]),
         speculators_config=spec.SpeculatorsConfig(
-            algorithm="eagle3", proposal_methods=[spec.GreedyTokenProposalConfig(speculative_tokens=ttt)],
+            algorithm="eagle3",
+            proposal_methods=[spec.GreedyTokenProposalConfig(speculative_tokens=ttt)],
             default_proposal_method="greedy",
-            verifier=spec.VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"])))
+            verifier=spec.VerifierConfig(name_or_path=None, architectures=["LlamaForCausalLM"]),
+        ),
+    )
     with torch.device(device):  # built in place rather than on the CPU and moved: same model, less time
         model = spec.Eagle3DraftModel(config)
     vocab, draft = shape["vocab_size"], shape["draft_vocab_size"]
@@ -169,8 +197,12 @@ def build_model(spec, shape: dict, ttt: int, device: str, attn_impl: str = "simp
         model.lm_head.weight.copy_(head)
         model.verifier_lm_head.weight.copy_(head)
         model.verifier_norm.weight.fill_(1.0)
-    for frozen in (model.embed_tokens.weight, model.lm_head.weight, model.verifier_lm_head.weight,
-                   model.verifier_norm.weight):
+    for frozen in (
+        model.embed_tokens.weight,
+        model.lm_head.weight,
+        model.verifier_lm_head.weight,
+        model.verifier_norm.weight,
+    ):
         frozen.requires_grad_(False)  # as _load_verifier_weights leaves them
     return model.to(device)
 
@@ -179,12 +211,14 @@ def synthetic_batch(spec, shape: dict, seq: int, device: str, dtype):
     """One packed row of seq tokens, through speculators' shift_batch and its collate's extra keys."""
     g = torch.Generator(device="cpu").manual_seed(seq)
     n, hidden = seq + 1, shape["target_hidden_size"]
-    sample = {"input_ids": torch.randint(0, shape["vocab_size"], (n,), generator=g),
-              "hidden_states": torch.randn(n, 3 * hidden, generator=g).to(dtype),
-              "verifier_last_hidden_states": torch.randn(n, hidden, generator=g).to(dtype),
-              "loss_mask": torch.ones(n, dtype=torch.long),
-              "lengths": torch.tensor([n]),
-              "position_ids": torch.arange(n)}
+    sample = {
+        "input_ids": torch.randint(0, shape["vocab_size"], (n,), generator=g),
+        "hidden_states": torch.randn(n, 3 * hidden, generator=g).to(dtype),
+        "verifier_last_hidden_states": torch.randn(n, hidden, generator=g).to(dtype),
+        "loss_mask": torch.ones(n, dtype=torch.long),
+        "lengths": torch.tensor([n]),
+        "position_ids": torch.arange(n),
+    }
     shifted = spec.shift_batch(sample)
     shifted.pop("lengths")
     batch = {k: v.unsqueeze(0).to(device) for k, v in shifted.items()}
@@ -194,8 +228,9 @@ def synthetic_batch(spec, shape: dict, seq: int, device: str, dtype):
     return batch
 
 
-def measure_speculators(seq: int, ttt: int, steps: int, warmup: int, device: str, small: bool = False,
-                        shape: dict | None = None) -> dict:
+def measure_speculators(
+    seq: int, ttt: int, steps: int, warmup: int, device: str, small: bool = False, shape: dict | None = None
+) -> dict:
     """Median tokens/s of speculators' EAGLE-3 training step (module docstring) and peak memory."""
     from transformers import get_linear_schedule_with_warmup
 
@@ -214,8 +249,8 @@ def measure_speculators(seq: int, ttt: int, steps: int, warmup: int, device: str
     model = build_model(spec, shape, ttt, device, attn_impl)
     model.train()
     train_kwargs, _ = spec.Eagle3DraftModel.get_trainer_kwargs(
-        ttt_steps=ttt, ttt_step_loss_decay=TTT_STEP_LOSS_DECAY, loss_fn=LOSS_FN,
-        loss_implementation=loss_implementation)
+        ttt_steps=ttt, ttt_step_loss_decay=TTT_STEP_LOSS_DECAY, loss_fn=LOSS_FN, loss_implementation=loss_implementation
+    )
     # speculators.train.optimizers.build_optimizers, optimizer "adamw"; Trainer.setup_optimizer's
     # linear schedule over the run (warm-up 1% of the steps).
     opt = torch.optim.AdamW(model.named_parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
@@ -241,8 +276,12 @@ def measure_speculators(seq: int, ttt: int, steps: int, warmup: int, device: str
             torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - start)
-    out = {"seq": seq, "tokens_per_s": round(seq / statistics.median(times), 1),
-           "step_s_median": round(statistics.median(times), 4), "loss": round(loss.item(), 4)}
+    out = {
+        "seq": seq,
+        "tokens_per_s": round(seq / statistics.median(times), 1),
+        "step_s_median": round(statistics.median(times), 4),
+        "loss": round(loss.item(), 4),
+    }
     if cuda:
         out["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     del model, opt, sched, batch, loss, metrics, _draft_tokens

@@ -16,6 +16,7 @@ fp8_saves_ms counts each quantization as a pass of its own, weights requantized 
 producers or amortized over the steps they cost less); the cuDNN figure leaves out the diagonal keys. The step's
 total (train_throughput.py --profile) is the context.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,9 +24,10 @@ import json
 import statistics
 import time
 
-import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
 import torch
 import torch.nn.functional as F
+
+import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
 
 LLAMA_8B = dict(hidden=4096, heads=32, kv_heads=8, head_dim=128, intermediate=14336, draft_vocab=32000, aux=3)
 SMALL = dict(hidden=256, heads=4, kv_heads=2, head_dim=64, intermediate=512, draft_vocab=1024, aux=3)
@@ -35,9 +37,16 @@ E4M3 = torch.float8_e4m3fn
 def linears(s: dict) -> dict:
     """(in, out, weight gradient?) of each matmul in one TTT step; fc runs once per row."""
     h, q, kv = s["hidden"], s["heads"] * s["head_dim"], s["kv_heads"] * s["head_dim"]
-    return {"q_proj": (2 * h, q, True), "k_proj": (2 * h, kv, True), "v_proj": (2 * h, kv, True),
-            "o_proj": (q, h, True), "gate_proj": (h, s["intermediate"], True), "up_proj": (h, s["intermediate"], True),
-            "down_proj": (s["intermediate"], h, True), "lm_head (frozen)": (h, s["draft_vocab"], False)}
+    return {
+        "q_proj": (2 * h, q, True),
+        "k_proj": (2 * h, kv, True),
+        "v_proj": (2 * h, kv, True),
+        "o_proj": (q, h, True),
+        "gate_proj": (h, s["intermediate"], True),
+        "up_proj": (h, s["intermediate"], True),
+        "down_proj": (s["intermediate"], h, True),
+        "lm_head (frozen)": (h, s["draft_vocab"], False),
+    }
 
 
 def timed(fn, iters: int, cuda: bool) -> float:
@@ -75,7 +84,7 @@ def gemms(shape: dict, seq: int, ttt: int, iters: int, device: str) -> dict:
     layers["fc (once)"] = (shape["aux"] * shape["hidden"], shape["hidden"], True, 1)
     for name, (k, n, wgrad, times) in layers.items():
         x = torch.randn(seq, k, device=device, dtype=torch.bfloat16)
-        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * k ** -0.5
+        w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * k**-0.5
         dy = torch.randn(seq, n, device=device, dtype=torch.bfloat16)
         xt, wt, dyt = x.t().contiguous(), w.t().contiguous(), dy.t().contiguous()
         # the operands each product needs, row-major as _scaled_mm's first argument / transposed second
@@ -86,15 +95,26 @@ def gemms(shape: dict, seq: int, ttt: int, iters: int, device: str) -> dict:
         bf16 = sum(timed(lambda a=a, b=b: a @ b.t(), iters, cuda) for a, b in products)
         quantized = [(quant(a), quant(b)) for a, b in products]
         # the fp8 products must be the same products: relative error against bf16, ~3% for e4m3
-        err = max(((fp8_mm(qa[0], qa[1], qb[0], qb[1]).float() - (a @ b.t()).float()).norm()
-                   / (a @ b.t()).float().norm()).item() for (a, b), (qa, qb) in zip(products, quantized))
+        err = max(
+            (
+                (fp8_mm(qa[0], qa[1], qb[0], qb[1]).float() - (a @ b.t()).float()).norm() / (a @ b.t()).float().norm()
+            ).item()
+            for (a, b), (qa, qb) in zip(products, quantized)
+        )
         fp8 = sum(timed(lambda qa=qa, qb=qb: fp8_mm(qa[0], qa[1], qb[0], qb[1]), iters, cuda) for qa, qb in quantized)
         operands = {id(t): t for pair in products for t in pair}.values()
         qcost = sum(timed(lambda t=t: quant(t), iters, cuda) for t in operands)
-        out["per_layer"][name] = {"times": times, "bf16_ms": round(bf16, 3), "fp8_ms": round(fp8, 3),
-                                  "quantize_ms": round(qcost, 3), "fp8_rel_err": round(err, 4)}
+        out["per_layer"][name] = {
+            "times": times,
+            "bf16_ms": round(bf16, 3),
+            "fp8_ms": round(fp8, 3),
+            "quantize_ms": round(qcost, 3),
+            "fp8_rel_err": round(err, 4),
+        }
         if err > 0.1:
-            raise RuntimeError(f"{name}: the fp8 product is {err:.1%} off the bf16 one; the operands are laid out wrong")
+            raise RuntimeError(
+                f"{name}: the fp8 product is {err:.1%} off the bf16 one; the operands are laid out wrong"
+            )
         totals["gemm_bf16_ms"] += times * bf16
         totals["gemm_fp8_ms"] += times * fp8
         totals["quantize_fp8_ms"] += times * qcost
@@ -107,6 +127,7 @@ def attention(shape: dict, seq: int, ttt: int, iters: int, device: str) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from eagle3lib.drafter import TTT_BLOCK, _flex_attention, ttt_block_masks
+
     h, kvh, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
     t_pad = -(-seq // TTT_BLOCK) * TTT_BLOCK
     docs = torch.zeros(1, t_pad, dtype=torch.long, device=device)
@@ -118,6 +139,7 @@ def attention(shape: dict, seq: int, ttt: int, iters: int, device: str) -> dict:
             for t in (q, k, v):
                 t.grad = None
             fn(q, k, v).sum().backward()
+
         return run
 
     def leaf(*size):
@@ -127,15 +149,21 @@ def attention(shape: dict, seq: int, ttt: int, iters: int, device: str) -> dict:
     flex_ms = 0.0
     for step in range(ttt):
         k, v = leaf(1, kvh, t_pad * (step + 1), d), leaf(1, kvh, t_pad * (step + 1), d)
-        flex_ms += timed(fwd_bwd(lambda q, k, v, m=masks[step]: _flex_attention(q, k, v, block_mask=m, enable_gqa=True),
-                                 q, k, v), iters, True)
+        flex_ms += timed(
+            fwd_bwd(lambda q, k, v, m=masks[step]: _flex_attention(q, k, v, block_mask=m, enable_gqa=True), q, k, v),
+            iters,
+            True,
+        )
     k, v = leaf(1, kvh, seq, d), leaf(1, kvh, seq, d)
     result = {"flex_ttt_ms": round(flex_ms, 2)}
     for name, backend in (("cudnn", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION)):
+
         def causal(q, k, v, backend=backend):
             with sdpa_kernel(backend):  # GQA as repeated heads: every backend takes that
-                return F.scaled_dot_product_attention(q, k.repeat_interleave(h // kvh, 1),
-                                                      v.repeat_interleave(h // kvh, 1), is_causal=True)
+                return F.scaled_dot_product_attention(
+                    q, k.repeat_interleave(h // kvh, 1), v.repeat_interleave(h // kvh, 1), is_causal=True
+                )
+
         try:
             result[f"{name}_causal_x{ttt}_ms"] = round(ttt * timed(fwd_bwd(causal, q, k, v), iters, True), 2)
         except RuntimeError as e:
@@ -152,9 +180,13 @@ def main():
     ap.add_argument("--iters", type=int, default=10)
     args = ap.parse_args()
     shape = SMALL if args.small else LLAMA_8B
-    result = {"device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
-              "shape": "small" if args.small else "llama-3.1-8b", "seq": args.seq, "ttt": args.ttt,
-              **gemms(shape, args.seq, args.ttt, args.iters, args.device)}
+    result = {
+        "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        "shape": "small" if args.small else "llama-3.1-8b",
+        "seq": args.seq,
+        "ttt": args.ttt,
+        **gemms(shape, args.seq, args.ttt, args.iters, args.device),
+    }
     if args.device.startswith("cuda"):
         print(json.dumps(result), flush=True)  # the matmuls' figures even if attention's compiles run out of time
         result["attention"] = attention(shape, args.seq, args.ttt, args.iters, args.device)

@@ -7,6 +7,7 @@ Per sequence length: median tokens/s over --steps synchronized steps after --war
 (forward + backward + AdamW, TTT --ttt steps, bf16 autocast on GPU) and peak memory.
 A length that runs out of memory is reported as such and the sweep goes on.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -16,19 +17,38 @@ import re
 import statistics
 import time
 
-import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
 import torch
 import torch.distributed as dist
 
+import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
 from eagle3lib.drafter import Drafter, DrafterConfig
 from eagle3lib.train.trainer import all_reduce_grads, compile_decoder_layer, convert_to_float8, ttt_loss_sums
 
-LLAMA_8B = dict(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
-                intermediate_size=14336, vocab_size=128256, draft_vocab_size=32000, target_hidden_size=4096,
-                aux_layer_ids=[2, 16, 29], rms_norm_eps=1e-5, max_position_embeddings=131072,
-                rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
-SMALL = dict(LLAMA_8B, hidden_size=256, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-             intermediate_size=512, vocab_size=4096, draft_vocab_size=1024, target_hidden_size=256)
+LLAMA_8B = dict(
+    hidden_size=4096,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    intermediate_size=14336,
+    vocab_size=128256,
+    draft_vocab_size=32000,
+    target_hidden_size=4096,
+    aux_layer_ids=[2, 16, 29],
+    rms_norm_eps=1e-5,
+    max_position_embeddings=131072,
+    rope_parameters={"rope_type": "default", "rope_theta": 500000.0},
+)
+SMALL = dict(
+    LLAMA_8B,
+    hidden_size=256,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=64,
+    intermediate_size=512,
+    vocab_size=4096,
+    draft_vocab_size=1024,
+    target_hidden_size=256,
+)
 
 
 def synthetic_batch(cfg: DrafterConfig, seq: int, device, dtype):
@@ -45,10 +65,22 @@ def synthetic_batch(cfg: DrafterConfig, seq: int, device, dtype):
     }
 
 
-def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, device: str,
-            checkpoint: bool = False, compile_layer: bool = False, profile: bool = False,
-            freeze_lm_head: bool = False, eager_loss: bool = False, attention: str = "auto",
-            float8: bool = False, eager_merge: bool = False) -> dict:
+def measure(
+    cfg: DrafterConfig,
+    seq: int,
+    ttt: int,
+    steps: int,
+    warmup: int,
+    device: str,
+    checkpoint: bool = False,
+    compile_layer: bool = False,
+    profile: bool = False,
+    freeze_lm_head: bool = False,
+    eager_loss: bool = False,
+    attention: str = "auto",
+    float8: bool = False,
+    eager_merge: bool = False,
+) -> dict:
     """Median tokens/s of full training steps on one packed row of seq tokens, and peak memory.
     Under torchrun every rank runs the step on its own row and the gradients are all-reduced
     as eagle3lib.train.trainer does; tokens/s is then the sum over ranks."""
@@ -57,7 +89,9 @@ def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, dev
     world = dist.get_world_size() if dist.is_initialized() else 1
     torch.manual_seed(0)
     drafter = Drafter(cfg).to(device)
-    d2t = torch.arange(cfg.draft_vocab_size) * (cfg.vocab_size // cfg.draft_vocab_size) - torch.arange(cfg.draft_vocab_size)
+    d2t = torch.arange(cfg.draft_vocab_size) * (cfg.vocab_size // cfg.draft_vocab_size) - torch.arange(
+        cfg.draft_vocab_size
+    )
     t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
     t2d[torch.arange(cfg.draft_vocab_size) + d2t] = True
     drafter.set_vocab(d2t.to(device), t2d.to(device))
@@ -73,15 +107,23 @@ def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, dev
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)  # as eagle3lib.train.trainer makes it
     batch = synthetic_batch(cfg, seq, device, dtype)
-    weights = torch.tensor([0.8 ** k for k in range(ttt)], device=device)
+    weights = torch.tensor([0.8**k for k in range(ttt)], device=device)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
 
     def train_step():
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
-            sums, counts, _, _ = ttt_loss_sums(drafter, batch, embed, head, ttt, with_metrics=False,
-                                               checkpoint=checkpoint, fused_loss=False if eager_loss else None,
-                                               attention=attention)
+            sums, counts, _, _ = ttt_loss_sums(
+                drafter,
+                batch,
+                embed,
+                head,
+                ttt,
+                with_metrics=False,
+                checkpoint=checkpoint,
+                fused_loss=False if eager_loss else None,
+                attention=attention,
+            )
         loss = (weights * sums / counts.clamp(min=1)).sum()
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -101,7 +143,9 @@ def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, dev
         if i >= warmup:
             times.append(time.perf_counter() - start)
     if profile:  # where one step's time goes, by kernel
-        from torch.profiler import ProfilerActivity, profile as profiler
+        from torch.profiler import ProfilerActivity
+        from torch.profiler import profile as profiler
+
         with profiler(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
             train_step()
             if cuda:
@@ -109,11 +153,20 @@ def measure(cfg: DrafterConfig, seq: int, ttt: int, steps: int, warmup: int, dev
         sort = "device_time_total" if cuda else "cpu_time_total"
         print(prof.key_averages().table(sort_by=sort, row_limit=25, max_name_column_width=70), flush=True)
         print(json.dumps({"profile": kernel_breakdown(prof, statistics.median(times), cuda)}), flush=True)
-    out = {"seq": seq, "ranks": world, "checkpoint": checkpoint, "compile_layer": compile_layer,
-           "freeze_lm_head": freeze_lm_head, "loss_kernel": "eager" if eager_loss or not cuda else "compiled",
-           "attention": attention, "float8": float8, "merge_compiled": drafter.compile_merge,
-           "tokens_per_s": round(world * seq / statistics.median(times), 1),
-           "step_s_median": round(statistics.median(times), 4), "loss": round(loss.item(), 4)}
+    out = {
+        "seq": seq,
+        "ranks": world,
+        "checkpoint": checkpoint,
+        "compile_layer": compile_layer,
+        "freeze_lm_head": freeze_lm_head,
+        "loss_kernel": "eager" if eager_loss or not cuda else "compiled",
+        "attention": attention,
+        "float8": float8,
+        "merge_compiled": drafter.compile_merge,
+        "tokens_per_s": round(world * seq / statistics.median(times), 1),
+        "step_s_median": round(statistics.median(times), 4),
+        "loss": round(loss.item(), 4),
+    }
     if cuda:
         out["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
     return out
@@ -133,6 +186,7 @@ def kernel_breakdown(prof, step_s: float, cuda: bool, top: int = 30) -> dict:
     """Kernel time of one profiled step by kind and the top kernels (on the CPU: ops' self time), against
     the unprofiled step time: on a GPU, kernel_ms well below step_ms means it waits on the host."""
     from torch.autograd import DeviceType
+
     per_name: dict[str, list] = {}
     for e in prof.events():
         if e.device_type == (DeviceType.CUDA if cuda else DeviceType.CPU):
@@ -144,22 +198,51 @@ def kernel_breakdown(prof, step_s: float, cuda: bool, top: int = 30) -> dict:
         kind = next((k for k, pat in KERNEL_KINDS if re.search(pat, name, re.I)), "other")
         kinds[kind] = kinds.get(kind, 0.0) + ms
     ranked = sorted(per_name.items(), key=lambda kv: -kv[1][0])[:top]
-    return {"step_ms": round(step_s * 1000, 2), "kernel_ms": round(sum(kinds.values()), 2),
-            "by_kind_ms": {k: round(v, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
-            "top": [[n[:90], round(ms, 2), calls] for n, (ms, calls) in ranked]}
+    return {
+        "step_ms": round(step_s * 1000, 2),
+        "kernel_ms": round(sum(kinds.values()), 2),
+        "by_kind_ms": {k: round(v, 2) for k, v in sorted(kinds.items(), key=lambda kv: -kv[1])},
+        "top": [[n[:90], round(ms, 2), calls] for n, (ms, calls) in ranked],
+    }
 
 
-def measure_or_oom(cfg, seq, ttt, steps, warmup, device, checkpoint: str, compile_layer: bool,
-                   profile: bool = False, freeze_lm_head: bool = False, eager_loss: bool = False,
-                   attention: str = "auto", float8: bool = False, eager_merge: bool = False) -> dict:
+def measure_or_oom(
+    cfg,
+    seq,
+    ttt,
+    steps,
+    warmup,
+    device,
+    checkpoint: str,
+    compile_layer: bool,
+    profile: bool = False,
+    freeze_lm_head: bool = False,
+    eager_loss: bool = False,
+    attention: str = "auto",
+    float8: bool = False,
+    eager_merge: bool = False,
+) -> dict:
     """checkpoint: "off", "on", or "auto" (off, and on again if off runs out of memory)."""
     tries = {"off": [False], "on": [True], "auto": [False, True]}[checkpoint]
     errors = []
     for ckpt in tries:
         try:
-            return measure(cfg, seq, ttt, steps, warmup, device, checkpoint=ckpt, compile_layer=compile_layer,
-                           profile=profile, freeze_lm_head=freeze_lm_head, eager_loss=eager_loss,
-                           attention=attention, float8=float8, eager_merge=eager_merge)
+            return measure(
+                cfg,
+                seq,
+                ttt,
+                steps,
+                warmup,
+                device,
+                checkpoint=ckpt,
+                compile_layer=compile_layer,
+                profile=profile,
+                freeze_lm_head=freeze_lm_head,
+                eager_loss=eager_loss,
+                attention=attention,
+                float8=float8,
+                eager_merge=eager_merge,
+            )
         except torch.OutOfMemoryError as e:
             errors.append(f"checkpoint={ckpt}: out of memory: {str(e).splitlines()[0]}")
         finally:
@@ -176,21 +259,41 @@ def main():
     ap.add_argument("--ttt", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--checkpoint", choices=["off", "on", "auto"], default="auto",
-                    help="activation checkpointing per TTT step; auto = only where off runs out of memory")
-    ap.add_argument("--compile-layer", action="store_true",
-                    help="torch.compile each TTT step's elementwise work (train.compile_layer)")
+    ap.add_argument(
+        "--checkpoint",
+        choices=["off", "on", "auto"],
+        default="auto",
+        help="activation checkpointing per TTT step; auto = only where off runs out of memory",
+    )
+    ap.add_argument(
+        "--compile-layer",
+        action="store_true",
+        help="torch.compile each TTT step's elementwise work (train.compile_layer)",
+    )
     ap.add_argument("--profile", action="store_true", help="print a kernel breakdown of one step at the first length")
     ap.add_argument("--freeze-lm-head", action="store_true", help="ours with a frozen lm_head, as speculators trains")
-    ap.add_argument("--eager-loss", action="store_true", help="the loss's per-chunk maths eager, not compiled (ablation)")
-    ap.add_argument("--attention", choices=["auto", "flex", "merged", "dense"], default="auto",
-                    help="TTT attention (Drafter.ttt_forward); auto = merged (cuDNN) on these one-document rows")
-    ap.add_argument("--eager-merge", action="store_true",
-                    help="the merged attention's log-sum-exp merge eager, not compiled (ablation)")
+    ap.add_argument(
+        "--eager-loss", action="store_true", help="the loss's per-chunk maths eager, not compiled (ablation)"
+    )
+    ap.add_argument(
+        "--attention",
+        choices=["auto", "flex", "merged", "dense"],
+        default="auto",
+        help="TTT attention (Drafter.ttt_forward); auto = merged (cuDNN) on these one-document rows",
+    )
+    ap.add_argument(
+        "--eager-merge",
+        action="store_true",
+        help="the merged attention's log-sum-exp merge eager, not compiled (ablation)",
+    )
     ap.add_argument("--float8", action="store_true", help="FP8 matmuls in fc, o_proj, MLP (train.float8; torchao)")
-    ap.add_argument("--impl", choices=["ours", "speculators", "both"], default="ours",
-                    help="whose training step: ours, vLLM speculators' EAGLE-3 (benchmarks/speculators_throughput.py),"
-                         " or both, alternating at each length")
+    ap.add_argument(
+        "--impl",
+        choices=["ours", "speculators", "both"],
+        default="ours",
+        help="whose training step: ours, vLLM speculators' EAGLE-3 (benchmarks/speculators_throughput.py),"
+        " or both, alternating at each length",
+    )
     args = ap.parse_args()
     if args.impl != "ours" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         ap.error("--impl speculators/both measures one GPU: run it without torchrun")
@@ -207,13 +310,21 @@ def main():
         """speculators' step at one length; an out-of-memory (or any failure) is reported, the sweep goes on."""
         import gc
         import traceback
+
         try:
             from benchmarks.speculators_throughput import measure_speculators
         except ImportError:
             from speculators_throughput import measure_speculators
         try:
-            return measure_speculators(seq, args.ttt, args.steps, args.warmup, args.device, small=args.small,
-                                       shape=SMALL if args.small else LLAMA_8B)
+            return measure_speculators(
+                seq,
+                args.ttt,
+                args.steps,
+                args.warmup,
+                args.device,
+                small=args.small,
+                shape=SMALL if args.small else LLAMA_8B,
+            )
         except Exception as e:  # torch.compile can re-raise an out-of-memory wrapped in its own error
             first = (str(e).strip().splitlines() or [""])[0]
             if isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e).lower():
@@ -232,30 +343,53 @@ def main():
             print(json.dumps({"impl": "speculators", **spec_results[-1]}), flush=True)
         if args.impl == "speculators":
             continue
-        r = measure_or_oom(cfg, seq, args.ttt, args.steps, args.warmup, args.device, args.checkpoint, args.compile_layer,
-                           profile=args.profile and rank == 0 and not results, freeze_lm_head=args.freeze_lm_head,
-                           eager_loss=args.eager_loss, attention=args.attention, float8=args.float8,
-                           eager_merge=args.eager_merge)
+        r = measure_or_oom(
+            cfg,
+            seq,
+            args.ttt,
+            args.steps,
+            args.warmup,
+            args.device,
+            args.checkpoint,
+            args.compile_layer,
+            profile=args.profile and rank == 0 and not results,
+            freeze_lm_head=args.freeze_lm_head,
+            eager_loss=args.eager_loss,
+            attention=args.attention,
+            float8=args.float8,
+            eager_merge=args.eager_merge,
+        )
         results.append(r)
         if rank == 0:
             print(json.dumps({"impl": "ours", **r} if args.impl == "both" else r), flush=True)
     if rank == 0:
-        summary = {"config": "small" if args.small else "llama-3.1-8b", "ttt_steps": args.ttt,
-                   "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"}
+        summary = {
+            "config": "small" if args.small else "llama-3.1-8b",
+            "ttt_steps": args.ttt,
+            "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
+        }
         if args.impl == "ours":
             summary["results"] = results
         elif args.impl == "speculators":
             summary.update(impl="speculators", results=spec_results)
         else:
+
             def ratio(a: dict, b: dict, key: str):
                 return round(a[key] / b[key], 3) if a.get(key) and b.get(key) else None
-            summary.update(impl="both", results=results, speculators_results=spec_results,
-                           ours_over_speculators=[{"seq": o["seq"], "tokens_per_s": ratio(o, s, "tokens_per_s"),
-                                                   "peak_gib": ratio(o, s, "peak_gib")}
-                                                  for o, s in zip(results, spec_results)])
+
+            summary.update(
+                impl="both",
+                results=results,
+                speculators_results=spec_results,
+                ours_over_speculators=[
+                    {"seq": o["seq"], "tokens_per_s": ratio(o, s, "tokens_per_s"), "peak_gib": ratio(o, s, "peak_gib")}
+                    for o, s in zip(results, spec_results)
+                ],
+            )
         print(json.dumps(summary))
     if dist.is_initialized():
         dist.destroy_process_group()
+
 
 if __name__ == "__main__":
     main()

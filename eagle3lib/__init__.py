@@ -1,4 +1,5 @@
 """eagle3lib: the library behind the EAGLE-3 workbook notebooks."""
+
 import os
 
 # torch's default OpenMP spinning is 5-19x slower on a loaded 2-core machine

@@ -1,4 +1,5 @@
 """Command line: python -m eagle3lib {run, params check} ..."""
+
 from __future__ import annotations
 
 import argparse
@@ -9,6 +10,7 @@ import eagle3lib  # noqa: F401  (sets OMP_WAIT_POLICY before anything imports to
 
 def _overrides(items: list[str]) -> dict:
     from eagle3lib.params import parse_override
+
     return dict(parse_override(s) for s in items)
 
 
@@ -21,8 +23,12 @@ def main(argv: list[str] | None = None) -> int:
     group = run.add_mutually_exclusive_group()
     group.add_argument("--from", dest="from_stage", metavar="STAGE", help="force this stage and every later one")
     group.add_argument("--only", dest="only_stage", metavar="STAGE", help="run just this stage (forced)")
-    run.add_argument("--to", dest="to_stage", metavar="STAGE",
-                     help="stop after this stage (a batch of calls, each with a time limit, can run a few at a time)")
+    run.add_argument(
+        "--to",
+        dest="to_stage",
+        metavar="STAGE",
+        help="stop after this stage (a batch of calls, each with a time limit, can run a few at a time)",
+    )
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a param (repeatable)")
     run.add_argument("--quiet", action="store_true", help="do not echo notebook output")
 
@@ -53,13 +59,21 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "params":
             print(dumps(load_params(args.file, _overrides(args.set))), end="")
             return 0
-        from eagle3lib.workbook.pipeline import StageError, run_pipeline
         import logging
+
+        from eagle3lib.workbook.pipeline import StageError, run_pipeline
+
         if not args.quiet:
             logging.basicConfig(level=logging.INFO, format="%(message)s")
         try:
-            out = run_pipeline(args.params, _overrides(args.set), args.from_stage, args.only_stage,
-                               log_output=not args.quiet, to_stage=args.to_stage)
+            out = run_pipeline(
+                args.params,
+                _overrides(args.set),
+                args.from_stage,
+                args.only_stage,
+                log_output=not args.quiet,
+                to_stage=args.to_stage,
+            )
         except StageError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
@@ -72,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _export_command(args) -> int:
     from eagle3lib.convert import layouts
+
     try:
         if args.command == "convert":
             print(layouts.export(args.checkpoint, args.to, args.out, target=args.target))
@@ -81,8 +96,10 @@ def _export_command(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     c = report["counts"]
-    print(f"{args.engine} gate: {'PASS' if report['ok'] else 'FAIL'} ({c['loaded']}/{c['expected']} loaded, "
-          f"{c['skipped']} skipped, {c['extra']} extra)")
+    print(
+        f"{args.engine} gate: {'PASS' if report['ok'] else 'FAIL'} ({c['loaded']}/{c['expected']} loaded, "
+        f"{c['skipped']} skipped, {c['extra']} extra)"
+    )
     for problem in report["problems"]:
         print(f"  - {problem}", file=sys.stderr)
     return 0 if report["ok"] else 1

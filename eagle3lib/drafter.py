@@ -17,14 +17,14 @@ Two ways to run it, which must agree (tests/test_drafter.py):
 - `DraftCache` + `step`: the chain as engines run it, one token at a time with
   a KV cache, feeding the draft its own hidden states.
 """
+
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Optional
 
 import torch
-import torch.utils.checkpoint
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
@@ -39,60 +39,96 @@ class DrafterConfig:
     num_key_value_heads: int
     head_dim: int
     intermediate_size: int
-    vocab_size: int                 # the target's
+    vocab_size: int  # the target's
     draft_vocab_size: int
     target_hidden_size: int
-    aux_layer_ids: list[int]        # HF hidden_states indexing (DESIGN.md §4)
+    aux_layer_ids: list[int]  # HF hidden_states indexing (DESIGN.md §4)
     rms_norm_eps: float = 1e-5
     hidden_act: str = "silu"
     max_position_embeddings: int = 8192
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
 
     @classmethod
-    def from_target(cls, target_config, draft_vocab_size: int, aux_layer_ids: list[int]) -> "DrafterConfig":
+    def from_target(cls, target_config, draft_vocab_size: int, aux_layer_ids: list[int]) -> DrafterConfig:
         """Dims default to the target's, as the engines expect."""
         c = getattr(target_config, "text_config", None) or target_config
         heads = c.num_attention_heads
-        rope = getattr(c, "rope_parameters", None) or {"rope_type": "default", "rope_theta": getattr(c, "rope_theta", 10000.0)}
-        return cls(hidden_size=c.hidden_size, num_attention_heads=heads,
-                   num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
-                   head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
-                   intermediate_size=c.intermediate_size, vocab_size=c.vocab_size,
-                   draft_vocab_size=draft_vocab_size, target_hidden_size=c.hidden_size,
-                   aux_layer_ids=list(aux_layer_ids), rms_norm_eps=c.rms_norm_eps,
-                   hidden_act=getattr(c, "hidden_act", "silu"),
-                   max_position_embeddings=getattr(c, "max_position_embeddings", 8192), rope_parameters=dict(rope))
+        rope = getattr(c, "rope_parameters", None) or {
+            "rope_type": "default",
+            "rope_theta": getattr(c, "rope_theta", 10000.0),
+        }
+        return cls(
+            hidden_size=c.hidden_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            intermediate_size=c.intermediate_size,
+            vocab_size=c.vocab_size,
+            draft_vocab_size=draft_vocab_size,
+            target_hidden_size=c.hidden_size,
+            aux_layer_ids=list(aux_layer_ids),
+            rms_norm_eps=c.rms_norm_eps,
+            hidden_act=getattr(c, "hidden_act", "silu"),
+            max_position_embeddings=getattr(c, "max_position_embeddings", 8192),
+            rope_parameters=dict(rope),
+        )
 
     def llama_config(self) -> LlamaConfig:
-        return LlamaConfig(hidden_size=self.hidden_size, num_attention_heads=self.num_attention_heads,
-                           num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim,
-                           intermediate_size=self.intermediate_size, vocab_size=self.vocab_size,
-                           rms_norm_eps=self.rms_norm_eps, hidden_act=self.hidden_act, num_hidden_layers=1,
-                           max_position_embeddings=self.max_position_embeddings,
-                           rope_parameters=dict(self.rope_parameters), tie_word_embeddings=False)
+        return LlamaConfig(
+            hidden_size=self.hidden_size,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            intermediate_size=self.intermediate_size,
+            vocab_size=self.vocab_size,
+            rms_norm_eps=self.rms_norm_eps,
+            hidden_act=self.hidden_act,
+            num_hidden_layers=1,
+            max_position_embeddings=self.max_position_embeddings,
+            rope_parameters=dict(self.rope_parameters),
+            tie_word_embeddings=False,
+        )
 
     def to_hf_dict(self) -> dict:
         """config.json of the canonical checkpoint: flat Llama fields plus the EAGLE-3 ones."""
         d = self.llama_config().to_dict()
-        d.update(architectures=[ARCHITECTURE], model_type="llama", draft_vocab_size=self.draft_vocab_size,
-                 target_hidden_size=self.target_hidden_size, num_hidden_layers=1, tie_word_embeddings=False,
-                 eagle_config={"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
-                               "aux_layer_id_convention": "hf_hidden_states"})
+        d.update(
+            architectures=[ARCHITECTURE],
+            model_type="llama",
+            draft_vocab_size=self.draft_vocab_size,
+            target_hidden_size=self.target_hidden_size,
+            num_hidden_layers=1,
+            tie_word_embeddings=False,
+            eagle_config={
+                "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+                "aux_layer_id_convention": "hf_hidden_states",
+            },
+        )
         return d
 
     @classmethod
-    def from_hf_dict(cls, d: dict) -> "DrafterConfig":
-        rope = d.get("rope_parameters") or {"rope_type": "default", "rope_theta": d.get("rope_theta", 10000.0),
-                                            **(d.get("rope_scaling") or {})}
+    def from_hf_dict(cls, d: dict) -> DrafterConfig:
+        rope = d.get("rope_parameters") or {
+            "rope_type": "default",
+            "rope_theta": d.get("rope_theta", 10000.0),
+            **(d.get("rope_scaling") or {}),
+        }
         heads = d["num_attention_heads"]
-        return cls(hidden_size=d["hidden_size"], num_attention_heads=heads,
-                   num_key_value_heads=d.get("num_key_value_heads") or heads,
-                   head_dim=d.get("head_dim") or d["hidden_size"] // heads, intermediate_size=d["intermediate_size"],
-                   vocab_size=d["vocab_size"], draft_vocab_size=d.get("draft_vocab_size") or d["vocab_size"],
-                   target_hidden_size=d.get("target_hidden_size") or d["hidden_size"],
-                   aux_layer_ids=list(d["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
-                   rms_norm_eps=d["rms_norm_eps"], hidden_act=d.get("hidden_act", "silu"),
-                   max_position_embeddings=d.get("max_position_embeddings", 8192), rope_parameters=rope)
+        return cls(
+            hidden_size=d["hidden_size"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            intermediate_size=d["intermediate_size"],
+            vocab_size=d["vocab_size"],
+            draft_vocab_size=d.get("draft_vocab_size") or d["vocab_size"],
+            target_hidden_size=d.get("target_hidden_size") or d["hidden_size"],
+            aux_layer_ids=list(d["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
+            rms_norm_eps=d["rms_norm_eps"],
+            hidden_act=d.get("hidden_act", "silu"),
+            max_position_embeddings=d.get("max_position_embeddings", 8192),
+            rope_parameters=rope,
+        )
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -128,8 +164,9 @@ class Attention(nn.Module):
 
     def attend(self, q, k, v, mask):
         """q [B,h,T,d]; k, v [B,kv,S,d]; mask bool [B,T,S] (True = may attend)."""
-        return self.output(F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None],
-                                                          enable_gqa=self.heads != self.kv_heads))
+        return self.output(
+            F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=self.heads != self.kv_heads)
+        )
 
 
 class DecoderLayer(nn.Module):
@@ -230,46 +267,51 @@ class Drafter(nn.Module):
         if attention == "auto":
             attention = ("merged" if one_document_rows(doc_ids) else "flex") if aux.is_cuda else "dense"
         elif attention == "merged" and not one_document_rows(doc_ids):
-            raise ValueError("attention='merged' needs rows of one document followed only by padding; "
-                             "use 'flex' (or 'auto') for packed rows")
+            raise ValueError(
+                "attention='merged' needs rows of one document followed only by padding; "
+                "use 'flex' (or 'auto') for packed rows"
+            )
         attn, layer = self.layer.self_attn, self.layer
         groups = attn.heads // attn.kv_heads
         w_embed, w_hidden = layer.qkv_weight_halves()
-        embed_qkv = layer.embed_qkv(embeds, w_embed)                        # [B,T+K-1,(h+2kv)·d], once
+        embed_qkv = layer.embed_qkv(embeds, w_embed)  # [B,T+K-1,(h+2kv)·d], once
         if attention == "flex":
             t_pad = -(-t // TTT_BLOCK) * TTT_BLOCK  # each step's keys fill whole blocks (ttt_block_masks)
             masks = ttt_block_masks(F.pad(doc_ids, (0, t_pad - t), value=-1), t, steps)
-            keep = lambda k, x: F.pad(x, (0, 0, 0, t_pad - t))             # noqa: E731
+            keep = lambda k, x: F.pad(x, (0, 0, 0, t_pad - t))  # noqa: E731
         elif attention == "merged":
-            keep = lambda k, x: x.repeat_interleave(groups, 1) if k == 0 else x   # noqa: E731 (cuDNN takes h heads)
+            keep = lambda k, x: x.repeat_interleave(groups, 1) if k == 0 else x  # noqa: E731 (cuDNN takes h heads)
         elif attention == "dense":
             prefix_mask = _dense_prefix_mask(doc_ids)
-            keep = lambda k, x: x.repeat_interleave(groups, 1)             # noqa: E731
+            keep = lambda k, x: x.repeat_interleave(groups, 1)  # noqa: E731
         else:
             raise ValueError(f"attention must be auto, dense, flex or merged, not {attention!r}")
 
         def attend(k, q, keys, values):
             if attention == "flex":
-                return _flex_attention(q, torch.cat(keys, 2), torch.cat(values, 2), block_mask=masks[k],
-                                       enable_gqa=groups > 1)
+                return _flex_attention(
+                    q, torch.cat(keys, 2), torch.cat(values, 2), block_mask=masks[k], enable_gqa=groups > 1
+                )
             if attention == "merged":
-                return causal_attention_with_diagonals(q, keys[0], values[0], keys[1:], values[1:],
-                                                       compiled=self.compile_merge)
+                return causal_attention_with_diagonals(
+                    q, keys[0], values[0], keys[1:], values[1:], compiled=self.compile_merge
+                )
             return _dense_ttt_attention(q, keys, values, prefix_mask)
 
         def one_step(k, hidden, *cached):
             cos, sin = self.rope(hidden, position_ids + k)
-            q, key, value = layer.step_qkv(embed_qkv[:, k:k + t], hidden, w_hidden, cos, sin)
+            q, key, value = layer.step_qkv(embed_qkv[:, k : k + t], hidden, w_hidden, cos, sin)
             key, value = keep(k, key), keep(k, value)
-            keys, values = cached[:len(cached) // 2] + (key,), cached[len(cached) // 2:] + (value,)
+            keys, values = cached[: len(cached) // 2] + (key,), cached[len(cached) // 2 :] + (value,)
             return layer.finish(attn.output(attend(k, q, keys, values)), hidden), key, value
 
         hidden = self.fc(aux)
         keys, values, outputs = [], [], []
         for k in range(steps):
             if checkpoint:
-                hidden, key, value = torch.utils.checkpoint.checkpoint(one_step, k, hidden, *keys, *values,
-                                                                       use_reentrant=False)
+                hidden, key, value = torch.utils.checkpoint.checkpoint(
+                    one_step, k, hidden, *keys, *values, use_reentrant=False
+                )
             else:
                 hidden, key, value = one_step(k, hidden, *keys, *values)
             keys.append(key)
@@ -278,7 +320,7 @@ class Drafter(nn.Module):
         return outputs
 
     # --------------------------------------------------------- inference ----
-    def step(self, cache: "DraftCache", embeds, hidden, position_ids, from_target: bool):
+    def step(self, cache: DraftCache, embeds, hidden, position_ids, from_target: bool):
         """Append n entries (embeds [B,n,H], positions [B,n]) to the cache, attending causally to
         everything cached. hidden is the target's concatenated aux states [B,n,3H_t] when
         from_target (the first step after verification), else the draft's own output [B,n,H].
@@ -298,7 +340,7 @@ def one_document_rows(doc_ids: torch.Tensor) -> bool:
     """Every row holds one document followed only by padding (-1): step 0's attention is then
     plain causal attention, and the real positions never see the padding after them."""
     real = doc_ids >= 0
-    prefix = real.cummin(1).values == real                              # no real position after padding
+    prefix = real.cummin(1).values == real  # no real position after padding
     same = (doc_ids == doc_ids[:, :1]) | ~real
     return bool((prefix & same).all() and real[:, 0].all())
 
@@ -318,11 +360,11 @@ def _dense_ttt_attention(q, keys, values, prefix_mask):
     t = q.shape[2]
     scale = q.shape[-1] ** -0.5
     scores = ((q @ keys[0].transpose(-1, -2)) * scale).masked_fill(~prefix_mask, float("-inf"))
-    diag = [(q * dk).sum(-1, keepdim=True) * scale for dk in keys[1:]]   # [B,h,T,1] each
+    diag = [(q * dk).sum(-1, keepdim=True) * scale for dk in keys[1:]]  # [B,h,T,1] each
     probs = torch.softmax(torch.cat([scores] + diag, -1), -1)
     out = probs[..., :t] @ values[0]
     for j, dv in enumerate(values[1:]):
-        out = out + probs[..., t + j:t + j + 1] * dv
+        out = out + probs[..., t + j : t + j + 1] * dv
     return out
 
 
@@ -334,12 +376,13 @@ def _dense_ttt_attention(q, keys, values, prefix_mask):
 # returns exactly the causal part's share of the gradients (its softmax is recomputed as
 # exp(s - lse_merged) and its row term as dO·O_merged); the diagonal parts are elementwise.
 
+
 def _causal_forward(q, k, v, scale):
     """(out, lse [B,h,T,1] fp32, state for the backward) of causal attention, same heads for q, k, v."""
     if q.is_cuda:
         r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
         return r[0], r[1], r[2:8]
-    s = _causal_scores(q, k, scale)                                      # the reference, for the CPU and tests
+    s = _causal_scores(q, k, scale)  # the reference, for the CPU and tests
     lse = torch.logsumexp(s, -1, keepdim=True)
     return (torch.exp(s - lse) @ v.float()).to(q.dtype), lse, None
 
@@ -349,9 +392,10 @@ def _causal_backward(dout, q, k, v, out, lse, scale, state):
     if q.is_cuda:
         cum_q, cum_k, max_q, max_k, seed, offset = state
         return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale)
+            dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale
+        )
     df = dout.float()
-    p = torch.exp(_causal_scores(q, k, scale) - lse)                     # 0 above the diagonal
+    p = torch.exp(_causal_scores(q, k, scale) - lse)  # 0 above the diagonal
     ds = p * (df @ v.float().transpose(-1, -2) - (df * out.float()).sum(-1, keepdim=True))
     dq, dk = ds @ k.float() * scale, ds.transpose(-1, -2) @ q.float() * scale
     return dq.to(q.dtype), dk.to(k.dtype), (p.transpose(-1, -2) @ df).to(v.dtype)
@@ -386,11 +430,11 @@ def _diagonal_grads(grad, out, merged, q, dq_causal, scale, *diag):
     dv of each diagonal step. Elementwise: each query meets one key of each step."""
     n = len(diag) // 2
     gf, qg = grad.float(), _by_kv_group(q, diag[0]).float()
-    row = (gf * out.float()).sum(-1, keepdim=True)                        # dO·O, as the fused backward takes it
+    row = (gf * out.float()).sum(-1, keepdim=True)  # dO·O, as the fused backward takes it
     dq = dq_causal.float()
     dks, dvs = [], []
     for dk, dv in zip(diag[:n], diag[n:]):
-        p = torch.exp(_diagonal_score(qg, dk, scale) - merged)                                           # [B,h,T,1]
+        p = torch.exp(_diagonal_score(qg, dk, scale) - merged)  # [B,h,T,1]
         ds = p * ((gf * _broadcast_kv(dv, q).float()).sum(-1, keepdim=True) - row)
         dq = dq + ds * _broadcast_kv(dk, q).float() * scale
         dks.append(_sum_groups(ds * qg.flatten(1, 2) * scale, dk))
@@ -410,8 +454,10 @@ def merge_kernels(compiled: bool):
     if not compiled:
         return _merge_diagonals, _diagonal_grads
     if _compiled_merge is None:
-        _compiled_merge = (torch.compile(_merge_diagonals, dynamic=True, fullgraph=True),
-                           torch.compile(_diagonal_grads, dynamic=True, fullgraph=True))
+        _compiled_merge = (
+            torch.compile(_merge_diagonals, dynamic=True, fullgraph=True),
+            torch.compile(_diagonal_grads, dynamic=True, fullgraph=True),
+        )
     return _compiled_merge
 
 
@@ -483,17 +529,18 @@ def ttt_block_masks(docs: torch.Tensor, t: int, steps: int) -> list:
     query t sees only position t.
     """
     from torch.nn.attention.flex_attention import BlockMask
+
     bsz, t_pad = docs.shape
     n = t_pad // TTT_BLOCK
     blocks = docs.view(bsz, n, TTT_BLOCK)
     real = blocks >= 0
     big = torch.iinfo(docs.dtype).max
-    lo = torch.where(real, blocks, big).amin(-1)                      # [B, n] smallest document in a block
-    hi = torch.where(real, blocks, -1).amax(-1)                       # largest (-1: no real position)
+    lo = torch.where(real, blocks, big).amin(-1)  # [B, n] smallest document in a block
+    hi = torch.where(real, blocks, -1).amax(-1)  # largest (-1: no real position)
     q_idx = torch.arange(n, device=docs.device)
-    below = q_idx[None, :] < q_idx[:, None]                           # [q, kv]: kv block strictly before q block
+    below = q_idx[None, :] < q_idx[:, None]  # [q, kv]: kv block strictly before q block
     diagonal = torch.eye(n, dtype=torch.bool, device=docs.device)
-    overlap = (hi[:, None, :] >= lo[:, :, None]) & (lo[:, None, :] <= hi[:, :, None])     # [B, q, kv]
+    overlap = (hi[:, None, :] >= lo[:, :, None]) & (lo[:, None, :] <= hi[:, :, None])  # [B, q, kv]
     one_doc = (lo == hi) & real.all(-1)
     full0 = below & one_doc[:, :, None] & one_doc[:, None, :] & (lo[:, :, None] == lo[:, None, :])
     partial0 = ((below & overlap) | diagonal) & ~full0
@@ -504,7 +551,7 @@ def ttt_block_masks(docs: torch.Tensor, t: int, steps: int) -> list:
         same_doc = (docs_flat[b, q] == docs_flat[b, pos]) & (docs_flat[b, q] >= 0)
         return torch.where(region == 0, ((pos <= q) & same_doc) | (pos == q), pos == q)
 
-    def as_indices(nonempty):                                         # [B, q, kv] bool → counts, indices
+    def as_indices(nonempty):  # [B, q, kv] bool → counts, indices
         counts = nonempty.sum(-1, dtype=torch.int32)
         order = torch.argsort((~nonempty).to(torch.int8), dim=-1, stable=True).to(torch.int32)
         return counts[:, None], order[:, None]
@@ -515,14 +562,24 @@ def ttt_block_masks(docs: torch.Tensor, t: int, steps: int) -> list:
         full = torch.cat([full0] + [torch.zeros_like(full0)] * k, -1)
         kv_num, kv_idx = as_indices(partial)
         full_num, full_idx = as_indices(full)
-        masks.append(BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=TTT_BLOCK,
-                                              mask_mod=mask_mod, seq_lengths=(t, t_pad * (k + 1))))
+        masks.append(
+            BlockMask.from_kv_blocks(
+                kv_num,
+                kv_idx,
+                full_num,
+                full_idx,
+                BLOCK_SIZE=TTT_BLOCK,
+                mask_mod=mask_mod,
+                seq_lengths=(t, t_pad * (k + 1)),
+            )
+        )
     return masks
 
 
 def _flex_attention(q, k, v, **kw):
     """flex_attention, compiled on GPUs (its fused kernel); eager elsewhere (tests, CPU)."""
     from torch.nn.attention.flex_attention import flex_attention
+
     global _compiled_flex
     if not q.is_cuda:
         return flex_attention(q, k, v, **kw)
@@ -538,9 +595,9 @@ class DraftCache:
     """The draft's KV cache for one chain, as an engine keeps it."""
 
     def __init__(self):
-        self.keys: Optional[torch.Tensor] = None
-        self.values: Optional[torch.Tensor] = None
-        self.positions: Optional[torch.Tensor] = None
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
 
     def append(self, key, value, positions):
         if self.keys is None:

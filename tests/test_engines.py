@@ -3,6 +3,7 @@
 A real drafter export for the embedded SmolLM2 (random weights: the engine drafts, accepts ~nothing).
 No process may outlive a test: every test that starts a server checks its process group is empty.
 """
+
 import json
 import os
 import signal
@@ -59,6 +60,7 @@ def prompt(tokenizer, text="Name three colors."):
 
 # ------------------------------------------------------------------------ no server ----
 
+
 def test_commands_and_logs(tmp_path):
     s = engines.make(EngineParams(name="vllm", env={"VLLM_CPU_KVCACHE_SPACE": "2"}), "/t", "/d", 5, tmp_path)
     assert s.base_command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
@@ -97,20 +99,30 @@ def test_sglang_refuses_wrong_flags_before_launch(tmp_path):
 
 def test_sglang_meta_info_aggregation():
     # two requests' meta_info as SGLang 0.5.17's tokenizer_manager writes them (depth 3)
-    metas = [{"completion_tokens": 11, "spec_verify_ct": 4, "spec_num_correct_drafts": 7,
-              "spec_correct_drafts_histogram": [1, 0, 2, 1]},
-             {"completion_tokens": 6, "spec_verify_ct": 4, "spec_num_correct_drafts": 2,
-              "spec_correct_drafts_histogram": [2, 2]}]
+    metas = [
+        {
+            "completion_tokens": 11,
+            "spec_verify_ct": 4,
+            "spec_num_correct_drafts": 7,
+            "spec_correct_drafts_histogram": [1, 0, 2, 1],
+        },
+        {
+            "completion_tokens": 6,
+            "spec_verify_ct": 4,
+            "spec_num_correct_drafts": 2,
+            "spec_correct_drafts_histogram": [2, 2],
+        },
+    ]
     a = engines.sglang.aggregate_meta(metas)
     assert a["accept_len"] == 17 / 8 and a["accepted"] == 9 and a["histogram"] == [3, 2, 2, 1]
-    assert a["per_pos"] == [5 / 8, 3 / 8, 1 / 8]       # share of verify steps with more than k correct drafts
+    assert a["per_pos"] == [5 / 8, 3 / 8, 1 / 8]  # share of verify steps with more than k correct drafts
     assert a["accept_len"] == pytest.approx(1 + sum(a["per_pos"]))
 
 
 def test_vllm_metrics_parsing():
-    before = engines.vllm.parse_metrics("# HELP x\nvllm:num_requests_running{engine=\"0\"} 0.0\n")
+    before = engines.vllm.parse_metrics('# HELP x\nvllm:num_requests_running{engine="0"} 0.0\n')
     assert before == {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": []}
-    text = textwrap.dedent('''\
+    text = textwrap.dedent("""\
         vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
         vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0
         vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 12.0
@@ -118,7 +130,7 @@ def test_vllm_metrics_parsing():
         vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 7.0
         vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 1.0
         vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e9
-        ''')
+        """)
     after = engines.vllm.parse_metrics(text)
     assert after["per_pos"] == [7.0, 4.0, 1.0]
     d = engines.vllm.stats_diff(before, after)
@@ -136,7 +148,7 @@ def test_vllm_serves_drafter_and_stops_whole_group(drafts, embedded_cache, embed
     with server:
         assert server.ready_s > 0 and server.url.startswith("http://127.0.0.1:")
         members = alive_in_group(server.group)
-        assert len(members) >= 3, members        # guard, API server, engine core
+        assert len(members) >= 3, members  # guard, API server, engine core
         # the same port again: a clear error, and the running server is untouched
         other = engines.make(EngineParams(port=server.port), drafts["target"], None, None, tmp_path / "2")
         with pytest.raises(EngineError, match="taken"):
@@ -156,29 +168,48 @@ def test_vllm_serves_drafter_and_stops_whole_group(drafts, embedded_cache, embed
 def test_regeneration_through_the_engine_equals_hf_greedy(embedded_cache, embedded_target, tmp_path):
     """data.regenerate with backend "engine": a vLLM server (no drafter, fp32) writes the same replies
     as model.generate in this process, multi-turn included, and is stopped afterwards."""
-    from eagle3lib.prepare import conversations
     from eagle3lib.params import RegenerateParams
+    from eagle3lib.prepare import conversations
+
     need("vllm")
     model, tokenizer = embedded_target
-    convs = [{"id": "two-turns", "messages": [
-        {"role": "user", "content": "What is the capital of France?"}, {"role": "assistant", "content": "Paris."},
-        {"role": "user", "content": "And of Spain?"}, {"role": "assistant", "content": "Madrid."}]},
-        {"id": "colors", "messages": [{"role": "user", "content": "Name three colors."},
-                                      {"role": "assistant", "content": "Red."}]},
-        {"id": "hi", "messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]}]
+    convs = [
+        {
+            "id": "two-turns",
+            "messages": [
+                {"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "Paris."},
+                {"role": "user", "content": "And of Spain?"},
+                {"role": "assistant", "content": "Madrid."},
+            ],
+        },
+        {
+            "id": "colors",
+            "messages": [{"role": "user", "content": "Name three colors."}, {"role": "assistant", "content": "Red."}],
+        },
+        {"id": "hi", "messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]},
+    ]
     rg = dict(budget_tokens=200, max_new_tokens=20, batch_size=2)
-    hf = conversations.regenerate(RegenerateParams(**rg), model, tokenizer, convs, tmp_path / "hf" / "regenerated.jsonl",
-                         progress=False)
+    hf = conversations.regenerate(
+        RegenerateParams(**rg), model, tokenizer, convs, tmp_path / "hf" / "regenerated.jsonl", progress=False
+    )
     out = tmp_path / "engine" / "regenerated.jsonl"
-    engine = conversations.regenerate(RegenerateParams(**rg, backend="engine"), model, tokenizer, convs, out,
-                             engine_params=EngineParams(extra_args=["--dtype", "float32"]),
-                             target_dir=embedded_cache[1], progress=False)
+    engine = conversations.regenerate(
+        RegenerateParams(**rg, backend="engine"),
+        model,
+        tokenizer,
+        convs,
+        out,
+        engine_params=EngineParams(extra_args=["--dtype", "float32"]),
+        target_dir=embedded_cache[1],
+        progress=False,
+    )
     assert engine["backend"] == "engine:vllm" and engine["engine_start_s"] > 0
     assert (out.parent / engine["engine_log"]).read_text().startswith("$ ")
     for key in ("regenerated", "turns_regenerated", "tokens_generated", "stops"):
         assert engine[key] == hf[key], key
     assert conversations.read_regenerated(out) == conversations.read_regenerated(tmp_path / "hf" / "regenerated.jsonl")
-    assert hf["turns_regenerated"] >= 3   # the two-turn conversation got both its turns back
+    assert hf["turns_regenerated"] >= 3  # the two-turn conversation got both its turns back
 
 
 @pytest.mark.slow
@@ -218,14 +249,21 @@ time.sleep(600)
 def test_no_orphan_when_the_parent_is_killed(drafts, tmp_path):
     """kill -9 of the Python process that started the server (no finally, no atexit): the guard ends the group."""
     need("vllm")
-    parent = subprocess.Popen([sys.executable, "-c", SCRIPT, str(drafts["target"]), str(tmp_path)],
-                              stdout=subprocess.PIPE, text=True, cwd=Path(__file__).resolve().parent.parent)
+    parent = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT, str(drafts["target"]), str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=Path(__file__).resolve().parent.parent,
+    )
     group = int(parent.stdout.readline())
     try:
         deadline = time.time() + 120
-        while len(alive_in_group(group)) < 3 and time.time() < deadline:    # guard, API server, its engine core
+        while len(alive_in_group(group)) < 3 and time.time() < deadline:  # guard, API server, its engine core
             time.sleep(0.5)
-        assert len(alive_in_group(group)) >= 3, (alive_in_group(group), (tmp_path / "vllm-baseline.log").read_text()[-2000:])
+        assert len(alive_in_group(group)) >= 3, (
+            alive_in_group(group),
+            (tmp_path / "vllm-baseline.log").read_text()[-2000:],
+        )
         parent.kill()
         parent.wait()
         deadline = time.time() + 60
@@ -238,6 +276,7 @@ def test_no_orphan_when_the_parent_is_killed(drafts, tmp_path):
 
 
 # ---------------------------------------------------------------------- SGLang check ----
+
 
 def test_sglang_preflight_resolves_flags(drafts):
     py = need("sglang")

@@ -1,8 +1,9 @@
 """pyproject.toml and environment.yml describe the same environment."""
+
 import re
-import tomllib
 from pathlib import Path
 
+import tomllib
 import yaml
 from packaging.requirements import Requirement
 
@@ -16,7 +17,9 @@ def test_environment_yml_agrees_with_pyproject():
     assert python == ["python=3.11"]
     pip = next(d["pip"] for d in env["dependencies"] if isinstance(d, dict))
     conda_reqs = {Requirement(r).name: Requirement(r) for r in pip}
-    wanted = [Requirement(r) for r in project["project"]["dependencies"] + project["project"]["optional-dependencies"]["test"]]
+    wanted = [
+        Requirement(r) for r in project["project"]["dependencies"] + project["project"]["optional-dependencies"]["test"]
+    ]
     assert sorted(conda_reqs) == sorted(r.name for r in wanted)
     for req in wanted:
         conda = conda_reqs[req.name]

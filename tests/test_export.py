@@ -5,6 +5,7 @@ contract), real files, and the engines' own code: vLLM's CPU build loads the exp
 SGLang's ServerArgs resolves the launch flags in .venv-sglang (`make vllm-env sglang-env`); those
 tests skip, saying so, when the environment is missing.
 """
+
 import json
 import shutil
 from pathlib import Path
@@ -13,8 +14,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3lib.convert import layouts as ex
 from eagle3lib.__main__ import main as cli
+from eagle3lib.convert import layouts as ex
 from eagle3lib.drafter import Drafter, DrafterConfig
 from eagle3lib.target import EMBEDDED_TARGET, make_contract
 from eagle3lib.train.trainer import save_drafter
@@ -72,6 +73,7 @@ def edited(src: Path, dst: Path, config=None, tensors=None) -> Path:
 
 # --------------------------------------------------------------------------- layouts ----
 
+
 def test_exports_carry_contract_and_engine_conventions(ckpt, exports):
     folder = ckpt[0]
     contract = json.loads((folder / "eagle3.json").read_text())
@@ -79,7 +81,7 @@ def test_exports_carry_contract_and_engine_conventions(ckpt, exports):
         assert json.loads((path / "eagle3.json").read_text()) == contract, e
     sg = json.loads((exports["sglang"] / "config.json").read_text())
     assert sg["architectures"] == ["LlamaForCausalLMEagle3"]
-    assert sg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in AUX]      # SGLang = ours - 1
+    assert sg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in AUX]  # SGLang = ours - 1
     names = load_file(str(exports["sglang"] / "model.safetensors")).keys()
     assert any(n.startswith("midlayer.") for n in names) and not any(n.startswith("layers.") for n in names)
     vl = json.loads((exports["vllm"] / "config.json").read_text())
@@ -93,8 +95,10 @@ def test_exports_carry_contract_and_engine_conventions(ckpt, exports):
 @pytest.mark.parametrize("engine", ["sglang", "vllm", "speculators"])
 def test_round_trip_is_bit_identical(ckpt, exports, engine, tmp_path):
     back = ex.import_checkpoint(exports[engine], tmp_path / "back")
-    assert ex.detect_layout(exports[engine]) == {"sglang": "specforge", "vllm": "canonical",
-                                                 "speculators": "speculators"}[engine]
+    assert (
+        ex.detect_layout(exports[engine])
+        == {"sglang": "specforge", "vllm": "canonical", "speculators": "speculators"}[engine]
+    )
     same_tensors(ckpt[0], back)
     assert json.loads((back / "config.json").read_text()) == json.loads((ckpt[0] / "config.json").read_text())
     assert json.loads((back / "eagle3.json").read_text()) == json.loads((ckpt[0] / "eagle3.json").read_text())
@@ -105,18 +109,23 @@ def test_round_trip_is_bit_identical(ckpt, exports, engine, tmp_path):
 
 def test_import_specforge_and_speculators_foreign_checkpoints(ckpt, exports, tmp_path):
     contract = json.loads((ckpt[0] / "eagle3.json").read_text())
+
     # EAGLE/SpecForge: midlayer.*, plain LlamaForCausalLM architectures, no eagle3.json, ids in SGLang's meaning
     def specforge(c):
         c["architectures"] = ["LlamaForCausalLM"]
         c["eagle_config"].pop("aux_layer_id_convention")
+
     sf = edited(exports["sglang"], tmp_path / "specforge", config=specforge)
     (sf / "eagle3.json").unlink()
     with pytest.raises(FileNotFoundError, match="contract"):
         ex.import_checkpoint(sf, tmp_path / "x")
     same_tensors(ckpt[0], ex.import_checkpoint(sf, tmp_path / "sf-back", contract=contract))
     # speculators with embed_tokens (the engines take the target's; dropped on import)
-    sp = edited(exports["speculators"], tmp_path / "spec-embed",
-                tensors=lambda t: {**t, "embed_tokens.weight": torch.zeros(49152, 576)})
+    sp = edited(
+        exports["speculators"],
+        tmp_path / "spec-embed",
+        tensors=lambda t: {**t, "embed_tokens.weight": torch.zeros(49152, 576)},
+    )
     same_tensors(ckpt[0], ex.import_checkpoint(sp, tmp_path / "sp-back"))
     # speculators default norm_before_residual=true when absent: refused, not silently mis-imported
     nb = edited(exports["speculators"], tmp_path / "spec-nbr", config=lambda c: c.pop("norm_before_residual"))
@@ -142,8 +151,17 @@ def test_export_refuses_another_target(ckpt, tmp_path):
 
 def test_launch_flags():
     assert ex.sglang_launch_args("/d", 5) == [
-        "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "/d", "--speculative-num-steps", "5",
-        "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "6"]
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        "/d",
+        "--speculative-num-steps",
+        "5",
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        "6",
+    ]
     flag, spec = ex.vllm_launch_args("/d", 5)
     assert flag == "--speculative-config"
     assert json.loads(spec) == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 5}
@@ -154,6 +172,7 @@ def test_launch_flags():
 
 
 # ----------------------------------------------------------------- SGLang name/shape gate ----
+
 
 def test_sglang_gate_passes_export(exports):
     report = ex.check_sglang(exports["sglang"])
@@ -170,8 +189,11 @@ BROKEN = {
     "missing d2t": (None, _drop("d2t"), "d2t is missing"),
     "wrong target_hidden_size": (lambda c: c.update(target_hidden_size=960), None, "target_hidden_size"),
     "wrong architectures": (lambda c: c.update(architectures=["LlamaForCausalLM"]), None, "architectures"),
-    "aux ids out of range": (lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 14, 30]), None,
-                             "out of range"),
+    "aux ids out of range": (
+        lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 14, 30]),
+        None,
+        "out of range",
+    ),
     "wrong-shaped tensor": (None, lambda t: {**t, "lm_head.weight": t["lm_head.weight"][:1000]}, "shape"),
     "layers.0 names": (None, lambda t: {k.replace("midlayer.", "layers.0."): v for k, v in t.items()}, "midlayer"),
 }
@@ -196,10 +218,17 @@ def test_sglang_ids_follow_the_targets_rule(ckpt, tmp_path):
     (src / "config.json").write_text(json.dumps(config))
     (src / "eagle3.json").write_text(json.dumps(contract))
     out = ex.export(src, "sglang", tmp_path / "sglang")
-    assert json.loads((out / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [3, 15, 27]
+    assert json.loads((out / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
+        3,
+        15,
+        27,
+    ]
     assert ex.check_sglang(out)["ok"]
-    llama_ids = edited(out, tmp_path / "llama-ids",
-                       config=lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 14, 26]))
+    llama_ids = edited(
+        out,
+        tmp_path / "llama-ids",
+        config=lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 14, 26]),
+    )
     report = ex.check_sglang(llama_ids)
     assert not report["ok"] and any("[2, 14, 26]" in p for p in report["problems"]), report["problems"]
 
@@ -210,11 +239,12 @@ def test_cli_convert_and_verify(ckpt, tmp_path, capsys, monkeypatch):
     assert cli(["convert", str(ckpt[0]), "--to", "sglang", "--out", str(out)]) == 0
     assert cli(["verify", str(out), "--engine", "sglang", "--python", "/nonexistent/python"]) == 2  # no such engine
     bad = edited(out, tmp_path / "bad", tensors=_drop("d2t"))
-    assert cli(["verify", str(bad), "--engine", "sglang"]) == 1     # with or without .venv-sglang
+    assert cli(["verify", str(bad), "--engine", "sglang"]) == 1  # with or without .venv-sglang
     assert "d2t is missing" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------ engines' own code ----
+
 
 def need(engine):
     py = ex.engine_python(engine)
@@ -234,8 +264,11 @@ def test_vllm_loads_export(ckpt, exports, engine):
 
 def test_vllm_rejects_broken(ckpt, exports, tmp_path):
     need("vllm")
-    bad = edited(exports["vllm"], tmp_path / "renamed",
-                 tensors=lambda t: {k.replace("mlp.down_proj", "mlp.out_proj"): v for k, v in t.items()})
+    bad = edited(
+        exports["vllm"],
+        tmp_path / "renamed",
+        tensors=lambda t: {k.replace("mlp.down_proj", "mlp.out_proj"): v for k, v in t.items()},
+    )
     report = ex.verify(bad, "vllm", cache_dir=ckpt[1])
     assert not report["ok"] and any("out_proj" in p for p in report["problems"]), report["problems"]
     nbr = edited(exports["speculators"], tmp_path / "nbr", config=lambda c: c.pop("norm_before_residual"))

@@ -1,4 +1,5 @@
 """Tests for eagle3lib.extract.shards on a tiny random Llama (the real architecture), real files on disk."""
+
 import json
 import os
 import random
@@ -15,20 +16,43 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3lib.extract.shards import (
-    FORMAT, ShardError, ShardSet, capture_hidden_states, extract, iter_batches, load_manifest, make_batch, measure_forward_tokens_per_s, plan_batches, plan_shards, read_shard, verify_and_repair,
+    FORMAT,
+    ShardError,
+    ShardSet,
+    capture_hidden_states,
+    extract,
+    iter_batches,
+    load_manifest,
+    make_batch,
+    measure_forward_tokens_per_s,
+    plan_batches,
+    plan_shards,
+    read_shard,
+    verify_and_repair,
 )
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AUX = [2, 3, 3]  # [2, L//2, L-3] for L=6
-CONTRACT = {"target": "tiny-random-llama", "hidden_size": 64, "vocab_size": 256, "aux_layer_ids": AUX,
-            "dtype": "float32"}
+CONTRACT = {
+    "target": "tiny-random-llama",
+    "hidden_size": 64,
+    "vocab_size": 256,
+    "aux_layer_ids": AUX,
+    "dtype": "float32",
+}
 SMALL = dict(batch_tokens=256, shard_max_tokens=150, progress=False)
 
 
 def tiny_model():
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-                                   intermediate_size=128, vocab_size=256)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+    )
     return transformers.LlamaForCausalLM(cfg).eval()
 
 
@@ -37,9 +61,11 @@ def random_tokens(n_seqs=40, seed=1, max_len=60):
     lengths = torch.randint(1, max_len + 1, (n_seqs,), generator=g)
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
     n = int(starts[-1])
-    return {"input_ids": torch.randint(0, 256, (n,), generator=g, dtype=torch.int32),
-            "loss_mask": torch.randint(0, 2, (n,), generator=g, dtype=torch.uint8),
-            "seq_starts": starts}
+    return {
+        "input_ids": torch.randint(0, 256, (n,), generator=g, dtype=torch.int32),
+        "loss_mask": torch.randint(0, 2, (n,), generator=g, dtype=torch.uint8),
+        "seq_starts": starts,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +86,9 @@ def sequences(tok):
 def shard_state(out_dir):
     """Everything that must be identical between an interrupted and an uninterrupted run."""
     m = load_manifest(out_dir)
-    return m["complete"], [(e["file"], e["sha256"], e["first_sequence"], e["sequences"], e["tokens"]) for e in m["shards"]]
+    return m["complete"], [
+        (e["file"], e["sha256"], e["first_sequence"], e["sequences"], e["tokens"]) for e in m["shards"]
+    ]
 
 
 # --------------------------------------------------------------------------- capture
@@ -75,7 +103,7 @@ def test_capture_matches_output_hidden_states(model):
         aux, final = capture_hidden_states(model, ids, mask, layer_ids)
         assert aux.shape == (3, 17, 64 * len(layer_ids)) and final.shape == (3, 17, 64)
         for k, i in enumerate(layer_ids):  # id i == hidden_states[i]: residual after i layers, exactly
-            assert torch.equal(aux[..., 64 * k:64 * (k + 1)], ref.hidden_states[i]), (layer_ids, i)
+            assert torch.equal(aux[..., 64 * k : 64 * (k + 1)], ref.hidden_states[i]), (layer_ids, i)
         assert torch.equal(final, ref.hidden_states[-1])
         with torch.inference_mode():
             assert torch.equal(model.lm_head(final), ref.logits)
@@ -178,8 +206,16 @@ def test_kill9_resume_equals_uninterrupted(model, tokens, tmp_path):
     env = dict(os.environ, PYTHONPATH=REPO, OMP_WAIT_POLICY="PASSIVE")
 
     ref = str(tmp_path / "ref")
-    extract(transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), tokens, AUX, ref,
-            CONTRACT, batch_tokens=256, shard_max_tokens=60, progress=False)
+    extract(
+        transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(),
+        tokens,
+        AUX,
+        ref,
+        CONTRACT,
+        batch_tokens=256,
+        shard_max_tokens=60,
+        progress=False,
+    )
     complete, ref_shards = shard_state(ref)
     assert complete and len(ref_shards) > 10
 
@@ -197,8 +233,13 @@ def test_kill9_resume_equals_uninterrupted(model, tokens, tmp_path):
         p.wait()
         m = load_manifest(out)
         interrupted.append(p.returncode == -signal.SIGKILL and not (m and m["complete"]))
-        print("killed" if interrupted[-1] else "finished", "with", len(m["shards"]) if m else None, "shards listed,",
-              sorted(os.listdir(out)) if os.path.isdir(out) else None)
+        print(
+            "killed" if interrupted[-1] else "finished",
+            "with",
+            len(m["shards"]) if m else None,
+            "shards listed,",
+            sorted(os.listdir(out)) if os.path.isdir(out) else None,
+        )
 
     def shards_on_disk(k):
         return lambda: os.path.isdir(out) and sum(f.startswith("shard_") for f in os.listdir(out)) >= k
@@ -209,12 +250,14 @@ def test_kill9_resume_equals_uninterrupted(model, tokens, tmp_path):
     def random_time():
         def state():
             return sorted(os.listdir(out)) if os.path.isdir(out) else None
+
         start, t = state(), [None]
 
         def when():  # a random moment after this run has written something
             if t[0] is None and state() != start:
                 t[0] = time.time() + rng.uniform(0, 0.03)
             return t[0] is not None and time.time() >= t[0]
+
         return when
 
     run_and_kill(shards_on_disk(1))  # right after the first shard file appears
@@ -328,7 +371,9 @@ def test_contract_mismatch_refused(model, tokens, tmp_path):
     msg = str(e.value)
     assert "'tiny-random-llama'" in msg and "'another-model'" in msg and "chat_template_sha256" in msg
     assert "hidden_size" not in msg  # only the keys that differ
-    with pytest.raises(ValueError, match=r"contract\['aux_layer_ids'\] is \[2, 3, 3\] but this extraction has \[1, 2, 3\]"):
+    with pytest.raises(
+        ValueError, match=r"contract\['aux_layer_ids'\] is \[2, 3, 3\] but this extraction has \[1, 2, 3\]"
+    ):
         extract(model, random_tokens(5), [1, 2, 3], str(tmp_path / "other"), CONTRACT, **SMALL)
 
 
@@ -348,8 +393,14 @@ def test_disk_space_refused(model, tokens, tmp_path, capsys):
 def test_bad_inputs_refused(model, tmp_path):
     tok = random_tokens(3)
     with pytest.raises(ValueError, match="length 0"):
-        extract(model, dict(tok, seq_starts=torch.tensor([0, 0, int(tok["seq_starts"][-1])])), AUX,
-                str(tmp_path / "a"), CONTRACT, **SMALL)
+        extract(
+            model,
+            dict(tok, seq_starts=torch.tensor([0, 0, int(tok["seq_starts"][-1])])),
+            AUX,
+            str(tmp_path / "a"),
+            CONTRACT,
+            **SMALL,
+        )
     with pytest.raises(ValueError, match="vocab_size"):
         extract(model, dict(tok, input_ids=tok["input_ids"] + 1000), AUX, str(tmp_path / "b"), CONTRACT, **SMALL)
 
@@ -357,6 +408,7 @@ def test_bad_inputs_refused(model, tmp_path):
 def test_shard_prefetch_yields_what_plain_reading_does(model, tokens, tmp_path, monkeypatch):
     from eagle3lib.extract import shards as extract_module
     from eagle3lib.train.trainer import shard_sequences
+
     out = str(tmp_path / "hidden")
     extract(model, tokens, AUX, out, CONTRACT, **SMALL)
     shards = ShardSet(out)
@@ -370,7 +422,9 @@ def test_shard_prefetch_yields_what_plain_reading_does(model, tokens, tmp_path, 
     # each shard's sha256 is computed once: the second epoch read the same unchanged files without hashing
     hashed = []
     real_sha256 = extract_module.hashlib.sha256
-    monkeypatch.setattr(extract_module.hashlib, "sha256", lambda data=b"": hashed.append(len(data)) or real_sha256(data))
+    monkeypatch.setattr(
+        extract_module.hashlib, "sha256", lambda data=b"": hashed.append(len(data)) or real_sha256(data)
+    )
     list(shard_sequences(shards, seed=3, epoch=2, prefetch=2))
     assert hashed == []
     assert len(list(shard_sequences(ShardSet(out), seed=3, epoch=2, prefetch=2))) == 40  # a new ShardSet hashes again
@@ -391,19 +445,27 @@ def test_shard_prefetch_yields_what_plain_reading_does(model, tokens, tmp_path, 
 def test_shard_whose_header_misdescribes_its_tensors_is_refused(tmp_path):
     good = str(tmp_path / "good.safetensors")
     n = 6
-    save_file({"input_ids": torch.arange(n, dtype=torch.int32), "loss_mask": torch.ones(n, dtype=torch.uint8),
-               "aux_hidden": torch.randn(n, 12), "final_hidden": torch.randn(n, 4),
-               "seq_starts": torch.tensor([0, 2, n])}, good, metadata={"format": FORMAT, "first_sequence": "0"})
+    save_file(
+        {
+            "input_ids": torch.arange(n, dtype=torch.int32),
+            "loss_mask": torch.ones(n, dtype=torch.uint8),
+            "aux_hidden": torch.randn(n, 12),
+            "final_hidden": torch.randn(n, 4),
+            "seq_starts": torch.tensor([0, 2, n]),
+        },
+        good,
+        metadata={"format": FORMAT, "first_sequence": "0"},
+    )
     t = read_shard(good)
     assert t["aux_hidden"].shape == (n, 12) and t["seq_starts"].tolist() == [0, 2, n]
     data = open(good, "rb").read()
     k = int.from_bytes(data[:8], "little")
-    header = json.loads(data[8:8 + k])
-    header["final_hidden"]["shape"] = [n, 3]   # 3 columns in the bytes of 4: a size mismatch, not a silent misread
+    header = json.loads(data[8 : 8 + k])
+    header["final_hidden"]["shape"] = [n, 3]  # 3 columns in the bytes of 4: a size mismatch, not a silent misread
     text = json.dumps(header, separators=(",", ":")).encode()
     assert len(text) <= k
     text = text.ljust(k)
     bad = str(tmp_path / "bad.safetensors")
-    open(bad, "wb").write(data[:8] + text + data[8 + k:])
+    open(bad, "wb").write(data[:8] + text + data[8 + k :])
     with pytest.raises(ShardError, match="bad.safetensors.*final_hidden.*do not hold F32 \\[6, 3\\]"):
         read_shard(bad)

@@ -1,4 +1,5 @@
 """train.float8: torchao's FP8 training recipe on the drafter's projections, emulated on the CPU."""
+
 import copy
 import sys
 from pathlib import Path
@@ -18,9 +19,17 @@ pytest.importorskip("torchao.float8", reason="train.float8 needs torchao: `make 
 
 def small_drafter():
     torch.manual_seed(0)
-    cfg = DrafterConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                        intermediate_size=128, vocab_size=256, draft_vocab_size=64, target_hidden_size=48,
-                        aux_layer_ids=[1, 2, 3])
+    cfg = DrafterConfig(
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        intermediate_size=128,
+        vocab_size=256,
+        draft_vocab_size=64,
+        target_hidden_size=48,
+        aux_layer_ids=[1, 2, 3],
+    )
     drafter = Drafter(cfg)
     d2t = torch.arange(64) * 3
     t2d = torch.zeros(256, dtype=torch.bool)
@@ -41,21 +50,31 @@ def test_float8_converts_the_projections_and_trains_close_to_full_precision():
     bf = small_drafter()
     f8 = copy.deepcopy(bf)
     names = convert_to_float8(f8, emulate=True)
-    assert sorted(names) == ["fc", "layers.0.mlp.down_proj", "layers.0.mlp.gate_proj", "layers.0.mlp.up_proj",
-                             "layers.0.self_attn.o_proj"]
-    assert set(f8.state_dict()) == set(bf.state_dict())           # checkpoints keep their names
+    assert sorted(names) == [
+        "fc",
+        "layers.0.mlp.down_proj",
+        "layers.0.mlp.gate_proj",
+        "layers.0.mlp.up_proj",
+        "layers.0.self_attn.o_proj",
+    ]
+    assert set(f8.state_dict()) == set(bf.state_dict())  # checkpoints keep their names
     g = torch.Generator().manual_seed(1)
     t = 96
-    batch = {"input_ids": torch.randint(0, 256, (1, t), generator=g), "loss_mask": torch.ones(1, t, dtype=torch.long),
-             "doc_ids": torch.zeros(1, t, dtype=torch.long), "position_ids": torch.arange(t)[None],
-             "aux": torch.randn(1, t, 144, generator=g), "final": torch.randn(1, t, 48, generator=g)}
+    batch = {
+        "input_ids": torch.randint(0, 256, (1, t), generator=g),
+        "loss_mask": torch.ones(1, t, dtype=torch.long),
+        "doc_ids": torch.zeros(1, t, dtype=torch.long),
+        "position_ids": torch.arange(t)[None],
+        "aux": torch.randn(1, t, 144, generator=g),
+        "final": torch.randn(1, t, 48, generator=g),
+    }
     embed, head = torch.randn(256, 64, generator=g), torch.randn(256, 48, generator=g)
     loss_bf, grads_bf = loss_and_grads(bf, batch, embed, head)
     loss_f8, grads_f8 = loss_and_grads(f8, batch, embed, head)
     assert abs(loss_f8 - loss_bf) <= 0.02 * abs(loss_bf)
     for name in ("fc.weight", "layers.0.mlp.down_proj.weight", "layers.0.self_attn.q_proj.weight"):
         cos = torch.nn.functional.cosine_similarity(grads_bf[name].flatten(), grads_f8[name].flatten(), 0)
-        assert 0.97 <= cos < 1.0, (name, cos)                      # FP8-rounded, not the same maths untouched
+        assert 0.97 <= cos < 1.0, (name, cos)  # FP8-rounded, not the same maths untouched
 
 
 def test_float8_without_fp8_hardware_says_so():

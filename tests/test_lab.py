@@ -1,5 +1,6 @@
 """Interactive use: the notebooks' defaults point at the embedded default, the 'python3' kernel is this
 environment, and a stage notebook runs top to bottom in a real JupyterLab with working widgets."""
+
 import os
 import shutil
 import signal
@@ -41,11 +42,15 @@ def test_defaults_are_the_embedded_default_and_the_cli_run_folder(path, monkeypa
 def test_the_python3_kernel_is_this_environment():
     """The kernel the notebooks name imports eagle3lib and ipywidgets from this environment."""
     from jupyter_client.manager import start_new_kernel
+
     km, kc = start_new_kernel(kernel_name="python3", cwd=str(ROOT / "notebooks"))
     try:
         out = []
-        kc.execute_interactive("import sys, eagle3lib, ipywidgets; print(sys.prefix, eagle3lib.__file__)",
-                               output_hook=lambda m: out.append(m["content"].get("text", "")), timeout=120)
+        kc.execute_interactive(
+            "import sys, eagle3lib, ipywidgets; print(sys.prefix, eagle3lib.__file__)",
+            output_hook=lambda m: out.append(m["content"].get("text", "")),
+            timeout=120,
+        )
         prefix, module = "".join(out).split()
         assert Path(prefix) == Path(sys.prefix) and Path(module).parent == ROOT / "eagle3lib"
     finally:
@@ -79,22 +84,37 @@ def test_train_notebook_runs_in_jupyterlab_and_its_slider_works(ci_run, tmp_path
     nb = nbformat.read(ROOT / "notebooks" / "02_train.ipynb", as_version=4)
     for cell in nb.cells:
         if "parameters" in cell.metadata.get("tags", []):
-            cell.source = (f'params_file = "{ROOT / "params" / "ci.yaml"}"\nrun_dir = "{run_dir}"\n'
-                           f'overrides = {{"run.output_root": "{run_dir.parent}", "run.cache_dir": "{ci_run[1]["run.cache_dir"]}"}}')
+            cell.source = (
+                f'params_file = "{ROOT / "params" / "ci.yaml"}"\nrun_dir = "{run_dir}"\n'
+                f'overrides = {{"run.output_root": "{run_dir.parent}", "run.cache_dir": "{ci_run[1]["run.cache_dir"]}"}}'
+            )
     work = tmp_path / "lab"
     work.mkdir()
     nbformat.write(nb, work / "02_train.ipynb")
     port = free_port()
-    lab = subprocess.Popen([sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}", "--allow-root",
-                            "--IdentityProvider.token=t", f"--notebook-dir={work}", "--ServerApp.ip=127.0.0.1",
-                            "--LabApp.expose_app_in_browser=True"],
-                           stdout=open(work / "lab.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+    lab = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            f"--port={port}",
+            "--allow-root",
+            "--IdentityProvider.token=t",
+            f"--notebook-dir={work}",
+            "--ServerApp.ip=127.0.0.1",
+            "--LabApp.expose_app_in_browser=True",
+        ],
+        stdout=open(work / "lab.log", "w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     driver = chromium()
     try:
         app = "window.jupyterapp"
         kernel = f"{app}.shell.currentWidget.sessionContext.session?.kernel"
         deadline = time.time() + 120
-        while True:   # the server, then the notebook with an idle kernel
+        while True:  # the server, then the notebook with an idle kernel
             try:
                 driver.get(f"http://127.0.0.1:{port}/lab/tree/02_train.ipynb?token=t")
                 break
@@ -102,28 +122,37 @@ def test_train_notebook_runs_in_jupyterlab_and_its_slider_works(ci_run, tmp_path
                 if time.time() > deadline:
                     raise
                 time.sleep(2)
-        while driver.execute_script(f"return !({app} && {app}.shell.currentWidget?.sessionContext && {kernel}?.status === 'idle')"):
-            assert time.time() < deadline, "JupyterLab did not open the notebook with an idle kernel: " + (work / "lab.log").read_text()[-2000:]
+        while driver.execute_script(
+            f"return !({app} && {app}.shell.currentWidget?.sessionContext && {kernel}?.status === 'idle')"
+        ):
+            assert time.time() < deadline, (
+                "JupyterLab did not open the notebook with an idle kernel: " + (work / "lab.log").read_text()[-2000:]
+            )
             time.sleep(1)
         driver.execute_script(f"{app}.commands.execute('notebook:run-all-cells')")
         deadline = time.time() + 600
         while True:
             time.sleep(2)
-            prompts = driver.execute_script("return [...document.querySelectorAll('.jp-InputPrompt')].map(e => e.textContent)")
+            prompts = driver.execute_script(
+                "return [...document.querySelectorAll('.jp-InputPrompt')].map(e => e.textContent)"
+            )
             if driver.execute_script(f"return {kernel}.status") == "idle" and not any("*" in p for p in prompts):
                 break
             assert time.time() < deadline, prompts
-        errors = driver.execute_script("return [...document.querySelectorAll('.jp-OutputArea-output')]"
-                                       ".map(e => e.innerText).filter(t => t.includes('Traceback'))")
+        errors = driver.execute_script(
+            "return [...document.querySelectorAll('.jp-OutputArea-output')]"
+            ".map(e => e.innerText).filter(t => t.includes('Traceback'))"
+        )
         assert not errors, errors[0][:2000]
         views = lambda: driver.execute_script(  # noqa: E731
-            "return [...document.querySelectorAll('.widget-html-content')].map(e => e.innerHTML)")
+            "return [...document.querySelectorAll('.widget-html-content')].map(e => e.innerHTML)"
+        )
         before = views()
         assert len(before) == 1 and "step_acc" in before[0]
         handle = driver.find_element(By.CSS_SELECTOR, ".widget-slider .noUi-handle")
         driver.execute_script("arguments[0].scrollIntoView({block: 'center'})", handle)
         handle.click()
-        handle.send_keys(Keys.HOME)      # the first validation
+        handle.send_keys(Keys.HOME)  # the first validation
         deadline = time.time() + 30
         while views() == before:
             assert time.time() < deadline, "the slider did not change the view"
@@ -135,5 +164,7 @@ def test_train_notebook_runs_in_jupyterlab_and_its_slider_works(ci_run, tmp_path
         driver.quit()
         os.killpg(lab.pid, signal.SIGTERM)
         lab.wait(30)
-    assert pipeline.load_result(run_dir, "02_train")["figures"]["eval"] == \
-        pipeline.load_result(ci_run[0], "02_train")["figures"]["eval"]      # the same result as the papermill run
+    assert (
+        pipeline.load_result(run_dir, "02_train")["figures"]["eval"]
+        == pipeline.load_result(ci_run[0], "02_train")["figures"]["eval"]
+    )  # the same result as the papermill run

@@ -1,4 +1,5 @@
 """The chunked TTT loss equals the plain soft cross-entropy, values and gradients."""
+
 import pytest
 import torch
 
@@ -24,12 +25,19 @@ def test_chunked_loss_and_gradients_equal_the_plain_soft_ce(fused):
     head = torch.randn(vocab, 12, dtype=torch.float64)
     valid = torch.rand(b, t) > 0.3
     offset = 3
-    valid[:, t - offset:] = False  # no target beyond the row, as valid_positions makes it
+    valid[:, t - offset :] = False  # no target beyond the row, as valid_positions makes it
     expected, expected_best = plain(h, weight, final @ head.T, valid, offset)
     gh, gw = torch.autograd.grad(expected, (h, weight))
     probs = target_probs(final, head, torch.float64, chunk_elements=7 * vocab)
-    loss, best = linear_soft_ce(h, weight, probs, valid, offset=offset, chunk_elements=5 * vocab,  # 5-row chunks
-                                fused=fused)
+    loss, best = linear_soft_ce(
+        h,
+        weight,
+        probs,
+        valid,
+        offset=offset,
+        chunk_elements=5 * vocab,  # 5-row chunks
+        fused=fused,
+    )
     assert torch.allclose(loss, expected.float(), rtol=1e-6)
     assert torch.equal(best, expected_best)
     dh, dw = torch.autograd.grad(2.5 * loss, (h, weight))
@@ -46,17 +54,19 @@ def test_without_gradients_it_only_scores(fused):
     assert loss > 0 and torch.equal(best, (h @ weight.T).argmax(-1))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: bf16 through the compiled kernel and addmm's fp32 output")
+@pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA: bf16 through the compiled kernel and addmm's fp32 output"
+)
 def test_bf16_on_cuda_is_close_to_the_fp64_loss_and_gradients():
     torch.manual_seed(0)
-    n, hdim, vocab = 3000, 256, 4000   # several chunks, the last one short
+    n, hdim, vocab = 3000, 256, 4000  # several chunks, the last one short
     h64 = torch.randn(n, hdim, dtype=torch.float64, device="cuda") * 0.5
     w64 = torch.randn(vocab, hdim, dtype=torch.float64, device="cuda") * 0.1
     target = torch.randn(n, vocab, dtype=torch.float64, device="cuda")
     valid = torch.rand(n, device="cuda") > 0.2
     valid[-2:] = False
     h64.requires_grad_(), w64.requires_grad_()
-    expected, _ = plain(h64[None], w64, target[None], valid[None], 2)   # plain shifts along dim 1
+    expected, _ = plain(h64[None], w64, target[None], valid[None], 2)  # plain shifts along dim 1
     gh, gw = torch.autograd.grad(expected, (h64, w64))
     h, w = h64.detach().float().requires_grad_(), w64.detach().float().requires_grad_()
     probs = torch.softmax(target, -1).to(torch.bfloat16)

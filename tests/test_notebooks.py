@@ -1,4 +1,5 @@
 """Stage notebooks: committed without outputs, thin, with a papermill parameters cell."""
+
 from pathlib import Path
 
 import nbformat

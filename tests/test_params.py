@@ -1,4 +1,5 @@
 """Params: every shipped file validates; mistakes are errors that say what to fix."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -95,10 +96,16 @@ def test_overrides_and_relative_paths(tmp_path):
 
 
 def test_cli_params_check(tmp_path):
-    ok = subprocess.run([sys.executable, "-m", "eagle3lib", "params", "check", str(ROOT / "params" / "ci.yaml")],
-                        capture_output=True, text=True)
+    ok = subprocess.run(
+        [sys.executable, "-m", "eagle3lib", "params", "check", str(ROOT / "params" / "ci.yaml")],
+        capture_output=True,
+        text=True,
+    )
     assert ok.returncode == 0, ok.stderr
     assert "ttt_steps: 3" in ok.stdout
-    bad = subprocess.run([sys.executable, "-m", "eagle3lib", "params", "check", str(write(tmp_path, "x: 1\n"))],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "eagle3lib", "params", "check", str(write(tmp_path, "x: 1\n"))],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "unknown key 'x'" in bad.stderr

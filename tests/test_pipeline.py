@@ -1,8 +1,8 @@
 """The papermill pipeline on small real notebooks: order, skipping, forcing, failures, reports."""
+
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import nbformat
 import pytest
@@ -40,7 +40,7 @@ def workbook(tmp_path):
     for name, code in STAGE_CODE.items():
         nb = new_notebook()
         nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-        params = new_code_cell('params_file = None\nrun_dir = None\noverrides = {}')
+        params = new_code_cell("params_file = None\nrun_dir = None\noverrides = {}")
         params.metadata["tags"] = ["parameters"]
         nb.cells = [params, new_code_cell(code)]
         nbformat.write(nb, nbs / f"{name}.ipynb")
@@ -111,7 +111,10 @@ def test_failed_stage_keeps_traceback_and_earlier_work(workbook):
     failed = result(out, "01_second")
     assert failed["status"] == "failed" and "thirteen" in failed["error"] and "hash" not in failed
     assert "thirteen prompts are unlucky" in (out / "01_second" / "01_second.html").read_text()
-    assert "Traceback" in (out / "01_second" / "01_second.ipynb").read_text() or "ValueError" in (out / "01_second" / "01_second.ipynb").read_text()
+    assert (
+        "Traceback" in (out / "01_second" / "01_second.ipynb").read_text()
+        or "ValueError" in (out / "01_second" / "01_second.ipynb").read_text()
+    )
     assert (out / "00_first" / "made.txt").stat().st_mtime_ns == made
     assert "thirteen prompts" in (out / "index.html").read_text()
     # The failed stage is not skipped next time, and a later stage refuses a failed input.
@@ -123,9 +126,13 @@ def test_failed_stage_keeps_traceback_and_earlier_work(workbook):
 
 def test_cli_exit_codes(workbook, tmp_path):
     nbs, params_file, _ = workbook
-    bad = subprocess.run([sys.executable, "-m", "eagle3lib", "run", str(params_file), "--only", "nosuchstage"],
-                         capture_output=True, text=True)
+    bad = subprocess.run(
+        [sys.executable, "-m", "eagle3lib", "run", str(params_file), "--only", "nosuchstage"],
+        capture_output=True,
+        text=True,
+    )
     assert bad.returncode == 2 and "unknown stage 'nosuchstage'" in bad.stderr
-    missing = subprocess.run([sys.executable, "-m", "eagle3lib", "run", str(tmp_path / "none.yaml")],
-                             capture_output=True, text=True)
+    missing = subprocess.run(
+        [sys.executable, "-m", "eagle3lib", "run", str(tmp_path / "none.yaml")], capture_output=True, text=True
+    )
     assert missing.returncode == 2 and "params file not found" in missing.stderr

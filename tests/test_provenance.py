@@ -1,11 +1,12 @@
 """provenance.py: greedy speculative decoding replayed with our drafter on the real SmolLM2 is lossless, and
 labels every token with how it came."""
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from eagle3lib.bench import replay
 from eagle3lib import vocab
+from eagle3lib.bench import replay
 from eagle3lib.drafter import Drafter, DrafterConfig
 from eagle3lib.extract.shards import capture_hidden_states
 from eagle3lib.target import default_aux_layer_ids, num_layers
@@ -36,8 +37,10 @@ def setup(embedded_target):
     """The real target, two prompts with their greedy continuations (one token per forward), a random tiny
     drafter, and a tiny drafter that has learned the first continuation (TTT on it, so its drafts get accepted)."""
     model, tokenizer = embedded_target
-    prompts = [chat_ids(tokenizer, "List the days of the week, one per line."),
-               chat_ids(tokenizer, "What is the capital of France? Answer in one sentence.")]
+    prompts = [
+        chat_ids(tokenizer, "List the days of the week, one per line."),
+        chat_ids(tokenizer, "What is the capital of France? Answer in one sentence."),
+    ]
     greedy = [replay.greedy_decode(model, ids, MAX_TOKENS) for ids in prompts]
     seq = torch.tensor([prompts[0] + greedy[0]])
     counts = torch.bincount(torch.tensor(sum(prompts, []) + sum(greedy, [])), minlength=model.config.vocab_size)
@@ -47,14 +50,16 @@ def setup(embedded_target):
     aux, embed = aux.float().clone(), model.get_input_embeddings().weight.detach().clone()
     n = seq.shape[1] - TTT_STEPS - 1
     pos = torch.arange(n)[None]
-    embeds = embed[seq[:, 1:n + TTT_STEPS]]                      # step k at t: token t+1+k
-    to_draft = torch.cumsum(learned.t2d.long(), 0) - 1           # target id -> draft id
-    start = len(prompts[0]) - 2                                  # predicting the continuation
+    embeds = embed[seq[:, 1 : n + TTT_STEPS]]  # step k at t: token t+1+k
+    to_draft = torch.cumsum(learned.t2d.long(), 0) - 1  # target id -> draft id
+    start = len(prompts[0]) - 2  # predicting the continuation
     opt = torch.optim.Adam(learned.parameters(), lr=3e-3)
     for _ in range(80):
         hidden = learned.ttt_forward(aux[:, :n], embeds, pos, torch.zeros_like(pos))
-        loss = sum(F.cross_entropy(learned.logits(h)[0, start:], to_draft[seq[0, 2 + k + start:2 + k + n]])
-                   for k, h in enumerate(hidden))
+        loss = sum(
+            F.cross_entropy(learned.logits(h)[0, start:], to_draft[seq[0, 2 + k + start : 2 + k + n]])
+            for k, h in enumerate(hidden)
+        )
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -75,8 +80,8 @@ def test_greedy_reference_is_transformers_generate(setup):
     """generate stops at the end-of-turn token; the reference (like the benchmark, ignore_eos) goes on."""
     model, _, prompts, greedy, _, _ = setup
     for ids, want in zip(prompts, greedy):
-        out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(ids):].tolist()
-        assert out == want[:len(out)] and len(out) >= 8
+        out = model.generate(torch.tensor([ids]), max_new_tokens=MAX_TOKENS, do_sample=False)[0, len(ids) :].tolist()
+        assert out == want[: len(out)] and len(out) >= 8
 
 
 @pytest.mark.parametrize("depth", [1, 4])
@@ -93,8 +98,8 @@ def test_accepted_drafts_are_labelled_and_counted_as_engines_count(setup):
     model, _, prompts, greedy, random_drafter, learned = setup
     r = replay.speculative_decode(model, learned, prompts[0], 3, MAX_TOKENS)
     assert r["token_ids"] == greedy[0]
-    assert r["accept_len"] > 2.0, r                  # it learned this continuation
-    assert max(r["source"]) == 3                      # whole chains accepted
+    assert r["accept_len"] > 2.0, r  # it learned this continuation
+    assert max(r["source"]) == 3  # whole chains accepted
     # 1 + accepted / drafts; the per-position shares are joint (non-increasing) and add up to it
     assert r["accept_len"] == pytest.approx(1 + r["accepted"] / r["rounds"])
     assert r["accept_len"] == pytest.approx(1 + sum(r["per_pos"]))
@@ -116,10 +121,13 @@ def test_token_pieces_rebuild_the_text(embedded_target):
 def test_replay_prompts_pools_the_prompts_and_compares_with_the_baseline(setup, tmp_path):
     model, tokenizer, prompts, greedy, _, learned = setup
     recs = [{"id": f"p{i}", "prompt_ids": ids} for i, ids in enumerate(prompts)]
-    baseline = [{"id": "p0", "token_ids": greedy[0], "text": tokenizer.decode(greedy[0])},
-                {"id": "p1", "token_ids": greedy[1][:-1] + [greedy[1][-1] + 1], "text": "changed"}]
-    prov = replay.replay_prompts(model, tokenizer, learned, recs, [2, 3], MAX_TOKENS, baseline=baseline,
-                                     texts={"p0": "days"}, progress=False)
+    baseline = [
+        {"id": "p0", "token_ids": greedy[0], "text": tokenizer.decode(greedy[0])},
+        {"id": "p1", "token_ids": greedy[1][:-1] + [greedy[1][-1] + 1], "text": "changed"},
+    ]
+    prov = replay.replay_prompts(
+        model, tokenizer, learned, recs, [2, 3], MAX_TOKENS, baseline=baseline, texts={"p0": "days"}, progress=False
+    )
     assert [p["prompt"] for p in prov["prompts"]][0] == "days" and prov["target_dtype"] == "float32"
     for d in ("2", "3"):
         rs = [p["replays"][d] for p in prov["prompts"]]
@@ -127,8 +135,10 @@ def test_replay_prompts_pools_the_prompts_and_compares_with_the_baseline(setup, 
         assert s["equals_baseline"] == 1 and [r["equals_baseline"] for r in rs] == [True, False]
         assert s["accept_len"] == pytest.approx(1 + sum(r["accepted"] for r in rs) / sum(r["rounds"] for r in rs))
         assert "".join(rs[0]["pieces"]) == tokenizer.decode(greedy[0])
-    rows = [{"depth": 3, "concurrency": 4, "accept_len": 9.0, "per_pos": [0.1]},
-            {"depth": 3, "concurrency": 1, "accept_len": 2.5, "per_pos": [0.9, 0.5, 0.2], "predicted_accept_len": 2.4}]
+    rows = [
+        {"depth": 3, "concurrency": 4, "accept_len": 9.0, "per_pos": [0.1]},
+        {"depth": 3, "concurrency": 1, "accept_len": 2.5, "per_pos": [0.9, 0.5, 0.2], "predicted_accept_len": 2.4},
+    ]
     table = replay.compare_with_engine(prov, rows)
     assert [t["depth"] for t in table] == [2, 3] and table[0]["engine accept len"] is None
     assert table[1]["engine accept len"] == 2.5 and table[1]["engine concurrency"] == 1

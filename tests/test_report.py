@@ -1,4 +1,5 @@
 """Stage reports and the run index, rendered through the real pipeline on small real notebooks."""
+
 import json
 import re
 
@@ -6,10 +7,9 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 
-from eagle3lib.workbook import pipeline
-from eagle3lib.workbook import report
+from eagle3lib.workbook import pipeline, report
 
-WIDGET_STAGE = '''
+WIDGET_STAGE = """
 from tqdm.auto import tqdm
 from eagle3lib import params as P
 from eagle3lib.workbook import pipeline, widgets
@@ -25,7 +25,7 @@ widgets.show(widgets.accuracy_explorer(evals), widgets.evals_table_html(evals))
 (out / "sub" / "a.bin").write_bytes(b"x" * 2000)
 result = pipeline.save_result(run_dir, "00_look", {"n": 7}, headline={"items counted": 7, "share": 0.123456},
                               artifacts=["made.txt"])
-'''
+"""
 
 
 def make_workbook(tmp_path):
@@ -35,12 +35,19 @@ def make_workbook(tmp_path):
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     params = new_code_cell("params_file = None\nrun_dir = None\noverrides = {}")
     params.metadata["tags"] = ["parameters"]
-    nb.cells = [new_markdown_cell("# 00 · Look: a widget stage\n\nWhat this stage does, after the summary."),
-                params, new_code_cell(WIDGET_STAGE)]
+    nb.cells = [
+        new_markdown_cell("# 00 · Look: a widget stage\n\nWhat this stage does, after the summary."),
+        params,
+        new_code_cell(WIDGET_STAGE),
+    ]
     nbformat.write(nb, nbs / "00_look.ipynb")
     second = new_notebook(metadata=nb.metadata)
-    second.cells = [params.copy(), new_code_cell(
-        'from eagle3lib.workbook import pipeline\npipeline.save_result(run_dir, "01_next", {}, headline={"fine": True})')]
+    second.cells = [
+        params.copy(),
+        new_code_cell(
+            'from eagle3lib.workbook import pipeline\npipeline.save_result(run_dir, "01_next", {}, headline={"fine": True})'
+        ),
+    ]
     nbformat.write(second, nbs / "01_next.ipynb")
     params_file = tmp_path / "params" / "t.yaml"
     params_file.parent.mkdir()
@@ -53,17 +60,28 @@ def test_stage_report_opens_with_its_summary_and_has_static_widgets(tmp_path, ca
     run_dir = pipeline.run_pipeline(params_file, notebooks_dir=nbs, log_output=False)
     page = (run_dir / "00_look" / "00_look.html").read_text().replace('"', "'")
     # the summary sits under the title and before the introduction
-    title, summary, intro = (page.index("00 · Look: a widget stage"), page.index("class='e3-summary'"),
-                             page.index("What this stage does"))
+    title, summary, intro = (
+        page.index("00 · Look: a widget stage"),
+        page.index("class='e3-summary'"),
+        page.index("What this stage does"),
+    )
     assert title < summary < intro
-    for text in ("items counted", "0.1235", "finished in", "href='made.txt'", "href='sub/'", "2.0 kB",
-                 "href='../index.html'", "href='../01_next/01_next.html'"):
+    for text in (
+        "items counted",
+        "0.1235",
+        "finished in",
+        "href='made.txt'",
+        "href='sub/'",
+        "2.0 kB",
+        "href='../index.html'",
+        "href='../01_next/01_next.html'",
+    ):
         assert text in page, text
     # widgets: the static table and the tqdm bar's final state; no widget JavaScript, nothing from a CDN
     assert "est. len @3" in page and "counting:\u2007100%" in page and "<progress max='7.0' value='7.0'>" in page
     assert "widget-view+json" not in page and "widget-state+json" not in page
     assert "cdnjs" not in page and "unpkg" not in page and not re.search(r"<script[^>]* src=", page)
-    assert "<div class='jp-CodeMirrorEditor" in page     # code shown by default
+    assert "<div class='jp-CodeMirrorEditor" in page  # code shown by default
     # the executed notebook keeps its widgets; only the report is static
     executed = nbformat.read(run_dir / "00_look" / "00_look.ipynb", as_version=4)
     assert "widgets" in executed.metadata
@@ -81,21 +99,49 @@ def test_index_shows_stages_params_versions_and_time(tmp_path):
     nbs, params_file = make_workbook(tmp_path)
     run_dir = pipeline.run_pipeline(params_file, notebooks_dir=nbs, log_output=False)
     page = (run_dir / "index.html").read_text().replace('"', "'")
-    for text in ("href='00_look/00_look.html'", "href='01_next/01_next.html'", "items counted", "0.1235",
-                 "all 2 stages finished", "total stage time", "<h2>Versions</h2>", "torch", "<h2>Params</h2>",
-                 "hide_code: false", "href='run.json'"):
+    for text in (
+        "href='00_look/00_look.html'",
+        "href='01_next/01_next.html'",
+        "items counted",
+        "0.1235",
+        "all 2 stages finished",
+        "total stage time",
+        "<h2>Versions</h2>",
+        "torch",
+        "<h2>Params</h2>",
+        "hide_code: false",
+        "href='run.json'",
+    ):
         assert text in page, text
 
 
 def test_recommendation_reads_either_way(tmp_path):
-    rows = [{"concurrency": 1, "depth": 0, "config": "baseline", "tokens_per_s": 20.0, "speedup": 1.0},
-            {"concurrency": 1, "depth": 5, "config": "depth5", "tokens_per_s": 30.0, "speedup": 1.5, "accept_len": 2.1},
-            {"concurrency": 8, "depth": 0, "config": "baseline", "tokens_per_s": 90.0, "speedup": 1.0},
-            {"concurrency": 8, "depth": 5, "config": "depth5", "tokens_per_s": 80.0, "speedup": 0.89, "accept_len": 2.0}]
-    rec = {"1": {"config": "depth5", "depth": 5, "tokens_per_s": 30.0, "speedup": 1.5, "accept_len": 2.1,
-                 "vllm": "python -m vllm ... 5", "sglang": "python -m sglang ... 5"},
-           "8": {"config": "baseline", "depth": 0, "tokens_per_s": 90.0, "speedup": 1.0, "accept_len": None,
-                 "vllm": "python -m vllm", "sglang": "python -m sglang"}}
+    rows = [
+        {"concurrency": 1, "depth": 0, "config": "baseline", "tokens_per_s": 20.0, "speedup": 1.0},
+        {"concurrency": 1, "depth": 5, "config": "depth5", "tokens_per_s": 30.0, "speedup": 1.5, "accept_len": 2.1},
+        {"concurrency": 8, "depth": 0, "config": "baseline", "tokens_per_s": 90.0, "speedup": 1.0},
+        {"concurrency": 8, "depth": 5, "config": "depth5", "tokens_per_s": 80.0, "speedup": 0.89, "accept_len": 2.0},
+    ]
+    rec = {
+        "1": {
+            "config": "depth5",
+            "depth": 5,
+            "tokens_per_s": 30.0,
+            "speedup": 1.5,
+            "accept_len": 2.1,
+            "vllm": "python -m vllm ... 5",
+            "sglang": "python -m sglang ... 5",
+        },
+        "8": {
+            "config": "baseline",
+            "depth": 0,
+            "tokens_per_s": 90.0,
+            "speedup": 1.0,
+            "accept_len": None,
+            "vllm": "python -m vllm",
+            "sglang": "python -m sglang",
+        },
+    }
     page = report._recommendation_html({"figures": {"rows": rows, "recommendation": rec}})
     assert "<b>depth5</b>: 30 tokens/s, <b>1.50x</b> the no-speculation baseline, acceptance length 2.1" in page
     assert "<b>no speculation</b> (90 tokens/s): no depth beat the baseline; the best, depth5, ran at 0.89x" in page
@@ -132,24 +178,39 @@ def test_index_marks_results_a_failure_left_from_an_earlier_run(tmp_path):
 
 
 def test_fmt_and_duration():
-    assert [report.fmt(x) for x in (None, True, 12345, 0.123456, 2.0, "x")] == ["–", "yes", "12,345", "0.1235", "2", "x"]
+    assert [report.fmt(x) for x in (None, True, 12345, 0.123456, 2.0, "x")] == [
+        "–",
+        "yes",
+        "12,345",
+        "0.1235",
+        "2",
+        "x",
+    ]
     assert [report.duration(x) for x in (None, 3.21, 125, 7300)] == ["–", "3.2 s", "2 min 05 s", "2 h 01 min"]
 
 
 def test_log_excerpt_keeps_what_a_reader_wants(tmp_path):
     log = tmp_path / "engine.log"
-    log.write_text("\x1b[32mINFO\x1b[0m Route: /health\nINFO Resolved architecture: LlamaForCausalLMEagle3\n"
-                   "WARNING fd limits can cause `OSError`\nINFO Using auxiliary layers from speculative config: (2, 15, 27)\n"
-                   "\x1b[31mERROR\x1b[0m the drafter failed " + "x" * 400 + "\nINFO Shutting down\n")
+    log.write_text(
+        "\x1b[32mINFO\x1b[0m Route: /health\nINFO Resolved architecture: LlamaForCausalLMEagle3\n"
+        "WARNING fd limits can cause `OSError`\nINFO Using auxiliary layers from speculative config: (2, 15, 27)\n"
+        "\x1b[31mERROR\x1b[0m the drafter failed " + "x" * 400 + "\nINFO Shutting down\n"
+    )
     with open(log, "a") as f:
-        f.write("Exception ignored in: <function __del__>\nTraceback (most recent call last):\n  File x\n"
-                "RecursionError: maximum recursion depth exceeded\nINFO Loading drafter model... " + "x" * 400 + "\n")
+        f.write(
+            "Exception ignored in: <function __del__>\nTraceback (most recent call last):\n  File x\n"
+            "RecursionError: maximum recursion depth exceeded\nINFO Loading drafter model... " + "x" * 400 + "\n"
+        )
     text = report.log_excerpt(log)
-    assert text.splitlines()[0] == ("engine.log: 11 lines, 3 worth reading; it also holds 1 error-level line(s) "
-                                    "and 1 traceback(s), read them there:")
+    assert text.splitlines()[0] == (
+        "engine.log: 11 lines, 3 worth reading; it also holds 1 error-level line(s) "
+        "and 1 traceback(s), read them there:"
+    )
     assert "LlamaForCausalLMEagle3" in text and "(2, 15, 27)" in text and "Loading drafter model" in text
     for hidden in ("Route", "OSError", "Shutting", "\x1b", "Traceback", "RecursionError", "the drafter failed"):
         assert hidden not in text, hidden
     assert max(len(line) for line in text.splitlines()) < 230
-    assert report.log_excerpt(log, max_lines=1).count("\n") == 1 and "the first 1 shown" in report.log_excerpt(log, max_lines=1)
+    assert report.log_excerpt(log, max_lines=1).count("\n") == 1 and "the first 1 shown" in report.log_excerpt(
+        log, max_lines=1
+    )
     assert "no log at" in report.log_excerpt(tmp_path / "none.log")

@@ -1,5 +1,4 @@
 import json
-import os
 import time
 
 import pytest
@@ -40,13 +39,15 @@ def test_half_written_cache_is_rebuilt(tmp_path):
 
 def test_cached_model_matches_gguf(embedded_cache, embedded_target):
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     gguf = T.embedded_gguf_path()
     ref = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     ref_tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     model, tok = embedded_target
     assert not model.training
-    text = tok.apply_chat_template([{"role": "user", "content": "Name three colors."}],
-                                   add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "Name three colors."}], add_generation_prompt=True, tokenize=False
+    )
     ids = tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
     assert ids.tolist() == ref_tok(text, add_special_tokens=False, return_tensors="pt")["input_ids"].tolist()
     with torch.no_grad():
@@ -75,7 +76,16 @@ def test_aux_layer_ids():
     assert T.default_aux_layer_ids(30) == [2, 15, 27]
     assert T.default_aux_layer_ids(32) == [2, 16, 29]
     assert T.check_aux_layer_ids((1, 5, 29), 30) == [1, 5, 29]
-    for bad in ([0, 15, 27], [2, 15, 30], [2, 2, 27], [15, 2, 27], [2, 27], [2, 15, 27, 28], [2, 15.0, 27], [True, 15, 27]):
+    for bad in (
+        [0, 15, 27],
+        [2, 15, 30],
+        [2, 2, 27],
+        [15, 2, 27],
+        [2, 27],
+        [2, 15, 27, 28],
+        [2, 15.0, 27],
+        [True, 15, 27],
+    ):
         with pytest.raises(ValueError, match=r"1\.\.29"):
             T.check_aux_layer_ids(bad, 30)
 
@@ -115,17 +125,21 @@ def test_contract_round_trip_and_mismatch(tmp_path, embedded_target):
 def test_the_weights_free_view_makes_the_same_contract_and_reply_ends(embedded_cache, embedded_target):
     """00_prepare and the engine extract backends use it for targets an engine serves."""
     from eagle3lib.prepare import conversations
+
     model, tokenizer = embedded_target
     info, tok = T.load_target_info(T.EMBEDDED_TARGET, embedded_cache[0])
     assert not hasattr(info, "state_dict")
-    assert T.make_contract("t", info, tok, [2, 15, 27], "bfloat16") == T.make_contract("t", model, tokenizer, [2, 15, 27], "bfloat16")
+    assert T.make_contract("t", info, tok, [2, 15, 27], "bfloat16") == T.make_contract(
+        "t", model, tokenizer, [2, 15, 27], "bfloat16"
+    )
     assert conversations.eos_token_ids(info, tok) == conversations.eos_token_ids(model, tokenizer)
 
 
 def test_fingerprint_ignores_volatile_fields(embedded_target):
     config = embedded_target[0].config
-    other = type(config).from_dict({**config.to_dict(), "transformers_version": "0.0", "_name_or_path": "/x",
-                                    "dtype": "bfloat16"})
+    other = type(config).from_dict(
+        {**config.to_dict(), "transformers_version": "0.0", "_name_or_path": "/x", "dtype": "bfloat16"}
+    )
     assert T.target_fingerprint(other) == T.target_fingerprint(config)
     other = type(config).from_dict({**config.to_dict(), "num_hidden_layers": 29})
     assert T.target_fingerprint(other) != T.target_fingerprint(config)

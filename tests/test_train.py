@@ -1,8 +1,8 @@
 """TTT training on a small random Llama target with real shards on disk: learning, checkpoints,
 resume after kill -9, torchrun data parallel, non-finite loss, online mode, a DeepSeek-V3 (Kimi-shaped) target."""
+
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -13,12 +13,12 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from eagle3lib.prepare import conversations
-from eagle3lib.extract import shards
-from eagle3lib.workbook import pipeline
 from eagle3lib import target
-from eagle3lib.train import trainer
+from eagle3lib.extract import shards
 from eagle3lib.params import load_params
+from eagle3lib.prepare import conversations
+from eagle3lib.train import trainer
+from eagle3lib.workbook import pipeline
 
 AUX = [1, 3, 5]
 
@@ -30,7 +30,7 @@ def random_tokens(n, vocab, seed):
     mask = torch.zeros(sum(lengths), dtype=torch.uint8)
     starts = [0]
     for n_tok in lengths:
-        mask[starts[-1] + n_tok // 3: starts[-1] + n_tok] = 1  # the "assistant" part
+        mask[starts[-1] + n_tok // 3 : starts[-1] + n_tok] = 1  # the "assistant" part
         starts.append(starts[-1] + n_tok)
     return {"input_ids": ids, "loss_mask": mask, "seq_starts": torch.tensor(starts), "ids": [str(i) for i in range(n)]}
 
@@ -47,27 +47,60 @@ def make_run(root: Path, model, tokenizer, train_params: dict, n_train=40) -> Pa
     for split, n, seed in (("train", n_train, 1), ("val", 8, 2)):
         tokens = random_tokens(n, model.config.vocab_size, seed)
         conversations.save_tokens(prep / f"{split}.safetensors", tokens)
-        shards.extract(model, tokens, AUX, run_dir / "01_extract" / split, contract, batch_tokens=1024,
-                        shard_max_tokens=700, store_dtype=torch.float32, progress=False)
+        shards.extract(
+            model,
+            tokens,
+            AUX,
+            run_dir / "01_extract" / split,
+            contract,
+            batch_tokens=1024,
+            shard_max_tokens=700,
+            store_dtype=torch.float32,
+            progress=False,
+        )
     target.write_contract(prep, contract)
     pipeline.save_result(run_dir, "00_prepare", {})
     pipeline.save_result(run_dir, "01_extract", {})
-    tp = {"ttt_steps": 3, "max_seq_len": 128, "draft_vocab_size": 96, "max_tokens": 128 * 12, "lr": 3e-3,
-          "warmup_steps": 2, "checkpoint_every": 4, "eval_every": 4, "eval_max_tokens": 2000} | train_params
-    (root / "params.yaml").write_text(json.dumps({
-        "run": {"name": "t", "output_root": "outputs", "seed": 0},
-        "target": {"name": str(tdir), "dtype": "float32", "num_layers": 6, "aux_layer_ids": AUX},
-        "train": tp, "bench": {"depths": [5]}}))
+    tp = {
+        "ttt_steps": 3,
+        "max_seq_len": 128,
+        "draft_vocab_size": 96,
+        "max_tokens": 128 * 12,
+        "lr": 3e-3,
+        "warmup_steps": 2,
+        "checkpoint_every": 4,
+        "eval_every": 4,
+        "eval_max_tokens": 2000,
+    } | train_params
+    (root / "params.yaml").write_text(
+        json.dumps(
+            {
+                "run": {"name": "t", "output_root": "outputs", "seed": 0},
+                "target": {"name": str(tdir), "dtype": "float32", "num_layers": 6, "aux_layer_ids": AUX},
+                "train": tp,
+                "bench": {"depths": [5]},
+            }
+        )
+    )
     return run_dir
 
 
 @pytest.fixture(scope="module")
 def small_target(embedded_cache):
     torch.manual_seed(0)
-    cfg = LlamaConfig(hidden_size=64, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
-                      intermediate_size=128, vocab_size=256, tie_word_embeddings=False)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+        tie_word_embeddings=False,
+    )
     model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # a sharp next-token distribution, as trained models have, gives the drafter something to learn
+    with (
+        torch.no_grad()
+    ):  # a sharp next-token distribution, as trained models have, gives the drafter something to learn
         model.lm_head.weight.mul_(40)
     tokenizer = AutoTokenizer.from_pretrained(embedded_cache[1])  # only its chat template enters the contract
     return model, tokenizer
@@ -99,7 +132,7 @@ def test_training_learns_and_writes_the_canonical_checkpoint(tmp_path, small_tar
     assert contract["aux_layer_ids"] == AUX
     loaded = state(folder)
     assert all(torch.equal(loaded[k], v) for k, v in setup.drafter.state_dict().items())
-    log = [json.loads(l) for l in (run_dir / "02_train" / "log.jsonl").read_text().splitlines()]
+    log = [json.loads(line) for line in (run_dir / "02_train" / "log.jsonl").read_text().splitlines()]
     assert [e["step"] for e in log if "eval" not in e] == list(range(1, 41))
     assert 0 < vocab_stats["val_coverage"] <= 1
 
@@ -109,8 +142,11 @@ def test_resume_after_kill_ends_where_an_uninterrupted_run_does(tmp_path, small_
     ref_dir = make_run(tmp_path / "ref", *small_target, slow)
     trainer.run_stage(params_file(tmp_path / "ref"), str(ref_dir))
     run_dir = make_run(tmp_path / "killed", *small_target, slow)
-    proc = subprocess.Popen([sys.executable, "-m", "eagle3lib.train.trainer", params_file(tmp_path / "killed"), str(run_dir)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eagle3lib.train.trainer", params_file(tmp_path / "killed"), str(run_dir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     ckpt = run_dir / "02_train" / "checkpoints"
     deadline = time.time() + 120
     while not (ckpt / "step_0000004" / trainer.STATE_FILE).exists() and time.time() < deadline and proc.poll() is None:
@@ -124,7 +160,7 @@ def test_resume_after_kill_ends_where_an_uninterrupted_run_does(tmp_path, small_
     ref, resumed = state(ref_dir / "02_train" / "drafter"), state(run_dir / "02_train" / "drafter")
     for k in ref:
         assert torch.allclose(ref[k].float(), resumed[k].float(), atol=1e-6, rtol=0), k
-    entries = [json.loads(l) for l in (run_dir / "02_train" / "log.jsonl").read_text().splitlines()]
+    entries = [json.loads(line) for line in (run_dir / "02_train" / "log.jsonl").read_text().splitlines()]
     assert [e["step"] for e in entries if "eval" not in e] == list(range(1, 17))
 
 
@@ -132,8 +168,12 @@ def test_torchrun_two_processes_equal_one_with_the_same_global_batch(tmp_path, s
     common = {"max_tokens": 128 * 2 * 3, "checkpoint_every": 100, "eval_every": 100, "warmup_steps": 1}
     single = make_run(tmp_path / "single", *small_target, common | {"grad_accum": 2})
     # torchrun gives each rank one thread; the reference gets one too, so float sums run in the same order.
-    subprocess.run([sys.executable, "-m", "eagle3lib.train.trainer", params_file(tmp_path / "single"), str(single)],
-                   env=os.environ | {"OMP_NUM_THREADS": "1"}, check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, "-m", "eagle3lib.train.trainer", params_file(tmp_path / "single"), str(single)],
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+        check=True,
+        capture_output=True,
+    )
     s1 = json.loads((single / "02_train" / "train_summary.json").read_text())
     ddp = make_run(tmp_path / "ddp", *small_target, common | {"grad_accum": 1})
     s2 = trainer.launch(params_file(tmp_path / "ddp"), str(ddp), {}, 2)
@@ -176,12 +216,29 @@ def test_online_mode_trains_on_the_same_states_as_shards(tmp_path, small_target)
 
 def test_deepseek_v3_shaped_target_extracts_and_trains(tmp_path, embedded_cache):
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
+
     torch.manual_seed(0)
-    cfg = DeepseekV3Config(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                           num_hidden_layers=6, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
-                           n_shared_experts=1, n_group=2, topk_group=1, num_attention_heads=4, num_key_value_heads=4,
-                           kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16,
-                           tie_word_embeddings=False)
+    cfg = DeepseekV3Config(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=6,
+        first_k_dense_replace=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        n_group=2,
+        topk_group=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        tie_word_embeddings=False,
+    )
     model = DeepseekV3ForCausalLM(cfg).eval()
     tokenizer = AutoTokenizer.from_pretrained(embedded_cache[1])
     ids = torch.randint(0, 256, (1, 30))
@@ -198,10 +255,15 @@ def test_deepseek_v3_shaped_target_extracts_and_trains(tmp_path, embedded_cache)
 def test_make_batch_lays_out_packed_rows_with_padding_at_the_end():
     def seq(n, start):
         ids = torch.arange(start, start + n, dtype=torch.int32)
-        return trainer.Sequence(ids, (ids % 2).to(torch.uint8), ids[:, None].repeat(1, 6).to(torch.bfloat16),
-                              -ids[:, None].repeat(1, 2).to(torch.bfloat16))
+        return trainer.Sequence(
+            ids,
+            (ids % 2).to(torch.uint8),
+            ids[:, None].repeat(1, 6).to(torch.bfloat16),
+            -ids[:, None].repeat(1, 2).to(torch.bfloat16),
+        )
+
     rows = list(trainer.pack_rows(iter([seq(3, 10), seq(4, 20), seq(9, 30), seq(2, 50)]), 8))
-    assert [[len(s.input_ids) for s in r] for r in rows] == [[3, 4], [8], [2]]   # greedy, truncated to 8
+    assert [[len(s.input_ids) for s in r] for r in rows] == [[3, 4], [8], [2]]  # greedy, truncated to 8
     b = trainer.make_batch(rows[:2], 8)
     assert b["tokens"] == 15
     assert b["input_ids"].tolist() == [[10, 11, 12, 20, 21, 22, 23, 0], list(range(30, 38))]
@@ -219,6 +281,7 @@ def test_in_background_keeps_order_raises_where_the_source_did_and_stops_on_clos
     def failing():
         yield from range(5)
         raise ValueError("shard 5 is corrupt")
+
     got = []
     with pytest.raises(ValueError, match="shard 5"):
         for x in trainer.in_background(failing(), 2):
@@ -235,7 +298,8 @@ def test_in_background_keeps_order_raises_where_the_source_did_and_stops_on_clos
                 i += 1
         finally:
             closed.append(True)
+
     stream = trainer.in_background(endless(), 2)
     assert [next(stream) for _ in range(10)] == list(range(10))
     stream.close()
-    assert closed == [True]   # the source was closed in its thread, and that thread has ended
+    assert closed == [True]  # the source was closed in its thread, and that thread has ended

@@ -1,4 +1,5 @@
 """Draft vocabulary and the acceptance metrics (DESIGN.md §5)."""
+
 import pytest
 import torch
 
@@ -28,9 +29,7 @@ def test_draft_vocab_fills_up_with_unseen_ids_and_checks_size():
 
 def test_metrics_condition_on_earlier_steps():
     # 4 positions, 3 steps.
-    right = torch.tensor([[1, 1, 1, 0],
-                          [1, 0, 1, 1],
-                          [0, 1, 1, 1]], dtype=torch.bool)
+    right = torch.tensor([[1, 1, 1, 0], [1, 0, 1, 1], [0, 1, 1, 1]], dtype=torch.bool)
     valid = torch.ones_like(right)
     c = AcceptanceCounter(3)
     c.update(right, valid)

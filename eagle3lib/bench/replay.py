@@ -16,6 +16,7 @@ token accepted at chain position k; 0 (TARGET) = the target's own token (prefill
 Acceptance length = 1 + accepted drafts / verify steps, which is what vLLM reports (DESIGN.md §5), and
 per_pos[k] = verify steps whose first k+1 drafts were accepted / verify steps (= joint_acc[k]).
 """
+
 from __future__ import annotations
 
 import functools
@@ -34,10 +35,12 @@ TARGET = 0  # source of a token the target produced itself
 
 # ------------------------------------------------------------------------------ target side ----
 
+
 def _one_cpu_thread(fn):
     """Run with one torch thread when the target is on the CPU (restored afterwards): a verify step multiplies
     a few rows at a time, and on a busy 2-core machine two threads made such matmuls ~25x slower
     (6x576 @ 576x1536: 6.6 ms against 0.25 ms; a 96-token replay at depth 5: 114 s against 10 s)."""
+
     @functools.wraps(fn)
     def wrapper(model, *args, **kwargs):
         if model.get_input_embeddings().weight.device.type != "cpu":
@@ -48,14 +51,17 @@ def _one_cpu_thread(fn):
             return fn(model, *args, **kwargs)
         finally:
             torch.set_num_threads(threads)
+
     return wrapper
 
 
 def _base(model):
     base = getattr(model, "model", None)
     if base is None or getattr(base, "layers", None) is None:
-        raise TypeError(f"expected a Hugging Face causal LM with model.model.layers (Llama-like), found "
-                        f"{type(model).__name__}; load the target with eagle3lib.target.load_target")
+        raise TypeError(
+            f"expected a Hugging Face causal LM with model.model.layers (Llama-like), found "
+            f"{type(model).__name__}; load the target with eagle3lib.target.load_target"
+        )
     return base
 
 
@@ -71,7 +77,9 @@ def target_forward(model, ids: list[int], cache, aux_layer_ids: list[int] | None
     def keep(k):
         def hook(module, args, kwargs):
             captured[k] = args[0] if args else kwargs["hidden_states"]
+
         return hook
+
     for k, i in enumerate(aux_layer_ids or []):
         handles.append(base.layers[int(i)].register_forward_pre_hook(keep(k), with_kwargs=True))
     accepts = inspect.signature(base.forward).parameters
@@ -110,6 +118,7 @@ def _truncate_draft(cache: DraftCache, length: int) -> None:
 def greedy_decode(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
     """The target's greedy continuation, one token per forward with a KV cache (the no-speculation reference)."""
     from transformers import DynamicCache
+
     cache = DynamicCache()
     hidden, _ = target_forward(model, list(prompt_ids), cache)
     out = [greedy_at(model, hidden[-1])]
@@ -121,10 +130,12 @@ def greedy_decode(model, prompt_ids: list[int], max_tokens: int) -> list[int]:
 
 # ----------------------------------------------------------------------------- the replay ----
 
+
 @_one_cpu_thread
 @torch.inference_mode()
-def speculative_decode(model, drafter: Drafter, prompt_ids: list[int], depth: int, max_tokens: int,
-                       prefill: dict | None = None) -> dict:
+def speculative_decode(
+    model, drafter: Drafter, prompt_ids: list[int], depth: int, max_tokens: int, prefill: dict | None = None
+) -> dict:
     """Greedy speculative decoding of `max_tokens` tokens (no stop at EOS, as the benchmark's ignore_eos) with a
     chain of `depth` drafts per verify step. Returns {token_ids, source, rounds, accepted, accept_len, per_pos}.
 
@@ -149,37 +160,44 @@ def speculative_decode(model, drafter: Drafter, prompt_ids: list[int], depth: in
     aux, positions, next_tokens = pre["aux"].to(dtype), list(range(n)), prompt_ids[1:] + [pre["first"]]
     rounds, accepted = 0, [0] * depth
     while len(out) < max_tokens:
-        hidden, logits = drafter.step(draft_cache, embeds(next_tokens), aux,
-                                      torch.tensor([positions], device=embed.device), from_target=True)
+        hidden, logits = drafter.step(
+            draft_cache, embeds(next_tokens), aux, torch.tensor([positions], device=embed.device), from_target=True
+        )
         kept = draft_cache.positions.shape[1]
         drafts = [int(drafter.draft_to_target(logits[0, -1].argmax()))]
         hidden, p = hidden[:, -1:], positions[-1]
         for _ in range(depth - 1):
             p += 1
-            hidden, logits = drafter.step(draft_cache, embeds(drafts[-1:]), hidden,
-                                          torch.tensor([[p]], device=embed.device), from_target=False)
+            hidden, logits = drafter.step(
+                draft_cache, embeds(drafts[-1:]), hidden, torch.tensor([[p]], device=embed.device), from_target=False
+            )
             drafts.append(int(drafter.draft_to_target(logits[0, -1].argmax())))
         _truncate_draft(draft_cache, kept)
 
-        start = n + len(out) - 1                         # position of the last committed token
+        start = n + len(out) - 1  # position of the last committed token
         verify = [out[-1]] + drafts
         hidden, verify_aux = target_forward(model, verify, cache, drafter.cfg.aux_layer_ids)
-        a, token = 0, greedy_at(model, hidden[0])          # the target's token after the last committed one
+        a, token = 0, greedy_at(model, hidden[0])  # the target's token after the last committed one
         while a < depth and drafts[a] == token:
             a += 1
             token = greedy_at(model, hidden[a])
         new = drafts[:a] + [token]
-        _truncate(cache, start + a + 1)                  # keep the committed token and the accepted drafts
+        _truncate(cache, start + a + 1)  # keep the committed token and the accepted drafts
         rounds += 1
         for k in range(a):
             accepted[k] += 1
         out += new
         source += list(range(1, a + 1)) + [TARGET]
-        aux, positions, next_tokens = verify_aux[:, :a + 1].to(dtype), list(range(start, start + a + 1)), new
+        aux, positions, next_tokens = verify_aux[:, : a + 1].to(dtype), list(range(start, start + a + 1)), new
     _truncate(cache, n)
-    return {"token_ids": out[:max_tokens], "source": source[:max_tokens], "rounds": rounds,
-            "accepted": sum(accepted), "accept_len": 1 + sum(accepted) / rounds if rounds else None,
-            "per_pos": [x / rounds for x in accepted] if rounds else []}
+    return {
+        "token_ids": out[:max_tokens],
+        "source": source[:max_tokens],
+        "rounds": rounds,
+        "accepted": sum(accepted),
+        "accept_len": 1 + sum(accepted) / rounds if rounds else None,
+        "per_pos": [x / rounds for x in accepted] if rounds else [],
+    }
 
 
 @_one_cpu_thread
@@ -187,6 +205,7 @@ def speculative_decode(model, drafter: Drafter, prompt_ids: list[int], depth: in
 def prefill_prompt(model, drafter: Drafter, prompt_ids: list[int]) -> dict:
     """The target's forward over the prompt: {cache, first (greedy token), aux [1, n, 3H]}."""
     from transformers import DynamicCache
+
     cache = DynamicCache()
     hidden, aux = target_forward(model, [int(i) for i in prompt_ids], cache, drafter.cfg.aux_layer_ids)
     return {"cache": cache, "first": greedy_at(model, hidden[-1]), "aux": aux}
@@ -201,10 +220,12 @@ def replay_dtype(bench_dtype: str | None, target_dtype: str, device: str) -> str
 
 # ------------------------------------------------------------------------------ for reports ----
 
+
 def prompt_texts(bench_prompts: list[dict]) -> dict:
     """{id: the last user turn} of the prepare stage's bench prompts ({id, messages})."""
-    return {b["id"]: next((m["content"] for m in reversed(b["messages"]) if m["role"] == "user"), "")
-            for b in bench_prompts}
+    return {
+        b["id"]: next((m["content"] for m in reversed(b["messages"]) if m["role"] == "user"), "") for b in bench_prompts
+    }
 
 
 def token_pieces(tokenizer, token_ids: list[int]) -> list[str]:
@@ -212,24 +233,33 @@ def token_pieces(tokenizer, token_ids: list[int]) -> list[str]:
     to the token that completes it (the others get ""), so the pieces join to the decoded text."""
     pieces, emitted = [], ""
     for i in range(len(token_ids)):
-        text = tokenizer.decode(token_ids[:i + 1])
-        if text.endswith("\ufffd"):          # an incomplete UTF-8 sequence so far
+        text = tokenizer.decode(token_ids[: i + 1])
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence so far
             pieces.append("")
         elif text.startswith(emitted):
-            pieces.append(text[len(emitted):])
+            pieces.append(text[len(emitted) :])
             emitted = text
-        else:                                 # decoding rewrote earlier text (rare): fall back to the token alone
-            pieces.append(tokenizer.decode(token_ids[i:i + 1]))
+        else:  # decoding rewrote earlier text (rare): fall back to the token alone
+            pieces.append(tokenizer.decode(token_ids[i : i + 1]))
             emitted += pieces[-1]
     final = tokenizer.decode(token_ids)
     if pieces and final.startswith(emitted):
-        pieces[-1] += final[len(emitted):]
+        pieces[-1] += final[len(emitted) :]
     return pieces
 
 
 @_one_cpu_thread
-def replay_prompts(model, tokenizer, drafter: Drafter, prompts: list[dict], depths: list[int], max_tokens: int,
-                   baseline: list[dict] | None = None, texts: dict | None = None, progress: bool = True) -> dict:
+def replay_prompts(
+    model,
+    tokenizer,
+    drafter: Drafter,
+    prompts: list[dict],
+    depths: list[int],
+    max_tokens: int,
+    baseline: list[dict] | None = None,
+    texts: dict | None = None,
+    progress: bool = True,
+) -> dict:
     """Replay every prompt ({id, prompt_ids}) at every depth; texts: {id: the prompt as a reader should see it}
     (default: the end of the templated prompt). baseline: the engine's no-speculation outputs
     ({id, token_ids, text}, same order) shown beside the replay and compared with it token for token.
@@ -243,9 +273,12 @@ def replay_prompts(model, tokenizer, drafter: Drafter, prompts: list[dict], dept
     for pr in prompts:
         pre = prefill_prompt(model, drafter, pr["prompt_ids"])
         b = base.get(pr["id"])
-        rec = {"id": pr["id"], "prompt": (texts or {}).get(pr["id"]) or tokenizer.decode(pr["prompt_ids"][-200:]),
-               "baseline": b and {"token_ids": b["token_ids"], "pieces": token_pieces(tokenizer, b["token_ids"])},
-               "replays": {}}
+        rec = {
+            "id": pr["id"],
+            "prompt": (texts or {}).get(pr["id"]) or tokenizer.decode(pr["prompt_ids"][-200:]),
+            "baseline": b and {"token_ids": b["token_ids"], "pieces": token_pieces(tokenizer, b["token_ids"])},
+            "replays": {},
+        }
         for d in depths:
             r = speculative_decode(model, drafter, pr["prompt_ids"], d, max_tokens, prefill=pre)
             r["pieces"] = token_pieces(tokenizer, r["token_ids"])
@@ -259,14 +292,22 @@ def replay_prompts(model, tokenizer, drafter: Drafter, prompts: list[dict], dept
         rs = [rec["replays"][str(d)] for rec in records]
         rounds = sum(r["rounds"] for r in rs)
         per_pos = [sum(r["per_pos"][k] * r["rounds"] for r in rs) / rounds if rounds else 0.0 for k in range(d)]
-        summary[str(d)] = {"accept_len": 1 + sum(r["accepted"] for r in rs) / rounds if rounds else None,
-                           "per_pos": per_pos, "rounds": rounds,
-                           "tokens_from_drafts": sum(1 for r in rs for s in r["source"] if s != TARGET),
-                           "tokens": sum(len(r["token_ids"]) for r in rs),
-                           "equals_baseline": None if not base else sum(bool(r["equals_baseline"]) for r in rs)}
+        summary[str(d)] = {
+            "accept_len": 1 + sum(r["accepted"] for r in rs) / rounds if rounds else None,
+            "per_pos": per_pos,
+            "rounds": rounds,
+            "tokens_from_drafts": sum(1 for r in rs for s in r["source"] if s != TARGET),
+            "tokens": sum(len(r["token_ids"]) for r in rs),
+            "equals_baseline": None if not base else sum(bool(r["equals_baseline"]) for r in rs),
+        }
     dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return {"depths": list(depths), "max_tokens": max_tokens, "target_dtype": dtype, "prompts": records,
-            "summary": summary}
+    return {
+        "depths": list(depths),
+        "max_tokens": max_tokens,
+        "target_dtype": dtype,
+        "prompts": records,
+        "summary": summary,
+    }
 
 
 def compare_with_engine(prov: dict, rows: list[dict]) -> list[dict]:
@@ -276,14 +317,21 @@ def compare_with_engine(prov: dict, rows: list[dict]) -> list[dict]:
     for d in prov["depths"]:
         s = prov["summary"][str(d)]
         engine = min((r for r in rows if r["depth"] == d), key=lambda r: r["concurrency"], default={})
-        out.append({"depth": d, "replay accept len": s["accept_len"], "engine accept len": engine.get("accept_len"),
-                    "engine concurrency": engine.get("concurrency"),
-                    "predicted (training)": engine.get("predicted_accept_len"),
-                    "replay per position": " ".join(f"{x:.2f}" for x in s["per_pos"]),
-                    "engine per position": " ".join(f"{x:.2f}" for x in engine.get("per_pos") or []),
-                    "tokens from drafts": f"{s['tokens_from_drafts']} of {s['tokens']}",
-                    "equal to the baseline": (None if s["equals_baseline"] is None
-                                              else f"{s['equals_baseline']} of {len(prov['prompts'])}")})
+        out.append(
+            {
+                "depth": d,
+                "replay accept len": s["accept_len"],
+                "engine accept len": engine.get("accept_len"),
+                "engine concurrency": engine.get("concurrency"),
+                "predicted (training)": engine.get("predicted_accept_len"),
+                "replay per position": " ".join(f"{x:.2f}" for x in s["per_pos"]),
+                "engine per position": " ".join(f"{x:.2f}" for x in engine.get("per_pos") or []),
+                "tokens from drafts": f"{s['tokens_from_drafts']} of {s['tokens']}",
+                "equal to the baseline": (
+                    None if s["equals_baseline"] is None else f"{s['equals_baseline']} of {len(prov['prompts'])}"
+                ),
+            }
+        )
     return out
 
 

@@ -11,6 +11,7 @@ fixed max_tokens. Losslessness: the share of prompts whose output tokens equal t
 same concurrency (in bf16 the kernels of a batch of 1 and of a verify step round differently, so
 run with bench.dtype float32 to check it token for token; DESIGN.md §3).
 """
+
 from __future__ import annotations
 
 import html
@@ -23,8 +24,8 @@ from tqdm.auto import tqdm
 from eagle3lib import engines
 from eagle3lib.convert import layouts
 
-
 # ------------------------------------------------------------------------------ inputs ----
+
 
 def prompt_ids(tokenizer, bench: list[dict], n: int) -> list[dict]:
     """[{id, prompt_ids}] for the first n bench conversations, with the chat template's generation prompt."""
@@ -53,6 +54,7 @@ def predicted(eval_summary: dict, depth: int) -> dict:
 
 # ------------------------------------------------------------------------- measurement ----
 
+
 def run_requests(server, prompts: list[dict], max_tokens: int, concurrency: int) -> tuple[list[dict], float]:
     """All prompts through server.generate with `concurrency` requests in flight; (outputs in prompt order, wall s)."""
     t0 = time.perf_counter()
@@ -68,26 +70,50 @@ def measure(server, prompts: list[dict], max_tokens: int, concurrency: int) -> d
     if server.name == "vllm":
         spec = engines.vllm.stats_diff(before, server.stats())
     else:
-        spec = engines.sglang.aggregate_meta([o["meta"] | {"completion_tokens": o["completion_tokens"]} for o in outputs])
+        spec = engines.sglang.aggregate_meta(
+            [o["meta"] | {"completion_tokens": o["completion_tokens"]} for o in outputs]
+        )
     tokens = sum(o["completion_tokens"] for o in outputs)
-    return {"concurrency": concurrency, "requests": len(outputs), "completion_tokens": tokens, "wall_s": round(wall, 3),
-            "tokens_per_s": tokens / wall,
-            # request latency / its output tokens (prefill included), mean over requests
-            "tpot_ms": 1000 * sum(o["seconds"] / max(o["completion_tokens"], 1) for o in outputs) / len(outputs),
-            "accept_len": spec.get("accept_len"), "per_pos": spec.get("per_pos", []), "drafts": spec.get("drafts", 0),
-            "outputs": [{"id": p["id"], "token_ids": o["token_ids"], "text": o["text"]} for p, o in zip(prompts, outputs)]}
+    return {
+        "concurrency": concurrency,
+        "requests": len(outputs),
+        "completion_tokens": tokens,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": tokens / wall,
+        # request latency / its output tokens (prefill included), mean over requests
+        "tpot_ms": 1000 * sum(o["seconds"] / max(o["completion_tokens"], 1) for o in outputs) / len(outputs),
+        "accept_len": spec.get("accept_len"),
+        "per_pos": spec.get("per_pos", []),
+        "drafts": spec.get("drafts", 0),
+        "outputs": [{"id": p["id"], "token_ids": o["token_ids"], "text": o["text"]} for p, o in zip(prompts, outputs)],
+    }
 
 
-def run_config(engine_params, target_dir, draft_dir, depth: int | None, prompts: list[dict], max_tokens: int,
-               concurrency: list[int], log_dir, dtype: str | None = None) -> list[dict]:
+def run_config(
+    engine_params,
+    target_dir,
+    draft_dir,
+    depth: int | None,
+    prompts: list[dict],
+    max_tokens: int,
+    concurrency: list[int],
+    log_dir,
+    dtype: str | None = None,
+) -> list[dict]:
     """Start a server for one configuration, warm it up, measure each concurrency, stop it (always)."""
     server = engines.make(engine_params, target_dir, draft_dir, depth, log_dir, dtype)
     with server:
-        server.generate(prompts[0]["prompt_ids"], min(8, max_tokens))          # warm-up, not measured
+        server.generate(prompts[0]["prompt_ids"], min(8, max_tokens))  # warm-up, not measured
         rows = [measure(server, prompts, max_tokens, c) for c in concurrency]
     for r in rows:
-        r.update(engine=engine_params.name, depth=depth or 0, config=engines.config_name(depth, dtype),
-                 ready_s=server.ready_s, log=str(server.log_path), group=server.group)
+        r.update(
+            engine=engine_params.name,
+            depth=depth or 0,
+            config=engines.config_name(depth, dtype),
+            ready_s=server.ready_s,
+            log=str(server.log_path),
+            group=server.group,
+        )
     return rows
 
 
@@ -96,14 +122,24 @@ def compare_outputs(outputs: list[dict], baseline: list[dict]) -> dict:
     diffs = []
     for o, b in zip(outputs, baseline):
         if o["token_ids"] != b["token_ids"]:
-            k = next((i for i, (x, y) in enumerate(zip(o["token_ids"], b["token_ids"])) if x != y),
-                     min(len(o["token_ids"]), len(b["token_ids"])))
+            k = next(
+                (i for i, (x, y) in enumerate(zip(o["token_ids"], b["token_ids"])) if x != y),
+                min(len(o["token_ids"]), len(b["token_ids"])),
+            )
             diffs.append({"id": o["id"], "first_diff": k, "baseline": b["text"][:200], "speculative": o["text"][:200]})
     return {"lossless_frac": 1 - len(diffs) / len(outputs), "differences": diffs}
 
 
-def benchmark(engine_params, bench_params, target_dir, draft_dir, prompts: list[dict], log_dir,
-              eval_summary: dict | None = None, progress=print) -> dict:
+def benchmark(
+    engine_params,
+    bench_params,
+    target_dir,
+    draft_dir,
+    prompts: list[dict],
+    log_dir,
+    eval_summary: dict | None = None,
+    progress=print,
+) -> dict:
     """The sweep: baseline, then bench.depths in order, at each concurrency. Returns {rows, differences,
     recommendation, ...}; rows carry the fields of issue 5 plus tpot_ms, drafts, efficiency, ready_s, log;
     baseline_outputs holds the no-speculation outputs per concurrency. progress: a callable for status lines
@@ -117,8 +153,17 @@ def benchmark(engine_params, bench_params, target_dir, draft_dir, prompts: list[
     for depth in configs:
         say(f"[bench] {engines.config_name(depth, dtype)}: starting {engine_params.name}")
         bar.set_postfix_str(engines.config_name(depth, dtype))
-        for r in run_config(engine_params, target_dir, draft_dir, depth, prompts, bench_params.max_tokens,
-                            bench_params.concurrency, log_dir, dtype):
+        for r in run_config(
+            engine_params,
+            target_dir,
+            draft_dir,
+            depth,
+            prompts,
+            bench_params.max_tokens,
+            bench_params.concurrency,
+            log_dir,
+            dtype,
+        ):
             outs = r.pop("outputs")
             if depth is None:
                 outputs[r["concurrency"]] = outs
@@ -138,22 +183,30 @@ def benchmark(engine_params, bench_params, target_dir, draft_dir, prompts: list[
             # issue 5's goal: tokens/s >= 0.8 x acceptance length x baseline tokens/s, i.e. efficiency >= 0.8
             r["efficiency"] = r["speedup"] / r["accept_len"] if r.get("accept_len") else None
             rows.append(r)
-            say(f"[bench]   concurrency {r['concurrency']}: {r['tokens_per_s']:.1f} tokens/s, speedup "
-                f"{r['speedup']:.2f}, acceptance {_fmt(r.get('accept_len'))}, lossless {r['lossless_frac']:.2f}")
+            say(
+                f"[bench]   concurrency {r['concurrency']}: {r['tokens_per_s']:.1f} tokens/s, speedup "
+                f"{r['speedup']:.2f}, acceptance {_fmt(r.get('accept_len'))}, lossless {r['lossless_frac']:.2f}"
+            )
         bar.update(1)
     bar.close()
     baseline_agree = None
-    if len(outputs) > 1:   # the baseline against itself across concurrency: batching's own rounding
+    if len(outputs) > 1:  # the baseline against itself across concurrency: batching's own rounding
         cs = sorted(outputs)
         baseline_agree = compare_outputs(outputs[cs[-1]], outputs[cs[0]])["lossless_frac"]
-    return {"rows": rows, "differences": differences, "baseline_agreement_across_concurrency": baseline_agree,
-            "baseline_outputs": {str(c): outs for c, outs in outputs.items()},  # [{id, token_ids, text}] per concurrency
-            "dtype": dtype or "engine default", "restart_per_configuration": True,
-            "lossless_reference": f"baseline (no speculation) at the same concurrency, dtype {dtype or 'engine default (bf16 on CPU)'}",
-            "seconds": round(time.time() - started, 1)}
+    return {
+        "rows": rows,
+        "differences": differences,
+        "baseline_agreement_across_concurrency": baseline_agree,
+        "baseline_outputs": {str(c): outs for c, outs in outputs.items()},  # [{id, token_ids, text}] per concurrency
+        "dtype": dtype or "engine default",
+        "restart_per_configuration": True,
+        "lossless_reference": f"baseline (no speculation) at the same concurrency, dtype {dtype or 'engine default (bf16 on CPU)'}",
+        "seconds": round(time.time() - started, 1),
+    }
 
 
 # ------------------------------------------------------------------------------ report ----
+
 
 def recommend(rows: list[dict], target_dir, drafts: dict) -> dict:
     """{concurrency: {config, depth, tokens_per_s, speedup, vllm, sglang}}: the fastest configuration per
@@ -162,10 +215,17 @@ def recommend(rows: list[dict], target_dir, drafts: dict) -> dict:
     for c in sorted({r["concurrency"] for r in rows}):
         best = max((r for r in rows if r["concurrency"] == c), key=lambda r: r["tokens_per_s"])
         d = best["depth"] or None
-        out[str(c)] = {"config": best["config"], "depth": best["depth"], "tokens_per_s": round(best["tokens_per_s"], 1),
-                       "speedup": round(best["speedup"], 3), "accept_len": best.get("accept_len"),
-                       **{e: shlex.join(layouts.launch_command(e, target_dir, drafts.get(e, f"<{e} export>"), d, "python"))
-                          for e in ("vllm", "sglang")}}
+        out[str(c)] = {
+            "config": best["config"],
+            "depth": best["depth"],
+            "tokens_per_s": round(best["tokens_per_s"], 1),
+            "speedup": round(best["speedup"], 3),
+            "accept_len": best.get("accept_len"),
+            **{
+                e: shlex.join(layouts.launch_command(e, target_dir, drafts.get(e, f"<{e} export>"), d, "python"))
+                for e in ("vllm", "sglang")
+            },
+        }
     return out
 
 
@@ -175,12 +235,22 @@ def _fmt(x, digits=2):
 
 def table(rows: list[dict]) -> list[dict]:
     """Rows as display records (rounded; per-position acceptance as text)."""
-    return [{"config": r["config"], "depth": r["depth"], "concurrency": r["concurrency"],
-             "tokens/s": round(r["tokens_per_s"], 1), "ms/token": round(r["tpot_ms"], 1),
-             "speedup": round(r["speedup"], 2), "accept len": _fmt(r.get("accept_len")),
-             "predicted": _fmt(r.get("predicted_accept_len")),
-             "per position": " ".join(f"{x:.2f}" for x in r.get("per_pos") or []),
-             "lossless": f"{r['lossless_frac']:.0%}", "efficiency": _fmt(r.get("efficiency"))} for r in rows]
+    return [
+        {
+            "config": r["config"],
+            "depth": r["depth"],
+            "concurrency": r["concurrency"],
+            "tokens/s": round(r["tokens_per_s"], 1),
+            "ms/token": round(r["tpot_ms"], 1),
+            "speedup": round(r["speedup"], 2),
+            "accept len": _fmt(r.get("accept_len")),
+            "predicted": _fmt(r.get("predicted_accept_len")),
+            "per position": " ".join(f"{x:.2f}" for x in r.get("per_pos") or []),
+            "lossless": f"{r['lossless_frac']:.0%}",
+            "efficiency": _fmt(r.get("efficiency")),
+        }
+        for r in rows
+    ]
 
 
 def table_html(rows: list[dict]) -> str:

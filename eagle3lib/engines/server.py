@@ -5,6 +5,7 @@ group (the engine's worker processes included), and the guard ends it by itself 
 process that started it dies without running stop() (kill -9, a crashed kernel). Servers still
 running at interpreter exit are stopped by an atexit hook; a `with` block stops on errors and Ctrl-C.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -43,7 +44,8 @@ def check_port(host: str, port: int) -> None:
             raise EngineError(
                 f"Expected port {port} on {host} to be free for the engine, found it taken ({e.strerror}). "
                 f"Stop whatever listens there (`ss -ltnp | grep :{port}`), or set engine.port to another "
-                "port or to null for a free one.") from None
+                "port or to null for a free one."
+            ) from None
 
 
 def log_tail(path, lines: int = 40) -> str:
@@ -62,7 +64,9 @@ def http_json(url: str, body: dict | None = None, timeout: float = 600) -> dict:
         with urllib.request.urlopen(req, timeout=timeout) as r:
             return json.loads(r.read())
     except urllib.error.HTTPError as e:
-        raise EngineError(f"{url} answered HTTP {e.code}, expected 200: {e.read().decode(errors='replace')[:2000]}") from None
+        raise EngineError(
+            f"{url} answered HTTP {e.code}, expected 200: {e.read().decode(errors='replace')[:2000]}"
+        ) from None
 
 
 def http_text(url: str, timeout: float = 30) -> str:
@@ -76,11 +80,19 @@ class Server:
     command: the launch command without host/port flags (the subclass adds them);
     env: variables added to this process's environment; log_path: stdout+stderr of the server.
     """
+
     name = "engine"
     health_path = "/health"
 
-    def __init__(self, command: list[str], log_path, host: str = "127.0.0.1", port: int | None = None,
-                 env: dict | None = None, start_timeout_s: float = 600):
+    def __init__(
+        self,
+        command: list[str],
+        log_path,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        env: dict | None = None,
+        start_timeout_s: float = 600,
+    ):
         self.host = host
         self.port_asked = port
         self.port = port
@@ -89,7 +101,7 @@ class Server:
         self.log_path = Path(log_path)
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
-        self.group: int | None = None      # process group id of the last start (the guard's pid)
+        self.group: int | None = None  # process group id of the last start (the guard's pid)
         self.ready_s: float | None = None
 
     # -- subclasses -----------------------------------------------------------------------
@@ -118,9 +130,14 @@ class Server:
         log.write(f"$ {' '.join(self.command)}\n".encode())
         log.flush()
         t0 = time.time()
-        self.proc = subprocess.Popen([sys.executable, str(GUARD), str(os.getpid()), *self.command],
-                                     stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                     env={**os.environ, **self.env}, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(GUARD), str(os.getpid()), *self.command],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env={**os.environ, **self.env},
+            start_new_session=True,
+        )
         log.close()
         self.group = self.proc.pid
         _RUNNING.add(self)
@@ -136,8 +153,10 @@ class Server:
         while True:
             code = self.proc.poll()
             if code is not None:
-                raise EngineError(f"{self.name} exited with status {code} during start, expected it to serve "
-                                  f"{self.url}. Last lines of {self.log_path}:\n{log_tail(self.log_path)}")
+                raise EngineError(
+                    f"{self.name} exited with status {code} during start, expected it to serve "
+                    f"{self.url}. Last lines of {self.log_path}:\n{log_tail(self.log_path)}"
+                )
             try:
                 with urllib.request.urlopen(self.url + self.health_path, timeout=5) as r:
                     if r.status == 200:
@@ -145,9 +164,11 @@ class Server:
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
                 pass
             if time.time() - t0 > self.start_timeout_s:
-                raise EngineError(f"{self.name} was not healthy at {self.url}{self.health_path} after "
-                                  f"{self.start_timeout_s:.0f} s (engine.start_timeout_s); stopped it. Last lines of "
-                                  f"{self.log_path}:\n{log_tail(self.log_path)}")
+                raise EngineError(
+                    f"{self.name} was not healthy at {self.url}{self.health_path} after "
+                    f"{self.start_timeout_s:.0f} s (engine.start_timeout_s); stopped it. Last lines of "
+                    f"{self.log_path}:\n{log_tail(self.log_path)}"
+                )
             time.sleep(0.5)
 
     def running(self) -> bool:
@@ -157,7 +178,7 @@ class Server:
         """SIGTERM to the whole process group, SIGKILL after grace_s; waits until no member is left."""
         if self.proc is None:
             return
-        group = self.proc.pid            # the guard leads its own group
+        group = self.proc.pid  # the guard leads its own group
         try:
             os.killpg(group, signal.SIGTERM)
         except ProcessLookupError:
@@ -172,7 +193,7 @@ class Server:
             except ProcessLookupError:
                 pass
         self.proc.wait()
-        for _ in range(50):                # SIGKILL is not instant
+        for _ in range(50):  # SIGKILL is not instant
             if not alive_in_group(group):
                 break
             time.sleep(0.1)

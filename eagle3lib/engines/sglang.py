@@ -8,6 +8,7 @@ The flags are checked before launch the way the convert stage checks them: expor
 Generation: POST /generate with input_ids, greedy, ignore_eos. Statistics come per request from
 `meta_info` (/server_info's avg_spec_accept_length is a lifetime figure): aggregate_meta sums them.
 """
+
 from __future__ import annotations
 
 import json
@@ -26,11 +27,16 @@ def preflight(target_dir, draft_dir, depth: int, python: str) -> dict:
     problems += report.get("problems", [])
     contract = layouts.read_contract(draft_dir)
     ids = report.get("eagle_aux_hidden_state_layer_ids")
-    report["captured_hf_layers"] = layouts.sglang_captured_ids(ids, contract.get("target_architecture"),
-                                                              contract.get("num_layers") or 0) if ids else None
+    report["captured_hf_layers"] = (
+        layouts.sglang_captured_ids(ids, contract.get("target_architecture"), contract.get("num_layers") or 0)
+        if ids
+        else None
+    )
     if ids and report["captured_hf_layers"] != contract.get("aux_layer_ids"):
-        problems.append(f"SGLang will capture HF hidden_states {report['captured_hf_layers']}, the drafter was "
-                        f"trained on {contract.get('aux_layer_ids')}: re-export it with eagle3lib.convert.layouts.")
+        problems.append(
+            f"SGLang will capture HF hidden_states {report['captured_hf_layers']}, the drafter was "
+            f"trained on {contract.get('aux_layer_ids')}: re-export it with eagle3lib.convert.layouts."
+        )
     if problems:
         raise EngineError("SGLang would not run the drafter as asked:\n  " + "\n  ".join(problems))
     return report
@@ -48,23 +54,31 @@ def aggregate_meta(metas: list[dict]) -> dict:
             hist += [0] * (n + 1 - len(hist))
             hist[n] += count
     steps = sum(hist)
-    per_pos = [sum(hist[k + 1:]) / steps for k in range(len(hist) - 1)] if steps else []
-    return {"drafts": verify, "accepted": sum(m.get("spec_num_correct_drafts", 0) for m in metas),
-            "completion_tokens": tokens, "accept_len": tokens / verify if verify else None,
-            "per_pos": per_pos, "histogram": hist}
+    per_pos = [sum(hist[k + 1 :]) / steps for k in range(len(hist) - 1)] if steps else []
+    return {
+        "drafts": verify,
+        "accepted": sum(m.get("spec_num_correct_drafts", 0) for m in metas),
+        "completion_tokens": tokens,
+        "accept_len": tokens / verify if verify else None,
+        "per_pos": per_pos,
+        "histogram": hist,
+    }
 
 
 class SGLang(Server):
     name = "sglang"
 
     def start(self) -> float:
-        problems = layouts.check_sglang_args(self.base_command) if "--speculative-algorithm" in self.base_command else []
+        problems = (
+            layouts.check_sglang_args(self.base_command) if "--speculative-algorithm" in self.base_command else []
+        )
         if problems:
             raise EngineError("SGLang launch flags for an EAGLE-3 drafter are wrong:\n  " + "\n  ".join(problems))
         return super().start()
 
-    def generate(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True,
-                 stop_token_ids: list[int] | None = None) -> dict:
+    def generate(
+        self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True, stop_token_ids: list[int] | None = None
+    ) -> dict:
         """Greedy completion of token ids: {token_ids, text, completion_tokens, seconds, finish_reason, meta}."""
         t0 = time.perf_counter()
         sampling = {"temperature": 0.0, "max_new_tokens": max_tokens, "ignore_eos": ignore_eos}
@@ -74,9 +88,14 @@ class SGLang(Server):
         seconds = time.perf_counter() - t0
         meta = r.get("meta_info", {})
         finish = meta.get("finish_reason")
-        return {"token_ids": r.get("output_ids"), "text": r["text"], "completion_tokens": meta.get("completion_tokens"),
-                "seconds": seconds, "finish_reason": finish.get("type") if isinstance(finish, dict) else finish,
-                "meta": meta}
+        return {
+            "token_ids": r.get("output_ids"),
+            "text": r["text"],
+            "completion_tokens": meta.get("completion_tokens"),
+            "seconds": seconds,
+            "finish_reason": finish.get("type") if isinstance(finish, dict) else finish,
+            "meta": meta,
+        }
 
     def stats(self) -> dict:
         """Lifetime figures from /server_info (average acceptance since start); per-configuration figures

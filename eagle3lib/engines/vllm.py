@@ -5,6 +5,7 @@ caller, so every engine sees the same tokens), greedy, ignore_eos, return_token_
 Statistics: the vllm:spec_decode_* counters of /metrics, cumulative since start; diff two
 readings around a measurement (stats_diff).
 """
+
 from __future__ import annotations
 
 import re
@@ -13,11 +14,13 @@ import time
 from eagle3lib.engines.server import Server, http_json, http_text
 
 # Counters summed over their label sets (engine, model_name); per_pos is split by position.
-COUNTERS = {"vllm:spec_decode_num_drafts_total": "drafts",
-            "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
-            "vllm:spec_decode_num_accepted_tokens_total": "accepted"}
+COUNTERS = {
+    "vllm:spec_decode_num_drafts_total": "drafts",
+    "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens_total": "accepted",
+}
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
-_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)')
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 _POSITION = re.compile(r'position="(\d+)"')
 
 CPU_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
@@ -66,20 +69,32 @@ class VLLM(Server):
         self.model = http_json(self.url + "/v1/models", timeout=30)["data"][0]["id"]
         return ready
 
-    def generate(self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True,
-                 stop_token_ids: list[int] | None = None) -> dict:
+    def generate(
+        self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True, stop_token_ids: list[int] | None = None
+    ) -> dict:
         """Greedy completion of token ids: {token_ids, text, completion_tokens, seconds, finish_reason}."""
         t0 = time.perf_counter()
-        body = {"model": self.model, "prompt": prompt_ids, "max_tokens": max_tokens, "temperature": 0.0,
-                "ignore_eos": ignore_eos, "return_token_ids": True}
+        body = {
+            "model": self.model,
+            "prompt": prompt_ids,
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": ignore_eos,
+            "return_token_ids": True,
+        }
         if stop_token_ids:
             body["stop_token_ids"] = list(stop_token_ids)
         r = http_json(self.url + "/v1/completions", body)
         seconds = time.perf_counter() - t0
         choice = r["choices"][0]
-        return {"token_ids": choice.get("token_ids"), "text": choice["text"],
-                "completion_tokens": r["usage"]["completion_tokens"], "seconds": seconds,
-                "finish_reason": choice.get("finish_reason"), "meta": {}}
+        return {
+            "token_ids": choice.get("token_ids"),
+            "text": choice["text"],
+            "completion_tokens": r["usage"]["completion_tokens"],
+            "seconds": seconds,
+            "finish_reason": choice.get("finish_reason"),
+            "meta": {},
+        }
 
     def stats(self) -> dict:
         """Cumulative speculative counters (see parse_metrics); diff readings with stats_diff."""

@@ -12,12 +12,13 @@ section of the params (python, extra_args, env, host, port, start_timeout_s) app
 engine when engine.name is the same engine; otherwise that engine's defaults are used (.venv-<engine>).
 Whatever the backend: the same shards, manifest, contract and HF hidden_states ids (DESIGN.md §4).
 """
+
 from __future__ import annotations
 
-from eagle3lib.extract import shards
 from eagle3lib import params as P
 from eagle3lib import target
 from eagle3lib.convert.layouts import engine_python
+from eagle3lib.extract import shards
 
 
 def setup(p) -> dict:
@@ -25,29 +26,46 @@ def setup(p) -> dict:
     backend = p.extract.backend
     cache = P.cache_dir(p)
     if backend == "hf":
-        model, tokenizer = target.load_target(p.target.name, cache, dtype=p.target.dtype, device=p.target.device,
-                                              trust_remote_code=p.target.trust_remote_code)
+        model, tokenizer = target.load_target(
+            p.target.name,
+            cache,
+            dtype=p.target.dtype,
+            device=p.target.device,
+            trust_remote_code=p.target.trust_remote_code,
+        )
         config, target_dir = model.config, None
     else:
         target_dir = target.resolve_target(p.target.name, cache)
-        shards.target_config_json(target_dir)            # a local folder: the engine and we read the same files
+        shards.target_config_json(target_dir)  # a local folder: the engine and we read the same files
         info, tokenizer = target.load_target_info(target_dir, cache, trust_remote_code=p.target.trust_remote_code)
         config, model = info.config, None
     layers = target.num_layers(config)
     aux_ids = target.check_aux_layer_ids(p.target.aux_layer_ids or target.default_aux_layer_ids(layers), layers)
     # make_contract reads only model.config: an engine backend passes the weights-free view
-    contract = target.make_contract(p.target.name, model if model is not None else info, tokenizer, aux_ids,
-                                    p.extract.store_dtype)
-    return {"backend": backend, "target_dir": target_dir, "aux_ids": aux_ids, "tokenizer": tokenizer, "model": model,
-            "contract": contract}
+    contract = target.make_contract(
+        p.target.name, model if model is not None else info, tokenizer, aux_ids, p.extract.store_dtype
+    )
+    return {
+        "backend": backend,
+        "target_dir": target_dir,
+        "aux_ids": aux_ids,
+        "tokenizer": tokenizer,
+        "model": model,
+        "contract": contract,
+    }
 
 
 def engine_settings(p, engine: str) -> dict:
     """python, extra_args, env, host, port, start_timeout_s for `engine` from the params' engine section."""
     same = p.engine.name == engine
-    return {"python": engine_python(engine, p.engine.python if same else None),
-            "extra_args": list(p.engine.extra_args) if same else [], "env": dict(p.engine.env) if same else {},
-            "host": p.engine.host, "port": p.engine.port if same else None, "start_timeout_s": p.engine.start_timeout_s}
+    return {
+        "python": engine_python(engine, p.engine.python if same else None),
+        "extra_args": list(p.engine.extra_args) if same else [],
+        "env": dict(p.engine.env) if same else {},
+        "host": p.engine.host,
+        "port": p.engine.port if same else None,
+        "start_timeout_s": p.engine.start_timeout_s,
+    }
 
 
 def make_capture(p, s: dict, log_dir=None):
@@ -57,21 +75,44 @@ def make_capture(p, s: dict, log_dir=None):
         return shards.HFCapture(s["model"], s["aux_ids"], p.extract.batch_tokens)
     e = engine_settings(p, backend)
     if e["python"] is None:
-        raise FileNotFoundError(f"extract.backend is {backend!r} but no interpreter with {backend} was found: set "
-                                f"engine.name: {backend} and engine.python, or build .venv-{backend} (make {backend}-env)")
+        raise FileNotFoundError(
+            f"extract.backend is {backend!r} but no interpreter with {backend} was found: set "
+            f"engine.name: {backend} and engine.python, or build .venv-{backend} (make {backend}-env)"
+        )
     if backend == "vllm":
         from eagle3lib.extract.vllm import VLLMCapture
+
         flags = list(e["extra_args"])
-        if "--max-model-len" not in flags:       # prompt (<= data.max_seq_len) + the one generated token
+        if "--max-model-len" not in flags:  # prompt (<= data.max_seq_len) + the one generated token
             flags += ["--max-model-len", str(p.data.max_seq_len + 16)]
-        return VLLMCapture(s["target_dir"], s["aux_ids"], dtype=p.target.dtype, python=e["python"], extra_args=flags,
-                           env=e["env"], log_dir=log_dir, prefill_benchmark_batches=p.extract.forward_benchmark_batches,
-                           batch_tokens=p.extract.batch_tokens, timeout_s=e["start_timeout_s"])
+        return VLLMCapture(
+            s["target_dir"],
+            s["aux_ids"],
+            dtype=p.target.dtype,
+            python=e["python"],
+            extra_args=flags,
+            env=e["env"],
+            log_dir=log_dir,
+            prefill_benchmark_batches=p.extract.forward_benchmark_batches,
+            batch_tokens=p.extract.batch_tokens,
+            timeout_s=e["start_timeout_s"],
+        )
     from eagle3lib.extract.sglang import SGLangCapture
-    return SGLangCapture(s["target_dir"], s["aux_ids"], batch_tokens=p.extract.batch_tokens, dtype=p.target.dtype,
-                         python=e["python"], extra_args=e["extra_args"], host=e["host"], port=e["port"],
-                         start_timeout_s=e["start_timeout_s"], env=e["env"], log_dir=log_dir,
-                         prefill_benchmark_batches=p.extract.forward_benchmark_batches)
+
+    return SGLangCapture(
+        s["target_dir"],
+        s["aux_ids"],
+        batch_tokens=p.extract.batch_tokens,
+        dtype=p.target.dtype,
+        python=e["python"],
+        extra_args=e["extra_args"],
+        host=e["host"],
+        port=e["port"],
+        start_timeout_s=e["start_timeout_s"],
+        env=e["env"],
+        log_dir=log_dir,
+        prefill_benchmark_batches=p.extract.forward_benchmark_batches,
+    )
 
 
 def plain_prefill_tokens_per_s(p, s: dict, capture, tokens, result: dict | None, log_dir=None):
@@ -79,7 +120,7 @@ def plain_prefill_tokens_per_s(p, s: dict, capture, tokens, result: dict | None,
     no writes); an engine, the same engine's plain prefill (no hidden states asked), taken from the
     extraction's result when it measured it, else measured now. None when there is nothing to time."""
     n = p.extract.forward_benchmark_batches
-    batches = list(shards.iter_batches(tokens, p.extract.batch_tokens, p.extract.shard_max_tokens))[:n + 1]
+    batches = list(shards.iter_batches(tokens, p.extract.batch_tokens, p.extract.shard_max_tokens))[: n + 1]
     if not n or not batches:
         return None
     if p.extract.backend == "hf":
@@ -91,5 +132,7 @@ def plain_prefill_tokens_per_s(p, s: dict, capture, tokens, result: dict | None,
     tok = shards.as_token_tensors(tokens)
     seqs = [q for b in batches for q in b[0]]
     if p.extract.backend == "vllm":
-        return capture.measure_plain_prefill(tok, seqs, len(batches[0][0]), log_dir or ".")["plain_prefill_tokens_per_s"]
+        return capture.measure_plain_prefill(tok, seqs, len(batches[0][0]), log_dir or ".")[
+            "plain_prefill_tokens_per_s"
+        ]
     return capture.measure_plain_prefill(tok, seqs, log_dir or ".")

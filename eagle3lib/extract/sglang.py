@@ -37,6 +37,7 @@ GPU check (one command; prints a JSON of per-layer differences, tokens/s, plain-
     python -m eagle3lib.extract.sglang --compare --n 64 --out /tmp/sglang-check \\
         --extra-args "--attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.5"
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,10 +56,15 @@ from pathlib import Path
 
 import torch
 
-from eagle3lib.extract import shards
 from eagle3lib.convert.layouts import (
-    LAYER_TENSORS, SGLANG_CONVENTION, SGLANG_VERSION, engine_python, sglang_captured_ids, sglang_config_ids,
+    LAYER_TENSORS,
+    SGLANG_CONVENTION,
+    SGLANG_VERSION,
+    engine_python,
+    sglang_captured_ids,
+    sglang_config_ids,
 )
+from eagle3lib.extract import shards
 
 try:  # the GPU bundle has orjson; a float list decodes ~3x faster with it
     import orjson as _fastjson
@@ -71,8 +77,16 @@ STAGING = ".sglang-final"
 # Both servers: every prompt token recomputed and returned (see the module docstring).
 COMMON_FLAGS = ["--enable-return-hidden-states", "--disable-radix-cache", "--chunked-prefill-size", "-1"]
 # Capture server: EAGLE3 with the capture drafter, the shortest chain (no token is ever drafted).
-SPEC_FLAGS = ["--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "1", "--speculative-eagle-topk", "1",
-              "--speculative-num-draft-tokens", "2"]
+SPEC_FLAGS = [
+    "--speculative-algorithm",
+    "EAGLE3",
+    "--speculative-num-steps",
+    "1",
+    "--speculative-eagle-topk",
+    "1",
+    "--speculative-num-draft-tokens",
+    "2",
+]
 
 
 class SGLangExtractError(RuntimeError):
@@ -80,6 +94,7 @@ class SGLangExtractError(RuntimeError):
 
 
 # ------------------------------------------------------------------------- target, drafter ----
+
 
 def target_text_config(target_dir) -> tuple[dict, str]:
     """(text config dict, architecture) from config.json, without importing the model's code."""
@@ -95,29 +110,65 @@ def write_capture_drafter(target_dir, aux_layer_ids, out_dir, dtype=torch.bfloat
     head_dim = next((d for d in (128, 64, 32) if H % d == 0), H)
     heads, inter, dv = H // head_dim, 512, min(256, V)
     rope = text.get("rope_parameters") or {"rope_type": "default", "rope_theta": float(text.get("rope_theta", 10000.0))}
-    config = {"architectures": [CAPTURE_DRAFT_ARCH], "model_type": "llama", "hidden_size": H,
-              "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": head_dim,
-              "intermediate_size": inter, "vocab_size": V, "draft_vocab_size": dv, "target_hidden_size": H,
-              "num_hidden_layers": 1, "rms_norm_eps": float(text.get("rms_norm_eps", 1e-6)), "hidden_act": "silu",
-              "max_position_embeddings": int(text.get("max_position_embeddings", 8192)),
-              "rope_parameters": rope, "rope_theta": float(rope.get("rope_theta", 10000.0)),
-              "tie_word_embeddings": False, "torch_dtype": str(dtype).removeprefix("torch."),
-              "eagle_config": {"eagle_aux_hidden_state_layer_ids": ids, "use_aux_hidden_state": True,
-                               "aux_layer_id_convention": SGLANG_CONVENTION},
-              "eagle3lib_capture_drafter": {"our_aux_layer_ids": [int(i) for i in aux_layer_ids],
-                                            "target_architecture": arch, "target_num_layers": L,
-                                            "note": "zeros: only makes SGLang capture these layers"}}
-    shapes = {"input_layernorm.weight": [H], "hidden_norm.weight": [H], "post_attention_layernorm.weight": [H],
-              "self_attn.q_proj.weight": [heads * head_dim, 2 * H], "self_attn.k_proj.weight": [heads * head_dim, 2 * H],
-              "self_attn.v_proj.weight": [heads * head_dim, 2 * H], "self_attn.o_proj.weight": [H, heads * head_dim],
-              "mlp.gate_proj.weight": [inter, H], "mlp.up_proj.weight": [inter, H], "mlp.down_proj.weight": [H, inter]}
+    config = {
+        "architectures": [CAPTURE_DRAFT_ARCH],
+        "model_type": "llama",
+        "hidden_size": H,
+        "num_attention_heads": heads,
+        "num_key_value_heads": heads,
+        "head_dim": head_dim,
+        "intermediate_size": inter,
+        "vocab_size": V,
+        "draft_vocab_size": dv,
+        "target_hidden_size": H,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": float(text.get("rms_norm_eps", 1e-6)),
+        "hidden_act": "silu",
+        "max_position_embeddings": int(text.get("max_position_embeddings", 8192)),
+        "rope_parameters": rope,
+        "rope_theta": float(rope.get("rope_theta", 10000.0)),
+        "tie_word_embeddings": False,
+        "torch_dtype": str(dtype).removeprefix("torch."),
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": ids,
+            "use_aux_hidden_state": True,
+            "aux_layer_id_convention": SGLANG_CONVENTION,
+        },
+        "eagle3lib_capture_drafter": {
+            "our_aux_layer_ids": [int(i) for i in aux_layer_ids],
+            "target_architecture": arch,
+            "target_num_layers": L,
+            "note": "zeros: only makes SGLang capture these layers",
+        },
+    }
+    shapes = {
+        "input_layernorm.weight": [H],
+        "hidden_norm.weight": [H],
+        "post_attention_layernorm.weight": [H],
+        "self_attn.q_proj.weight": [heads * head_dim, 2 * H],
+        "self_attn.k_proj.weight": [heads * head_dim, 2 * H],
+        "self_attn.v_proj.weight": [heads * head_dim, 2 * H],
+        "self_attn.o_proj.weight": [H, heads * head_dim],
+        "mlp.gate_proj.weight": [inter, H],
+        "mlp.up_proj.weight": [inter, H],
+        "mlp.down_proj.weight": [H, inter],
+    }
     assert set(shapes) == set(LAYER_TENSORS)
-    tensors = {f"midlayer.{n}": (torch.ones if n.endswith("norm.weight") else torch.zeros)(s, dtype=dtype)
-               for n, s in shapes.items()}
-    tensors.update({"fc.weight": torch.zeros(H, 3 * H, dtype=dtype), "norm.weight": torch.ones(H, dtype=dtype),
-                    "lm_head.weight": torch.zeros(dv, H, dtype=dtype), "d2t": torch.zeros(dv, dtype=torch.int64),
-                    "t2d": torch.arange(V) < dv})
+    tensors = {
+        f"midlayer.{n}": (torch.ones if n.endswith("norm.weight") else torch.zeros)(s, dtype=dtype)
+        for n, s in shapes.items()
+    }
+    tensors.update(
+        {
+            "fc.weight": torch.zeros(H, 3 * H, dtype=dtype),
+            "norm.weight": torch.ones(H, dtype=dtype),
+            "lm_head.weight": torch.zeros(dv, H, dtype=dtype),
+            "d2t": torch.zeros(dv, dtype=torch.int64),
+            "t2d": torch.arange(V) < dv,
+        }
+    )
     from safetensors.torch import save_file
+
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
@@ -126,6 +177,7 @@ def write_capture_drafter(target_dir, aux_layer_ids, out_dir, dtype=torch.bfloat
 
 
 # ------------------------------------------------------------------------------ commands ----
+
 
 def server_args(target_dir, drafter_dir=None, dtype: str | None = None, extra_args=()) -> list[str]:
     """Launch flags (no --host/--port: engines.Server adds them). drafter_dir None: the plain
@@ -143,12 +195,15 @@ def check_server_args(args: list[str], python: str, device: str | None = None, t
     resolution) in the engine's interpreter; returns the report of sglang_extract_check.py."""
     argv = list(args) + (["--device", device] if device else [])
     env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run([python, str(CHECK_SCRIPT), json.dumps(argv)], capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    proc = subprocess.run(
+        [python, str(CHECK_SCRIPT), json.dumps(argv)], capture_output=True, text=True, timeout=timeout, env=env
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
-        raise SGLangExtractError(f"SGLang's argument check `{python} {CHECK_SCRIPT.name}` failed (exit "
-                                 f"{proc.returncode}); expected a JSON report. stderr tail:\n{proc.stderr[-3000:]}")
+        raise SGLangExtractError(
+            f"SGLang's argument check `{python} {CHECK_SCRIPT.name}` failed (exit "
+            f"{proc.returncode}); expected a JSON report. stderr tail:\n{proc.stderr[-3000:]}"
+        )
     return json.loads(lines[-1])
 
 
@@ -164,21 +219,27 @@ def preflight(target_dir, drafter_dir, aux_layer_ids, dtype, extra_args, python,
         problems += [f"{name} server: {p}" for p in r.get("problems", [])]
         res = r.get("resolved", {})
         if res.get("return_hidden_states_mode") != "full":
-            problems.append(f"{name} server: return_hidden_states_mode resolved to {res.get('return_hidden_states_mode')!r}, "
-                            "expected 'full' (requests ask for return_hidden_states=true)")
+            problems.append(
+                f"{name} server: return_hidden_states_mode resolved to {res.get('return_hidden_states_mode')!r}, "
+                "expected 'full' (requests ask for return_hidden_states=true)"
+            )
         if not res.get("disable_radix_cache"):
             problems.append(f"{name} server: the radix cache is on; a cached prefix would come back without rows")
         if res.get("chunked_prefill_size") not in (-1, None) and res.get("chunked_prefill_size", 0) > 0:
-            problems.append(f"{name} server: chunked prefill is on ({res.get('chunked_prefill_size')}); SGLang drops "
-                            "the hidden states of a prompt's middle chunks")
+            problems.append(
+                f"{name} server: chunked prefill is on ({res.get('chunked_prefill_size')}); SGLang drops "
+                "the hidden states of a prompt's middle chunks"
+            )
     aux = reports["aux"]
     captured = sglang_captured_ids(aux.get("eagle_aux_hidden_state_layer_ids"), arch, num_layers)
     reports["captured_hf_layers"] = captured
     if not aux.get("eagle_use_aux_hidden_state"):
         problems.append("aux server: SGLang will not capture aux hidden states (EAGLE3 with use_aux_hidden_state)")
     if captured != [int(i) for i in aux_layer_ids]:
-        problems.append(f"aux server: SGLang would capture HF layers {captured}, we want {list(aux_layer_ids)} "
-                        f"(config ids {aux.get('eagle_aux_hidden_state_layer_ids')}, architecture {arch})")
+        problems.append(
+            f"aux server: SGLang would capture HF layers {captured}, we want {list(aux_layer_ids)} "
+            f"(config ids {aux.get('eagle_aux_hidden_state_layer_ids')}, architecture {arch})"
+        )
     if problems:
         raise SGLangExtractError("SGLang would not return the hidden states we need:\n  " + "\n  ".join(problems))
     return reports
@@ -186,16 +247,19 @@ def preflight(target_dir, drafter_dir, aux_layer_ids, dtype, extra_args, python,
 
 # ----------------------------------------------------------------------------- requests ----
 
+
 def generate_body(prompts: list[list[int]], hidden_states: bool) -> dict:
     """/generate request for a batch of prompts (token ids): one new token, greedy."""
-    return {"input_ids": [list(map(int, p)) for p in prompts],
-            "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
-            "return_hidden_states": bool(hidden_states)}
+    return {
+        "input_ids": [list(map(int, p)) for p in prompts],
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0.0},
+        "return_hidden_states": bool(hidden_states),
+    }
 
 
 def post_json(url: str, body: dict, timeout: float = 3600) -> tuple[object, int]:
     """POST JSON; returns (decoded answer, bytes received)."""
-    data = (_fastjson.dumps(body) if _fastjson else json.dumps(body).encode())
+    data = _fastjson.dumps(body) if _fastjson else json.dumps(body).encode()
     req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(req, timeout=timeout) as r:
@@ -210,10 +274,12 @@ def decode_hidden_states(item: dict, n_tokens: int, width: int) -> torch.Tensor:
     meta = item.get("meta_info") or {}
     hs = meta.get("hidden_states")
     if not hs:
-        raise SGLangExtractError(f"the answer has no meta_info.hidden_states (keys {sorted(meta)}); expected the "
-                                 "server to run with --enable-return-hidden-states and the request to ask for them")
+        raise SGLangExtractError(
+            f"the answer has no meta_info.hidden_states (keys {sorted(meta)}); expected the "
+            "server to run with --enable-return-hidden-states and the request to ask for them"
+        )
     block = hs[0]
-    if block and not isinstance(block[0], list):    # a single row (1-token prompt in some releases)
+    if block and not isinstance(block[0], list):  # a single row (1-token prompt in some releases)
         block = [block]
     t = torch.tensor(block, dtype=torch.float32)
     if t.dim() != 2 or t.shape[0] != n_tokens or t.shape[1] != width:
@@ -221,17 +287,33 @@ def decode_hidden_states(item: dict, n_tokens: int, width: int) -> torch.Tensor:
             f"meta_info.hidden_states[0] has shape {tuple(t.shape)}, expected [{n_tokens}, {width}] (one row per "
             f"prompt token). Fewer rows: a cached prefix (keep --disable-radix-cache) or a chunked prefill "
             f"(keep --chunked-prefill-size -1, raise --max-prefill-tokens above the longest sequence); another "
-            f"width: the server returned {'aux' if t.dim() == 2 and t.shape[1] > width else 'final'}-style rows")
+            f"width: the server returned {'aux' if t.dim() == 2 and t.shape[1] > width else 'final'}-style rows"
+        )
     return t
 
 
 class SGLangCapture:
     """The sglang backend for extract.extract_with (interface: extract.HFCapture)."""
+
     name = "sglang"
 
-    def __init__(self, target_dir, aux_layer_ids, batch_tokens=16384, dtype: str | None = None, python=None,
-                 extra_args=(), host="127.0.0.1", port=None, start_timeout_s=1800, env=None, log_dir=None,
-                 concurrency=4, prefill_benchmark_batches=4, check_args=True):
+    def __init__(
+        self,
+        target_dir,
+        aux_layer_ids,
+        batch_tokens=16384,
+        dtype: str | None = None,
+        python=None,
+        extra_args=(),
+        host="127.0.0.1",
+        port=None,
+        start_timeout_s=1800,
+        env=None,
+        log_dir=None,
+        concurrency=4,
+        prefill_benchmark_batches=4,
+        check_args=True,
+    ):
         self.target_dir, self.aux_layer_ids = str(target_dir), [int(i) for i in aux_layer_ids]
         text, self.architecture = target_text_config(target_dir)
         self.hidden_size, self.vocab_size = int(text["hidden_size"]), int(text["vocab_size"])
@@ -246,8 +328,10 @@ class SGLangCapture:
     # -- servers ---------------------------------------------------------------------------
     def _server_for(self, drafter_dir, log_dir):
         from eagle3lib.engines.sglang import SGLang
-        cmd = [self.python, "-m", "sglang.launch_server"] + server_args(self.target_dir, drafter_dir, self.dtype,
-                                                                         self.extra_args)
+
+        cmd = [self.python, "-m", "sglang.launch_server"] + server_args(
+            self.target_dir, drafter_dir, self.dtype, self.extra_args
+        )
         log = Path(log_dir) / f"sglang-extract-{'aux' if drafter_dir else 'final'}.log"
         return SGLang(cmd, log, host=self.host, port=self.port, env=self.env, start_timeout_s=self.start_timeout_s)
 
@@ -268,7 +352,7 @@ class SGLangCapture:
         batches = shards.plan_batches(lengths, seq_ids, self.batch_tokens)
 
         def one(batch):
-            prompts = [tok["input_ids"][int(starts[s]):int(starts[s + 1])].tolist() for s in batch]
+            prompts = [tok["input_ids"][int(starts[s]) : int(starts[s + 1])].tolist() for s in batch]
             answer, nbytes = post_json(server.url + "/generate", generate_body(prompts, True))
             answer = answer if isinstance(answer, list) else [answer]
             if len(answer) != len(batch):
@@ -289,16 +373,16 @@ class SGLangCapture:
     def _plain_prefill(self, server, tok, lengths, seq_ids):
         """Tokens/s of the same server's plain prefill (no hidden states asked) on the first batches."""
         starts = tok["seq_starts"]
-        batches = shards.plan_batches(lengths, seq_ids, self.batch_tokens)[:self.prefill_benchmark_batches + 1]
+        batches = shards.plan_batches(lengths, seq_ids, self.batch_tokens)[: self.prefill_benchmark_batches + 1]
         if len(batches) < 2:
             return None
 
         def one(batch):
-            prompts = [tok["input_ids"][int(starts[s]):int(starts[s + 1])].tolist() for s in batch]
+            prompts = [tok["input_ids"][int(starts[s]) : int(starts[s + 1])].tolist() for s in batch]
             post_json(server.url + "/generate", generate_body(prompts, False))
             return sum(lengths[s] for s in batch)
 
-        one(batches[0])                                   # warm-up
+        one(batches[0])  # warm-up
         t0 = time.perf_counter()
         with ThreadPoolExecutor(self.concurrency) as pool:
             n = sum(pool.map(one, batches[1:]))
@@ -314,7 +398,7 @@ class SGLangCapture:
             self._stop()
 
     # -- extract_with interface --------------------------------------------------------------
-    def __enter__(self):     # each call runs its own two passes (the final pass must precede the aux pass)
+    def __enter__(self):  # each call runs its own two passes (the final pass must precede the aux pass)
         return self
 
     def __exit__(self, *exc):
@@ -323,14 +407,15 @@ class SGLangCapture:
     @contextlib.contextmanager
     def session(self, tok, lengths, plan, out_dir):
         t_setup = time.perf_counter()
-        self._stats = {}                                  # this call's figures
+        self._stats = {}  # this call's figures
         work = Path(out_dir) / STAGING
         work.mkdir(exist_ok=True)
         log_dir = Path(self.log_dir or work)
         drafter = write_capture_drafter(self.target_dir, self.aux_layer_ids, work / "capture-drafter")
         if self.check_args:
-            self._stats["captured_hf_layers"] = preflight(self.target_dir, drafter, self.aux_layer_ids, self.dtype,
-                                                          self.extra_args, self.python)["captured_hf_layers"]
+            self._stats["captured_hf_layers"] = preflight(
+                self.target_dir, drafter, self.aux_layer_ids, self.dtype, self.extra_args, self.python
+            )["captured_hf_layers"]
         self._staging, self._aux_t = work, [0.0, 0]
         excluded = time.perf_counter() - t_setup
         try:
@@ -362,9 +447,13 @@ class SGLangCapture:
     def shard(self, tok, lengths, first, end, store_dtype, bar):
         final = _read_staged(self._staging, first, end, self.hidden_size)
         if final is None:
-            raise SGLangExtractError(f"the staged final states of sequences {first}..{end - 1} are missing in {self._staging}")
+            raise SGLangExtractError(
+                f"the staged final states of sequences {first}..{end - 1} are missing in {self._staging}"
+            )
         t0 = time.perf_counter()
-        rows = self._run_pass(self._server, tok, lengths, range(first, end), len(self.aux_layer_ids) * self.hidden_size, bar)
+        rows = self._run_pass(
+            self._server, tok, lengths, range(first, end), len(self.aux_layer_ids) * self.hidden_size, bar
+        )
         aux = torch.cat([rows[s] for s in range(first, end)])
         self._aux_t[0] += time.perf_counter() - t0
         self._aux_t[1] += aux.shape[0]
@@ -372,12 +461,17 @@ class SGLangCapture:
         return aux.to(store_dtype), final.to(store_dtype)
 
     def stats(self):
-        return dict(self._stats, passes=2, sglang_version_expected=SGLANG_VERSION,
-                    final_from="a second prefill on a plain server with --enable-return-hidden-states (EAGLE3 "
-                               "returns the aux states in place of the final one)")
+        return dict(
+            self._stats,
+            passes=2,
+            sglang_version_expected=SGLANG_VERSION,
+            final_from="a second prefill on a plain server with --enable-return-hidden-states (EAGLE3 "
+            "returns the aux states in place of the final one)",
+        )
 
 
 # ------------------------------------------------------------------------------ staging ----
+
 
 def _staged_path(work, first, end):
     return Path(work) / f"final_{first:09d}_{end:09d}.safetensors"
@@ -385,8 +479,9 @@ def _staged_path(work, first, end):
 
 def _stage(work, first, end, final):
     """The final pass's states of one shard, written atomically (in float32: exact for any engine dtype)."""
-    chunks = shards._safetensors_chunks({"final_hidden": final.to(torch.float32).contiguous()},
-                                        {"first": str(first), "end": str(end)})
+    chunks = shards._safetensors_chunks(
+        {"final_hidden": final.to(torch.float32).contiguous()}, {"first": str(first), "end": str(end)}
+    )
     shards._atomic_write(_staged_path(work, first, end), chunks)
 
 
@@ -395,6 +490,7 @@ def _read_staged(work, first, end, hidden_size):
     if not path.is_file():
         return None
     from safetensors.torch import load_file
+
     try:
         t = load_file(str(path))["final_hidden"]
     except Exception:
@@ -409,24 +505,32 @@ def _drop_staged(work, first, end):
 
 # ------------------------------------------------------------------------------ GPU check ----
 
+
 def _check_tokens(a, tokenizer):
     """The check's token arrays: --tokens FILE (data.save_tokens format), else N conversations of --data."""
     from eagle3lib.prepare import conversations
+
     if a.tokens:
         tokens = conversations.load_tokens(a.tokens)
         n = min(a.n, tokens["seq_starts"].numel() - 1)
         end = int(tokens["seq_starts"][n])
-        return {"input_ids": tokens["input_ids"][:end], "loss_mask": tokens["loss_mask"][:end],
-                "seq_starts": tokens["seq_starts"][:n + 1], "ids": list(tokens.get("ids", range(n)))[:n]}
+        return {
+            "input_ids": tokens["input_ids"][:end],
+            "loss_mask": tokens["loss_mask"][:end],
+            "seq_starts": tokens["seq_starts"][: n + 1],
+            "ids": list(tokens.get("ids", range(n)))[:n],
+        }
     convs, _ = conversations.load_conversations(a.data, limit=a.n)
     return conversations.tokenize_split(tokenizer, convs, a.max_seq_len, progress=False)
 
 
 def _save_tokens_main(a):
     """--save-tokens: tokenize N conversations here (no GPU, no sglang) for a GPU host without the data package."""
-    from eagle3lib.prepare import conversations
-    from eagle3lib import target
     from transformers import AutoTokenizer
+
+    from eagle3lib import target
+    from eagle3lib.prepare import conversations
+
     cache = Path(a.cache_dir) if a.cache_dir else target.default_cache_dir()
     tokenizer = AutoTokenizer.from_pretrained(target.resolve_target(a.target, cache))
     a.tokens = None
@@ -438,6 +542,7 @@ def _save_tokens_main(a):
 def _compare_main(a):
     """Extract N conversations through sglang and hf on the same tokens; print the differences as JSON."""
     from eagle3lib import target
+
     cache = Path(a.cache_dir) if a.cache_dir else target.default_cache_dir()
     target_dir = target.resolve_target(a.target, cache)
     model, tokenizer = target.load_target(target_dir, cache, dtype=a.dtype, device=a.device)
@@ -445,35 +550,81 @@ def _compare_main(a):
     aux_ids = a.aux_layer_ids or target.default_aux_layer_ids(layers)
     tokens = _check_tokens(a, tokenizer)
     out = Path(a.out)
-    for sub in ("sglang", "hf"):                       # a check measures afresh: no resume from an earlier run
+    for sub in ("sglang", "hf"):  # a check measures afresh: no resume from an earlier run
         shutil.rmtree(out / sub, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     contract = target.make_contract(a.target, model, tokenizer, aux_ids, a.dtype)
     store = target.torch_dtype(a.dtype)
-    report = {"target": a.target, "dtype": a.dtype, "aux_layer_ids": aux_ids, "sequences": int(len(tokens["ids"])),
-              "tokens": int(tokens["input_ids"].numel())}
+    report = {
+        "target": a.target,
+        "dtype": a.dtype,
+        "aux_layer_ids": aux_ids,
+        "sequences": int(len(tokens["ids"])),
+        "tokens": int(tokens["input_ids"].numel()),
+    }
 
-    cap = SGLangCapture(target_dir, aux_ids, batch_tokens=a.batch_tokens, dtype=a.dtype, python=a.engine_python,
-                        extra_args=shlex.split(a.extra_args), log_dir=out, concurrency=a.concurrency)
-    r_sg = shards.extract_with(cap, tokens, aux_ids, str(out / "sglang"), contract, batch_tokens=a.batch_tokens,
-                                shard_max_tokens=a.shard_max_tokens, store_dtype=store, progress=False)
+    cap = SGLangCapture(
+        target_dir,
+        aux_ids,
+        batch_tokens=a.batch_tokens,
+        dtype=a.dtype,
+        python=a.engine_python,
+        extra_args=shlex.split(a.extra_args),
+        log_dir=out,
+        concurrency=a.concurrency,
+    )
+    r_sg = shards.extract_with(
+        cap,
+        tokens,
+        aux_ids,
+        str(out / "sglang"),
+        contract,
+        batch_tokens=a.batch_tokens,
+        shard_max_tokens=a.shard_max_tokens,
+        store_dtype=store,
+        progress=False,
+    )
     # The plain forward first: its warm-up also warms the capture (CUDA context, kernels), which a cold
     # capture of a few batches would otherwise pay alone (seen: 0.036 of the forward's rate, cold).
     hf_prefill = shards.measure_forward_tokens_per_s(
-        model, list(shards.iter_batches(tokens, a.batch_tokens, a.shard_max_tokens))[:5])
-    r_hf = shards.extract(model, tokens, aux_ids, str(out / "hf"), contract, batch_tokens=a.batch_tokens,
-                           shard_max_tokens=a.shard_max_tokens, store_dtype=store, progress=False)
+        model, list(shards.iter_batches(tokens, a.batch_tokens, a.shard_max_tokens))[:5]
+    )
+    r_hf = shards.extract(
+        model,
+        tokens,
+        aux_ids,
+        str(out / "hf"),
+        contract,
+        batch_tokens=a.batch_tokens,
+        shard_max_tokens=a.shard_max_tokens,
+        store_dtype=store,
+        progress=False,
+    )
     head = model.lm_head.weight.detach()
     report["agreement"] = shards.compare_shard_sets(str(out / "sglang"), str(out / "hf"), lm_head=head)
     report["layer_probe"] = shards.layer_probe(model, str(out / "sglang"), aux_ids, max_sequences=8)
-    keep = ("tokens_per_s", "seconds", "engine_start_s", "plain_prefill_tokens_per_s", "final_pass_tokens_per_s",
-            "aux_pass_tokens_per_s", "wire_bytes_per_token", "bytes_per_token", "captured_hf_layers")
+    keep = (
+        "tokens_per_s",
+        "seconds",
+        "engine_start_s",
+        "plain_prefill_tokens_per_s",
+        "final_pass_tokens_per_s",
+        "aux_pass_tokens_per_s",
+        "wire_bytes_per_token",
+        "bytes_per_token",
+        "captured_hf_layers",
+    )
     report["sglang"] = {k: r_sg.get(k) for k in keep}
     pp = r_sg.get("plain_prefill_tokens_per_s")
-    report["sglang"]["capture_over_plain_prefill"] = r_sg["tokens_per_s"] / pp if pp and r_sg.get("tokens_per_s") else None
-    report["hf"] = {"tokens_per_s": r_hf["tokens_per_s"], "forward_tokens_per_s": hf_prefill,
-                    "capture_over_forward": r_hf["tokens_per_s"] / hf_prefill if hf_prefill else None,
-                    "bytes_per_token": r_hf["bytes_per_token"]}
+    report["sglang"]["capture_over_plain_prefill"] = (
+        r_sg["tokens_per_s"] / pp if pp and r_sg.get("tokens_per_s") else None
+    )
+    report["hf"] = {
+        "tokens_per_s": r_hf["tokens_per_s"],
+        "forward_tokens_per_s": hf_prefill,
+        "capture_over_forward": r_hf["tokens_per_s"] / hf_prefill if hf_prefill else None,
+        "bytes_per_token": r_hf["bytes_per_token"],
+    }
     report["ok"] = bool(report["agreement"]["ok"] and report["layer_probe"]["ok"])
     text = json.dumps(report, indent=1, default=str)
     (out / "compare.json").write_text(text + "\n")
@@ -498,7 +649,9 @@ def main(argv=None):
     ap.add_argument("--batch-tokens", type=int, default=16384)
     ap.add_argument("--shard-max-tokens", type=int, default=32768)
     ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument("--engine-python", default=None, help="interpreter with sglang (default: .venv-sglang, else this one)")
+    ap.add_argument(
+        "--engine-python", default=None, help="interpreter with sglang (default: .venv-sglang, else this one)"
+    )
     ap.add_argument("--extra-args", default="", help="more sglang launch flags, one string")
     a = ap.parse_args(argv)
     if a.save_tokens:

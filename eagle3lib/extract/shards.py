@@ -15,6 +15,7 @@ batches the uninterrupted run would have and ends with byte-identical shards.
 Every file is written to a temp name, fsynced and renamed; a shard counts once the
 manifest lists it.
 """
+
 import contextlib
 import hashlib
 import json
@@ -45,8 +46,10 @@ class ShardError(RuntimeError):
 def _base_model(model):
     base = getattr(model, "model", None)
     if base is None or not hasattr(base, "layers") or not hasattr(base, "norm"):
-        raise TypeError(f"expected a Hugging Face causal LM with model.model.layers and model.model.norm "
-                        f"(Llama-like), found {type(model).__name__}; load the target with target.py")
+        raise TypeError(
+            f"expected a Hugging Face causal LM with model.model.layers and model.model.norm "
+            f"(Llama-like), found {type(model).__name__}; load the target with target.py"
+        )
     return base
 
 
@@ -65,18 +68,22 @@ def capture_hidden_states(model, input_ids, attention_mask, aux_layer_ids):
     n_layers = len(base.layers)
     for i in aux_layer_ids:
         if not 0 <= int(i) < n_layers:
-            raise ValueError(f"aux layer id {i} out of range: expected 0 <= id < {n_layers} (the target's "
-                             f"decoder layers, HF hidden_states indexing; id {n_layers} is the final norm "
-                             f"output, which is stored as final_hidden anyway); fix aux_layer_ids")
+            raise ValueError(
+                f"aux layer id {i} out of range: expected 0 <= id < {n_layers} (the target's "
+                f"decoder layers, HF hidden_states indexing; id {n_layers} is the final norm "
+                f"output, which is stored as final_hidden anyway); fix aux_layer_ids"
+            )
     captured = {}
 
     def keep(k):
         def hook(module, args, kwargs):
             captured[k] = args[0] if args else kwargs["hidden_states"]
+
         return hook
 
-    handles = [base.layers[int(i)].register_forward_pre_hook(keep(k), with_kwargs=True)
-               for k, i in enumerate(aux_layer_ids)]
+    handles = [
+        base.layers[int(i)].register_forward_pre_hook(keep(k), with_kwargs=True) for k, i in enumerate(aux_layer_ids)
+    ]
     device = base.embed_tokens.weight.device
     try:
         out = base(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
@@ -104,13 +111,17 @@ def as_token_tensors(tokens):
     if mask.numel() != n:
         raise ValueError(f"tokens: loss_mask has {mask.numel()} entries, input_ids {n}; expected equal")
     if starts.numel() < 1 or starts[0] != 0 or starts[-1] != n:
-        raise ValueError(f"tokens: expected seq_starts to run from 0 to len(input_ids)={n}, found "
-                         f"{starts[:1].tolist()}..{starts[-1:].tolist()}; rerun the prepare stage")
+        raise ValueError(
+            f"tokens: expected seq_starts to run from 0 to len(input_ids)={n}, found "
+            f"{starts[:1].tolist()}..{starts[-1:].tolist()}; rerun the prepare stage"
+        )
     lengths = starts[1:] - starts[:-1]
     if (lengths <= 0).any():
         s = int(torch.nonzero(lengths <= 0)[0])
-        raise ValueError(f"tokens: sequence {s} has length {int(lengths[s])}; expected every sequence to have "
-                         f"at least one token; drop empty sequences in the prepare stage")
+        raise ValueError(
+            f"tokens: sequence {s} has length {int(lengths[s])}; expected every sequence to have "
+            f"at least one token; drop empty sequences in the prepare stage"
+        )
     return {"input_ids": ids, "loss_mask": mask, "seq_starts": starts}
 
 
@@ -154,8 +165,8 @@ def make_batch(tok, seq_ids):
     ids = torch.zeros(len(seq_ids), T, dtype=torch.long)
     mask = torch.zeros(len(seq_ids), T, dtype=torch.long)
     for row, (a, b) in enumerate(spans):
-        ids[row, :b - a] = tok["input_ids"][a:b]
-        mask[row, :b - a] = 1
+        ids[row, : b - a] = tok["input_ids"][a:b]
+        mask[row, : b - a] = 1
     return ids, mask
 
 
@@ -243,8 +254,14 @@ def shard_name(first_sequence):
     return f"shard_{first_sequence:09d}.safetensors"
 
 
-_ST_DTYPES = {torch.int32: "I32", torch.uint8: "U8", torch.int64: "I64", torch.bfloat16: "BF16",
-              torch.float16: "F16", torch.float32: "F32"}
+_ST_DTYPES = {
+    torch.int32: "I32",
+    torch.uint8: "U8",
+    torch.int64: "I64",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float32: "F32",
+}
 
 
 def _safetensors_chunks(tensors, metadata):
@@ -269,9 +286,17 @@ def write_shard(out_dir, tensors, first_sequence, aux_layer_ids):
     """Write one shard atomically; return its manifest entry."""
     meta = {"format": FORMAT, "first_sequence": str(first_sequence), "aux_layer_ids": json.dumps(list(aux_layer_ids))}
     name = shard_name(first_sequence)
-    sha, size = _atomic_write(os.path.join(out_dir, name), _safetensors_chunks({k: tensors[k] for k in SHARD_KEYS}, meta))
-    return {"file": name, "sha256": sha, "first_sequence": first_sequence,
-            "sequences": tensors["seq_starts"].numel() - 1, "tokens": tensors["input_ids"].numel(), "bytes": size}
+    sha, size = _atomic_write(
+        os.path.join(out_dir, name), _safetensors_chunks({k: tensors[k] for k in SHARD_KEYS}, meta)
+    )
+    return {
+        "file": name,
+        "sha256": sha,
+        "first_sequence": first_sequence,
+        "sequences": tensors["seq_starts"].numel() - 1,
+        "tokens": tensors["input_ids"].numel(),
+        "bytes": size,
+    }
 
 
 def read_shard(path, expected_sha256=None):
@@ -279,9 +304,13 @@ def read_shard(path, expected_sha256=None):
 
     Raises ShardError naming the file and what is wrong when the sha256 differs from the
     manifest's, the file is truncated, or the tensors are inconsistent."""
+
     def bad(what):
-        return ShardError(f"{path}: {what}. Delete this file and rerun extraction on its folder: "
-                          f"extract() drops a bad shard from the manifest and redoes just its sequences")
+        return ShardError(
+            f"{path}: {what}. Delete this file and rerun extraction on its folder: "
+            f"extract() drops a bad shard from the manifest and redoes just its sequences"
+        )
+
     try:
         with open(path, "rb") as f:
             data = bytearray(os.fstat(f.fileno()).st_size)  # tensors below are views of it: no second copy
@@ -293,14 +322,17 @@ def read_shard(path, expected_sha256=None):
     if expected_sha256 is not None:
         found = hashlib.sha256(data).hexdigest()
         if found != expected_sha256:
-            raise bad(f"sha256 is {found}, the manifest expects {expected_sha256} (corrupt or truncated, "
-                      f"{len(data)} bytes)")
+            raise bad(
+                f"sha256 is {found}, the manifest expects {expected_sha256} (corrupt or truncated, {len(data)} bytes)"
+            )
     try:
         k = struct.unpack("<Q", data[:8])[0]
-        header = json.loads(data[8:8 + k])
+        header = json.loads(data[8 : 8 + k])
         size = 8 + k + max([v["data_offsets"][1] for n, v in header.items() if n != "__metadata__"], default=0)
     except Exception:
-        raise bad(f"truncated or not a safetensors file: its {len(data)} bytes do not start with a readable header") from None
+        raise bad(
+            f"truncated or not a safetensors file: its {len(data)} bytes do not start with a readable header"
+        ) from None
     if size != len(data):
         raise bad(f"truncated: {len(data)} bytes, its header describes {size}")
     try:
@@ -319,19 +351,36 @@ def read_shard(path, expected_sha256=None):
             raise bad(f"{k} is {t[k].dtype} with shape {tuple(t[k].shape)}, expected 1-D {dt}")
     if mask.numel() != n:
         raise bad(f"loss_mask has {mask.numel()} entries, input_ids {n}")
-    if final.dim() != 2 or final.shape[0] != n or aux.dim() != 2 or aux.shape[0] != n \
-            or aux.shape[1] % final.shape[1] or aux.dtype != final.dtype:
-        raise bad(f"aux_hidden {tuple(aux.shape)} {aux.dtype} / final_hidden {tuple(final.shape)} {final.dtype} "
-                  f"do not fit N={n} tokens (expected [N, k*H] and [N, H] of one dtype)")
+    if (
+        final.dim() != 2
+        or final.shape[0] != n
+        or aux.dim() != 2
+        or aux.shape[0] != n
+        or aux.shape[1] % final.shape[1]
+        or aux.dtype != final.dtype
+    ):
+        raise bad(
+            f"aux_hidden {tuple(aux.shape)} {aux.dtype} / final_hidden {tuple(final.shape)} {final.dtype} "
+            f"do not fit N={n} tokens (expected [N, k*H] and [N, H] of one dtype)"
+        )
     if starts.numel() < 2 or starts[0] != 0 or starts[-1] != n or (starts[1:] <= starts[:-1]).any():
         raise bad(f"seq_starts {starts.tolist()[:8]}... is not increasing from 0 to N={n}")
     t["first_sequence"] = int(meta["first_sequence"])
     return t
 
 
-_SAFETENSORS_DTYPES = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "F64": torch.float64,
-                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                       "U8": torch.uint8, "BOOL": torch.bool}
+_SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 def _tensor_views(data: bytearray, base: int, header: dict) -> dict:
@@ -345,8 +394,11 @@ def _tensor_views(data: bytearray, base: int, header: dict) -> dict:
         count = math.prod(shape)
         if end - start != count * dtype.itemsize or start < 0 or base + end > len(data):
             raise ValueError(f"{name}: bytes {start}..{end} do not hold {v['dtype']} {shape}")
-        out[name] = (torch.frombuffer(data, dtype=dtype, count=count, offset=base + start).view(shape) if count
-                     else torch.empty(shape, dtype=dtype))
+        out[name] = (
+            torch.frombuffer(data, dtype=dtype, count=count, offset=base + start).view(shape)
+            if count
+            else torch.empty(shape, dtype=dtype)
+        )
     return out
 
 
@@ -384,8 +436,10 @@ def verify_and_repair(out_dir, check_sha256=True):
             if check_sha256:
                 t = read_shard(path, e["sha256"])
                 if t["first_sequence"] != e["first_sequence"] or t["input_ids"].numel() != e["tokens"]:
-                    raise ShardError(f"{path}: holds sequences from {t['first_sequence']} ({t['input_ids'].numel()} "
-                                     f"tokens), the manifest expects {e['first_sequence']} ({e['tokens']})")
+                    raise ShardError(
+                        f"{path}: holds sequences from {t['first_sequence']} ({t['input_ids'].numel()} "
+                        f"tokens), the manifest expects {e['first_sequence']} ({e['tokens']})"
+                    )
             elif os.path.getsize(path) != e["bytes"]:
                 raise ShardError(f"{path}: {os.path.getsize(path)} bytes, the manifest expects {e['bytes']}")
             keep.append(e)
@@ -416,18 +470,30 @@ def _check_contract(out_dir, contract):
         return
     with open(path) as f:
         old = json.load(f)
-    diff = [f"  {k}: folder has {old.get(k, '<absent>')!r}, this run {contract.get(k, '<absent>')!r}"
-            for k in sorted(set(old) | set(contract)) if old.get(k) != contract.get(k)]
+    diff = [
+        f"  {k}: folder has {old.get(k, '<absent>')!r}, this run {contract.get(k, '<absent>')!r}"
+        for k in sorted(set(old) | set(contract))
+        if old.get(k) != contract.get(k)
+    ]
     if diff:
-        raise ValueError(f"{path} records a different target contract than this run's:\n" + "\n".join(diff) +
-                         f"\nThese hidden states belong to another target/setting: use a new out_dir, "
-                         f"or delete {out_dir} to extract again")
+        raise ValueError(
+            f"{path} records a different target contract than this run's:\n"
+            + "\n".join(diff)
+            + f"\nThese hidden states belong to another target/setting: use a new out_dir, "
+            f"or delete {out_dir} to extract again"
+        )
 
 
 def _start_manifest(out_dir, tok, aux_layer_ids, hidden_size, store_dtype, shard_max_tokens, batch_tokens):
-    want = {"format": FORMAT, "input_sha256": input_sha256(tok), "num_sequences": tok["seq_starts"].numel() - 1,
-            "num_tokens": tok["input_ids"].numel(), "hidden_size": hidden_size,
-            "aux_layer_ids": [int(i) for i in aux_layer_ids], "store_dtype": str(store_dtype).removeprefix("torch.")}
+    want = {
+        "format": FORMAT,
+        "input_sha256": input_sha256(tok),
+        "num_sequences": tok["seq_starts"].numel() - 1,
+        "num_tokens": tok["input_ids"].numel(),
+        "hidden_size": hidden_size,
+        "aux_layer_ids": [int(i) for i in aux_layer_ids],
+        "store_dtype": str(store_dtype).removeprefix("torch."),
+    }
     manifest = load_manifest(out_dir)
     if manifest is None:
         manifest = dict(want, shard_max_tokens=shard_max_tokens, batch_tokens=batch_tokens, complete=False, shards=[])
@@ -435,10 +501,16 @@ def _start_manifest(out_dir, tok, aux_layer_ids, hidden_size, store_dtype, shard
         return manifest
     diff = [f"  {k}: folder has {manifest.get(k)!r}, this run {v!r}" for k, v in want.items() if manifest.get(k) != v]
     if diff:
-        what = "the input sequences differ from the ones" if manifest.get("input_sha256") != want["input_sha256"] \
+        what = (
+            "the input sequences differ from the ones"
+            if manifest.get("input_sha256") != want["input_sha256"]
             else "the settings differ from the ones"
-        raise ValueError(f"{out_dir}/{MANIFEST}: {what} this extraction was started with:\n" + "\n".join(diff) +
-                         f"\nUse a new out_dir, or delete {out_dir} to extract again from scratch")
+        )
+        raise ValueError(
+            f"{out_dir}/{MANIFEST}: {what} this extraction was started with:\n"
+            + "\n".join(diff)
+            + f"\nUse a new out_dir, or delete {out_dir} to extract again from scratch"
+        )
     return manifest
 
 
@@ -453,8 +525,8 @@ def _extract_shard(model, tok, lengths, first, end, aux_layer_ids, batch_tokens,
         aux, final = aux.to(store_dtype).cpu(), final.to(store_dtype).cpu()
         for b, s in enumerate(seq_ids):
             a, m = int(starts[s]) - base, lengths[s]
-            aux_buf[a:a + m] = aux[b, :m]
-            final_buf[a:a + m] = final[b, :m]
+            aux_buf[a : a + m] = aux[b, :m]
+            final_buf[a : a + m] = final[b, :m]
         bar.update(int(mask.sum()))
     return aux_buf, final_buf
 
@@ -464,10 +536,17 @@ def shard_tensors(tok, first, end, aux, final):
     starts = tok["seq_starts"]
     base, n = int(starts[first]), int(starts[end] - starts[first])
     if aux.shape[0] != n or final.shape[0] != n:
-        raise ValueError(f"sequences {first}..{end - 1} have {n} tokens, the backend returned {aux.shape[0]} aux "
-                         f"and {final.shape[0]} final rows; expected one row per token")
-    return {"input_ids": tok["input_ids"][base:base + n].clone(), "loss_mask": tok["loss_mask"][base:base + n].clone(),
-            "aux_hidden": aux, "final_hidden": final, "seq_starts": starts[first:end + 1] - base}
+        raise ValueError(
+            f"sequences {first}..{end - 1} have {n} tokens, the backend returned {aux.shape[0]} aux "
+            f"and {final.shape[0]} final rows; expected one row per token"
+        )
+    return {
+        "input_ids": tok["input_ids"][base : base + n].clone(),
+        "loss_mask": tok["loss_mask"][base : base + n].clone(),
+        "aux_hidden": aux,
+        "final_hidden": final,
+        "seq_starts": starts[first : end + 1] - base,
+    }
 
 
 def target_config_json(target_dir):
@@ -475,8 +554,10 @@ def target_config_json(target_dir):
     importing the model's code (engines load the target in their own processes)."""
     path = os.path.join(str(target_dir), "config.json")
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path} not found: an engine backend needs the target as a local Hugging Face "
-                                f"folder (the embedded target resolves to its cache folder)")
+        raise FileNotFoundError(
+            f"{path} not found: an engine backend needs the target as a local Hugging Face "
+            f"folder (the embedded target resolves to its cache folder)"
+        )
     with open(path) as f:
         cfg = json.load(f)
     return (cfg.get("text_config") or cfg), (cfg.get("architectures") or ["?"])[0]
@@ -496,13 +577,14 @@ class HFCapture:
         stats()                         this call's backend figures (engine start, plain prefill, ...); its
                                         `excluded_s` is session time that is not capture (start-up, checks)
     """
+
     name = "hf"
 
     def __init__(self, model, aux_layer_ids, batch_tokens=4096):
         self.model, self.aux_layer_ids, self.batch_tokens = model, [int(i) for i in aux_layer_ids], batch_tokens
         self.vocab_size, self.hidden_size = _base_model(model).embed_tokens.weight.shape
 
-    def __enter__(self):      # engines keep one engine running across the calls inside `with capture:`
+    def __enter__(self):  # engines keep one engine running across the calls inside `with capture:`
         return self
 
     def __exit__(self, *exc):
@@ -512,24 +594,66 @@ class HFCapture:
         return contextlib.nullcontext()
 
     def shard(self, tok, lengths, first, end, store_dtype, bar):
-        return _extract_shard(self.model, tok, lengths, first, end, self.aux_layer_ids, self.batch_tokens,
-                              store_dtype, self.hidden_size, bar)
+        return _extract_shard(
+            self.model,
+            tok,
+            lengths,
+            first,
+            end,
+            self.aux_layer_ids,
+            self.batch_tokens,
+            store_dtype,
+            self.hidden_size,
+            bar,
+        )
 
     def stats(self):
         return {}
 
 
-def extract(model, tokens, aux_layer_ids, out_dir, contract, batch_tokens=4096, shard_max_tokens=None,
-            store_dtype=torch.bfloat16, progress=True, free_bytes=None, verify_existing=True):
+def extract(
+    model,
+    tokens,
+    aux_layer_ids,
+    out_dir,
+    contract,
+    batch_tokens=4096,
+    shard_max_tokens=None,
+    store_dtype=torch.bfloat16,
+    progress=True,
+    free_bytes=None,
+    verify_existing=True,
+):
     """Capture aux + final hidden states for every sequence with the Hugging Face model (the hf
     backend) and write them as shards in out_dir; see extract_with."""
-    return extract_with(HFCapture(model, aux_layer_ids, batch_tokens), tokens, aux_layer_ids, out_dir, contract,
-                        batch_tokens=batch_tokens, shard_max_tokens=shard_max_tokens, store_dtype=store_dtype,
-                        progress=progress, free_bytes=free_bytes, verify_existing=verify_existing)
+    return extract_with(
+        HFCapture(model, aux_layer_ids, batch_tokens),
+        tokens,
+        aux_layer_ids,
+        out_dir,
+        contract,
+        batch_tokens=batch_tokens,
+        shard_max_tokens=shard_max_tokens,
+        store_dtype=store_dtype,
+        progress=progress,
+        free_bytes=free_bytes,
+        verify_existing=verify_existing,
+    )
 
 
-def extract_with(capture, tokens, aux_layer_ids, out_dir, contract, batch_tokens=4096, shard_max_tokens=None,
-                 store_dtype=torch.bfloat16, progress=True, free_bytes=None, verify_existing=True):
+def extract_with(
+    capture,
+    tokens,
+    aux_layer_ids,
+    out_dir,
+    contract,
+    batch_tokens=4096,
+    shard_max_tokens=None,
+    store_dtype=torch.bfloat16,
+    progress=True,
+    free_bytes=None,
+    verify_existing=True,
+):
     """Capture aux + final hidden states for every sequence through `capture` (a backend:
     HFCapture, extract_vllm.VLLMCapture, extract_sglang.SGLangCapture) and write them as shards.
 
@@ -548,11 +672,15 @@ def extract_with(capture, tokens, aux_layer_ids, out_dir, contract, batch_tokens
     vocab, hidden_size = int(capture.vocab_size), int(capture.hidden_size)
     for key, have in (("aux_layer_ids", [int(i) for i in aux_layer_ids]), ("hidden_size", hidden_size)):
         if key in contract and contract[key] != have:
-            raise ValueError(f"contract[{key!r}] is {contract[key]!r} but this extraction has {have!r} (from the "
-                             f"arguments and the model); build the contract from the same target and aux ids")
+            raise ValueError(
+                f"contract[{key!r}] is {contract[key]!r} but this extraction has {have!r} (from the "
+                f"arguments and the model); build the contract from the same target and aux ids"
+            )
     if tok["input_ids"].numel() and (tok["input_ids"].min() < 0 or tok["input_ids"].max() >= vocab):
-        raise ValueError(f"tokens: ids range {int(tok['input_ids'].min())}..{int(tok['input_ids'].max())}, expected "
-                         f"0..{vocab - 1} (the target's vocab_size); were these tokenized for another model?")
+        raise ValueError(
+            f"tokens: ids range {int(tok['input_ids'].min())}..{int(tok['input_ids'].max())}, expected "
+            f"0..{vocab - 1} (the target's vocab_size); were these tokenized for another model?"
+        )
     shard_max_tokens = shard_max_tokens or default_shard_max_tokens(hidden_size, store_dtype, len(aux_layer_ids))
     os.makedirs(out_dir, exist_ok=True)
     _check_contract(out_dir, contract)
@@ -568,11 +696,15 @@ def extract_with(capture, tokens, aux_layer_ids, out_dir, contract, batch_tokens
     if plan:
         need = todo_tokens * bytes_per_token(hidden_size, store_dtype, len(aux_layer_ids)) + 4096 * len(plan) + 2**16
         free = shutil.disk_usage(out_dir).free if free_bytes is None else free_bytes
-        print(f"extract ({capture.name}): {sum(b - a for a, b in plan):,} sequences, {todo_tokens:,} tokens to do in "
-              f"{len(plan)} shards; needs ~{need / 1e9:.3f} GB ({need:,} bytes), {free:,} bytes free in {out_dir}")
+        print(
+            f"extract ({capture.name}): {sum(b - a for a, b in plan):,} sequences, {todo_tokens:,} tokens to do in "
+            f"{len(plan)} shards; needs ~{need / 1e9:.3f} GB ({need:,} bytes), {free:,} bytes free in {out_dir}"
+        )
         if free < need:
-            raise OSError(f"not enough disk space in {out_dir}: the remaining shards need ~{need:,} bytes, "
-                          f"{free:,} bytes are free; free space, pick another out_dir, or extract fewer tokens")
+            raise OSError(
+                f"not enough disk space in {out_dir}: the remaining shards need ~{need:,} bytes, "
+                f"{free:,} bytes are free; free space, pick another out_dir, or extract fewer tokens"
+            )
 
     seconds, stats = 0.0, {}
     if plan:
@@ -588,8 +720,11 @@ def extract_with(capture, tokens, aux_layer_ids, out_dir, contract, batch_tokens
 
         # Shard k is written (bytes, sha256, fsync: ~3 s a GB) in a thread while shard k+1 is captured;
         # on an H200 the synchronous write held the hf backend to 0.11 of the target's forward.
-        with tqdm(total=todo_tokens, unit="tok", unit_scale=True, disable=not progress, desc="extract") as bar, \
-                capture.session(tok, lengths, plan, out_dir), ThreadPoolExecutor(1) as writer:
+        with (
+            tqdm(total=todo_tokens, unit="tok", unit_scale=True, disable=not progress, desc="extract") as bar,
+            capture.session(tok, lengths, plan, out_dir),
+            ThreadPoolExecutor(1) as writer,
+        ):
             pending = None
             for first, end in plan:
                 t = time.perf_counter()
@@ -604,17 +739,26 @@ def extract_with(capture, tokens, aux_layer_ids, out_dir, contract, batch_tokens
         stats = {**capture.stats(), **{k: round(v, 2) for k, v in waits.items()}}
         # Engine start-up (loading the target, spawning workers) is reported apart, not as capture time.
         seconds = time.perf_counter() - t0 - stats.get("excluded_s", 0.0)
-        if stats.get("wire_bytes"):   # what an engine sent back per token (its cost of the final state shows here)
+        if stats.get("wire_bytes"):  # what an engine sent back per token (its cost of the final state shows here)
             stats["wire_bytes_per_token"] = stats["wire_bytes"] / max(1, todo_tokens)
     if not manifest["complete"]:
         manifest["complete"] = True
         _write_json(os.path.join(out_dir, MANIFEST), manifest)
     total_bytes = sum(e["bytes"] for e in manifest["shards"])
-    return {"backend": capture.name, "sequences": sum(b - a for a, b in plan), "tokens": todo_tokens,
-            "total_sequences": manifest["num_sequences"], "total_tokens": manifest["num_tokens"],
-            "shards": len(manifest["shards"]), "bytes": total_bytes,
-            "bytes_per_token": total_bytes / max(1, manifest["num_tokens"]), "seconds": seconds,
-            "tokens_per_s": todo_tokens / seconds if plan and seconds > 0 else None, "complete": True, **stats}
+    return {
+        "backend": capture.name,
+        "sequences": sum(b - a for a, b in plan),
+        "tokens": todo_tokens,
+        "total_sequences": manifest["num_sequences"],
+        "total_tokens": manifest["num_tokens"],
+        "shards": len(manifest["shards"]),
+        "bytes": total_bytes,
+        "bytes_per_token": total_bytes / max(1, manifest["num_tokens"]),
+        "seconds": seconds,
+        "tokens_per_s": todo_tokens / seconds if plan and seconds > 0 else None,
+        "complete": True,
+        **stats,
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -624,8 +768,8 @@ def extract_with(capture, tokens, aux_layer_ids, out_dir, contract, batch_tokens
 class ShardSet:
     """A finished extraction: the manifest, the contract, and its sequences in order.
 
-        shards = ShardSet("outputs/run/01_extract/hidden")
-        for input_ids, loss_mask, aux, final in shards: ...
+    shards = ShardSet("outputs/run/01_extract/hidden")
+    for input_ids, loss_mask, aux, final in shards: ...
     """
 
     def __init__(self, out_dir, verify=True, require_complete=True):
@@ -641,8 +785,10 @@ class ShardSet:
                 self.contract = json.load(f)
         gaps = _missing_ranges(self.manifest)
         if require_complete and (gaps or not self.manifest["complete"]):
-            raise ValueError(f"{out_dir}: extraction is incomplete (sequences {gaps} missing of "
-                             f"{self.manifest['num_sequences']}); rerun extract() on this folder to finish it")
+            raise ValueError(
+                f"{out_dir}: extraction is incomplete (sequences {gaps} missing of "
+                f"{self.manifest['num_sequences']}); rerun extract() on this folder to finish it"
+            )
         self.shards = sorted(self.manifest["shards"], key=lambda e: e["first_sequence"])
         self._verified = {}  # file -> (size, mtime_ns, inode) when its sha256 last matched
 
@@ -669,9 +815,11 @@ class ShardSet:
         if self.verify and stamp is not None:
             self._verified[e["file"]] = stamp
         if t["first_sequence"] != e["first_sequence"] or t["seq_starts"].numel() - 1 != e["sequences"]:
-            raise ShardError(f"{path}: holds {t['seq_starts'].numel() - 1} sequences from {t['first_sequence']}, "
-                             f"the manifest expects {e['sequences']} from {e['first_sequence']}; delete it and "
-                             f"rerun extraction on {self.out_dir}")
+            raise ShardError(
+                f"{path}: holds {t['seq_starts'].numel() - 1} sequences from {t['first_sequence']}, "
+                f"the manifest expects {e['sequences']} from {e['first_sequence']}; delete it and "
+                f"rerun extraction on {self.out_dir}"
+            )
         return t
 
     def __iter__(self):
@@ -713,14 +861,15 @@ def compare_shard_sets(engine_dir, reference_dir, lm_head=None, rel_tol=None, ch
     seqs = 0
     for (ia, ma, aa, fa), (ib, mb, ab, fb) in zip(a_set, b_set):
         if not (torch.equal(ia, ib) and torch.equal(ma, mb)):
-            raise ValueError(f"sequence {seqs}: the two extractions hold different tokens; compare extractions of "
-                             f"the same inputs")
+            raise ValueError(
+                f"sequence {seqs}: the two extractions hold different tokens; compare extractions of the same inputs"
+            )
         seqs += 1
         H = fa.shape[1]
-        parts = [(aa[:, k * H:(k + 1) * H], ab[:, k * H:(k + 1) * H]) for k in range(len(ids))] + [(fa, fb)]
+        parts = [(aa[:, k * H : (k + 1) * H], ab[:, k * H : (k + 1) * H]) for k in range(len(ids))] + [(fa, fb)]
         for n, (x, y) in zip(names, parts):
             x, y = x.double(), y.double()
-            d = (x - y)
+            d = x - y
             r = acc[n]
             r["max_abs"] = max(r["max_abs"], float(d.abs().max()))
             r["max_ref"] = max(r["max_ref"], float(y.abs().max()))
@@ -730,8 +879,8 @@ def compare_shard_sets(engine_dir, reference_dir, lm_head=None, rel_tol=None, ch
         if lm_head is not None:
             w = lm_head.float()
             for s in range(0, fa.shape[0], chunk):
-                la = fa[s:s + chunk].to(w.device, torch.float32) @ w.T
-                lb = fb[s:s + chunk].to(w.device, torch.float32) @ w.T
+                la = fa[s : s + chunk].to(w.device, torch.float32) @ w.T
+                lb = fb[s : s + chunk].to(w.device, torch.float32) @ w.T
                 agree += int((la.argmax(-1) == lb.argmax(-1)).sum())
                 total += la.shape[0]
     if seqs != len(b_set) or seqs != len(a_set):
@@ -741,10 +890,21 @@ def compare_shard_sets(engine_dir, reference_dir, lm_head=None, rel_tol=None, ch
     layers = {}
     for n in names:
         r = acc[n]
-        layers[n] = {"max_abs": r["max_abs"], "max_ref": r["max_ref"], "max_rel": r["max_abs"] / max(r["max_ref"], 1e-30),
-                     "rel_rms": (r["sq_diff"] / max(r["sq_ref"], 1e-300)) ** 0.5, "min_cos": r["min_cos"]}
-    out = {"sequences": seqs, "tokens": a_set.num_tokens, "dtype": str(dtype).removeprefix("torch."), "rel_tol": tol,
-           "layers": layers, "ok": all(v["rel_rms"] <= tol for v in layers.values())}
+        layers[n] = {
+            "max_abs": r["max_abs"],
+            "max_ref": r["max_ref"],
+            "max_rel": r["max_abs"] / max(r["max_ref"], 1e-30),
+            "rel_rms": (r["sq_diff"] / max(r["sq_ref"], 1e-300)) ** 0.5,
+            "min_cos": r["min_cos"],
+        }
+    out = {
+        "sequences": seqs,
+        "tokens": a_set.num_tokens,
+        "dtype": str(dtype).removeprefix("torch."),
+        "rel_tol": tol,
+        "layers": layers,
+        "ok": all(v["rel_rms"] <= tol for v in layers.values()),
+    }
     if lm_head is not None:
         out["argmax_agree"] = agree / max(1, total)
     return out
@@ -763,14 +923,15 @@ def layer_probe(model, engine_dir, aux_layer_ids, max_sequences=8):
     for s, (ids, _, aux, _) in enumerate(ShardSet(engine_dir)):
         if s >= max_sequences:
             break
-        ref, _ = capture_hidden_states(model, ids.long()[None].to(device), torch.ones(1, len(ids), dtype=torch.long,
-                                       device=device), cands)
+        ref, _ = capture_hidden_states(
+            model, ids.long()[None].to(device), torch.ones(1, len(ids), dtype=torch.long, device=device), cands
+        )
         ref = ref[0].double().cpu()
         H = ref.shape[1] // len(cands)
         for k in range(len(aux_layer_ids)):
-            x = aux[:, k * H:(k + 1) * H].double()
+            x = aux[:, k * H : (k + 1) * H].double()
             for c, j in enumerate(cands):
-                y = ref[:, c * H:(c + 1) * H]
+                y = ref[:, c * H : (c + 1) * H]
                 sq[(k, j)][0] += float(((x - y) ** 2).sum())
                 sq[(k, j)][1] += float((y * y).sum())
     slots = []

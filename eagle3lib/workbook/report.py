@@ -5,6 +5,7 @@ title; widgets have no kernel in a report, so `static_widgets` swaps each widget
 with it (see widgets.show) or, for progress bars, for their final state. Everything is self-contained:
 no script or style is fetched from the network.
 """
+
 from __future__ import annotations
 
 import html
@@ -37,6 +38,7 @@ table.e3-table td:first-child,table.e3-table th:first-child{text-align:left}
 
 # --------------------------------------------------------------------------------- pieces ----
 
+
 def fmt(value) -> str:
     """A figure as a reader wants it: None as a dash, floats to 4 significant digits, ints grouped."""
     if value is None:
@@ -66,8 +68,7 @@ def table_html(records: list[dict], caption: str | None = None) -> str:
         return "<p class='e3-dim'>(no rows)</p>"
     keys = list(records[0])
     head = "".join(f"<th>{html.escape(str(k))}</th>" for k in keys)
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(fmt(r.get(k)))}</td>" for k in keys) + "</tr>"
-                   for r in records)
+    body = "".join("<tr>" + "".join(f"<td>{html.escape(fmt(r.get(k)))}</td>" for k in keys) + "</tr>" for r in records)
     cap = f"<caption>{html.escape(caption)}</caption>" if caption else ""
     return f"<table class='e3-table'>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
@@ -95,8 +96,15 @@ def produced(stage_path: Path, stage: str, limit: int = 24) -> list[dict]:
         if p.name in REPORT_FILES or p.name.startswith(".") or p.stem == stage or p.name == "screenshots":
             continue
         files = sum(1 for q in p.rglob("*") if q.is_file()) if p.is_dir() else 1
-        out.append({"name": p.name + ("/" if p.is_dir() else ""), "href": p.name + ("/" if p.is_dir() else ""),
-                    "size": _bytes(_size(p)), "files": files, "artifact": p.name in tops})
+        out.append(
+            {
+                "name": p.name + ("/" if p.is_dir() else ""),
+                "href": p.name + ("/" if p.is_dir() else ""),
+                "size": _bytes(_size(p)),
+                "files": files,
+                "artifact": p.name in tops,
+            }
+        )
     out.sort(key=lambda x: (not x["artifact"], x["name"]))
     return out[:limit]
 
@@ -105,8 +113,18 @@ def produced(stage_path: Path, stage: str, limit: int = 24) -> list[dict]:
 # cache and the start-up time (the rest is routes, banners and shutdown chatter). Tracebacks and error lines
 # are counted, not shown: an engine that served and stopped cleanly logged exceptions it caught or ignored (vLLM
 # prints a long ignored one when its compile cache fails to load); a failed stage shows its own error anyway.
-LOG_PATTERNS = ("Resolved architecture", "drafter", "auxiliary layers", "embed_tokens", "lm_head weights",
-                "KV cache size", "init engine", "Application startup complete", "server_args", "Load weight end")
+LOG_PATTERNS = (
+    "Resolved architecture",
+    "drafter",
+    "auxiliary layers",
+    "embed_tokens",
+    "lm_head weights",
+    "KV cache size",
+    "init engine",
+    "Application startup complete",
+    "server_args",
+    "Load weight end",
+)
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 
 
@@ -120,20 +138,29 @@ def log_excerpt(path, patterns=LOG_PATTERNS, max_lines: int = 20, width: int = 2
 
     def error(ln):
         return " ERROR " in ln or ln.startswith("ERROR")
-    keep = [ln if len(ln) <= width else ln[:width] + " …" for ln in lines
-            if any(p in ln for p in patterns) and not error(ln)]
+
+    keep = [
+        ln if len(ln) <= width else ln[:width] + " …"
+        for ln in lines
+        if any(p in ln for p in patterns) and not error(ln)
+    ]
     more = f", the first {max_lines} shown" if len(keep) > max_lines else ""
     errors = sum(1 for ln in lines if error(ln))
     tracebacks = sum(1 for ln in lines if ln.startswith("Traceback"))
-    also = (f"; it also holds {errors} error-level line(s) and {tracebacks} traceback(s), read them there"
-            if errors or tracebacks else "")
+    also = (
+        f"; it also holds {errors} error-level line(s) and {tracebacks} traceback(s), read them there"
+        if errors or tracebacks
+        else ""
+    )
     return "\n".join([f"{path.name}: {len(lines)} lines, {len(keep)} worth reading{more}{also}:"] + keep[:max_lines])
 
 
 # ---------------------------------------------------------------------------- stage report ----
 
-def stage_summary_html(result: dict, stage_path: Path, stage: str, neighbours: tuple = (None, None),
-                       error_anchor: str | None = None) -> str:
+
+def stage_summary_html(
+    result: dict, stage_path: Path, stage: str, neighbours: tuple = (None, None), error_anchor: str | None = None
+) -> str:
     """The box that opens a stage report: links, status and time, headline figures, what the stage made.
     One HTML block without blank lines (it goes into a markdown cell). error_anchor: the id of the element
     just above the cell that failed, if the page has one."""
@@ -147,17 +174,27 @@ def stage_summary_html(result: dict, stage_path: Path, stage: str, neighbours: t
     if status == "ok":
         state = f"<div class='e3-status e3-ok'>finished in {duration(result.get('seconds'))}</div>"
     else:
-        where = (f"<a href='#{error_anchor}'>the cell that failed</a>" if error_anchor else "the cell that failed")
-        state = (f"<div class='e3-status e3-failed'>stage failed after {duration(result.get('seconds'))}: "
-                 f"{html.escape(str(result.get('error', '')))} ({where} shows the traceback below)</div>")
-    cards = "".join(f"<div class='e3-card'><div class='k'>{html.escape(str(k))}</div>"
-                    f"<div class='v'>{html.escape(fmt(v))}</div></div>" for k, v in result.get("headline", {}).items())
-    items = "".join(f"<li><a href='{html.escape(x['href'])}'>{html.escape(x['name'])}</a> "
-                    f"<span class='e3-dim'>{x['size']}{'' if x['files'] == 1 else ', ' + str(x['files']) + ' files'}"
-                    f"</span></li>" for x in produced(stage_path, stage))
+        where = f"<a href='#{error_anchor}'>the cell that failed</a>" if error_anchor else "the cell that failed"
+        state = (
+            f"<div class='e3-status e3-failed'>stage failed after {duration(result.get('seconds'))}: "
+            f"{html.escape(str(result.get('error', '')))} ({where} shows the traceback below)</div>"
+        )
+    cards = "".join(
+        f"<div class='e3-card'><div class='k'>{html.escape(str(k))}</div>"
+        f"<div class='v'>{html.escape(fmt(v))}</div></div>"
+        for k, v in result.get("headline", {}).items()
+    )
+    items = "".join(
+        f"<li><a href='{html.escape(x['href'])}'>{html.escape(x['name'])}</a> "
+        f"<span class='e3-dim'>{x['size']}{'' if x['files'] == 1 else ', ' + str(x['files']) + ' files'}"
+        f"</span></li>"
+        for x in produced(stage_path, stage)
+    )
     made = f"<div class='e3-made'><b>Produced</b> (in this folder):<ul>{items}</ul></div>" if items else ""
-    return (f"<style>{CSS.strip()}</style>\n<div class='e3-summary'><div class='e3-nav'>{' &middot; '.join(nav)}</div>"
-            f"{state}<div class='e3-cards'>{cards}</div>{made}</div>").replace("\n\n", "\n")
+    return (
+        f"<style>{CSS.strip()}</style>\n<div class='e3-summary'><div class='e3-nav'>{' &middot; '.join(nav)}</div>"
+        f"{state}<div class='e3-cards'>{cards}</div>{made}</div>"
+    ).replace("\n\n", "\n")
 
 
 PAPERMILL_ERROR_TAG = "papermill-error-cell-tag"
@@ -168,8 +205,11 @@ def drop_papermill_banner(nb) -> str | None:
     """A failed papermill run opens the notebook with a red 'An Exception was encountered' banner linking to a
     marker above the failing cell. The summary says the same, so the banner goes; returns the marker's id
     (or None when there is none) for the summary to link to."""
-    nb.cells = [c for c in nb.cells if not (PAPERMILL_ERROR_TAG in c.metadata.get("tags", [])
-                                            and f'id="{PAPERMILL_ERROR_ID}"' not in c.source)]
+    nb.cells = [
+        c
+        for c in nb.cells
+        if not (PAPERMILL_ERROR_TAG in c.metadata.get("tags", []) and f'id="{PAPERMILL_ERROR_ID}"' not in c.source)
+    ]
     return PAPERMILL_ERROR_ID if any(f'id="{PAPERMILL_ERROR_ID}"' in c.source for c in nb.cells) else None
 
 
@@ -228,6 +268,7 @@ def static_widgets(nb) -> None:
 
 # ------------------------------------------------------------------------------- run index ----
 
+
 def _recommendation_html(bench: dict) -> str:
     figures = bench.get("figures", {})
     rec, rows = figures.get("recommendation") or {}, figures.get("rows") or []
@@ -238,17 +279,25 @@ def _recommendation_html(bench: dict) -> str:
         spec = [x for x in rows if str(x["concurrency"]) == c and x["depth"]]
         best_spec = max(spec, key=lambda x: x["tokens_per_s"], default=None)
         if r["depth"]:
-            text = (f"<b>{html.escape(r['config'])}</b>: {fmt(r['tokens_per_s'])} tokens/s, "
-                    f"<b>{r['speedup']:.2f}x</b> the no-speculation baseline, acceptance length {fmt(r.get('accept_len'))}")
+            text = (
+                f"<b>{html.escape(r['config'])}</b>: {fmt(r['tokens_per_s'])} tokens/s, "
+                f"<b>{r['speedup']:.2f}x</b> the no-speculation baseline, acceptance length {fmt(r.get('accept_len'))}"
+            )
         else:
-            text = (f"<b>no speculation</b> ({fmt(r['tokens_per_s'])} tokens/s): no depth beat the baseline"
-                    + (f"; the best, {html.escape(best_spec['config'])}, ran at {best_spec['speedup']:.2f}x with "
-                       f"acceptance length {fmt(best_spec.get('accept_len'))}" if best_spec else ""))
+            text = f"<b>no speculation</b> ({fmt(r['tokens_per_s'])} tokens/s): no depth beat the baseline" + (
+                f"; the best, {html.escape(best_spec['config'])}, ran at {best_spec['speedup']:.2f}x with "
+                f"acceptance length {fmt(best_spec.get('accept_len'))}"
+                if best_spec
+                else ""
+            )
         cmds = "".join(f"<div>{e}:</div><pre>{html.escape(r[e])}</pre>" for e in ("vllm", "sglang") if r.get(e))
-        items.append(f"<li>concurrency {html.escape(c)}: {text}<details><summary>launch commands</summary>{cmds}"
-                     f"</details></li>")
-    return (f"<h2>Recommendation</h2><p>The fastest configuration per concurrency "
-            f"(<a href='05_benchmark/05_benchmark.html'>benchmark report</a>):</p><ul>{''.join(items)}</ul>")
+        items.append(
+            f"<li>concurrency {html.escape(c)}: {text}<details><summary>launch commands</summary>{cmds}</details></li>"
+        )
+    return (
+        f"<h2>Recommendation</h2><p>The fastest configuration per concurrency "
+        f"(<a href='05_benchmark/05_benchmark.html'>benchmark report</a>):</p><ul>{''.join(items)}</ul>"
+    )
 
 
 def index_html(run_dir: Path, stage_names: list[str]) -> str:
@@ -270,32 +319,45 @@ def index_html(run_dir: Path, stage_names: list[str]) -> str:
         ok = r.get("status") == "ok"
         done += ok and failed_before is None
         if ok:
-            figs = "".join(f"<div class='e3-card'><div class='k'>{html.escape(str(k))}</div>"
-                           f"<div class='v'>{html.escape(fmt(v))}</div></div>" for k, v in r.get("headline", {}).items())
+            figs = "".join(
+                f"<div class='e3-card'><div class='k'>{html.escape(str(k))}</div>"
+                f"<div class='v'>{html.escape(fmt(v))}</div></div>"
+                for k, v in r.get("headline", {}).items()
+            )
             figs = f"<div class='e3-cards'>{figs}</div>"
         else:
             figs = f"<div class='e3-failed'>{html.escape(str(r.get('status')))}: {html.escape(str(r.get('error', '')))}</div>"
-        link = (f"<a href='{stage}/{html.escape(r['report'])}'>{html.escape(stage)}</a>"
-                if r.get("report") and (run_dir / stage / r["report"]).is_file() else html.escape(stage))
+        link = (
+            f"<a href='{stage}/{html.escape(r['report'])}'>{html.escape(stage)}</a>"
+            if r.get("report") and (run_dir / stage / r["report"]).is_file()
+            else html.escape(stage)
+        )
         status = f"<span class='{'e3-ok' if ok else 'e3-failed'}'>{html.escape(str(r.get('status', 'ok')))}</span>"
-        if ok and failed_before:   # the run stopped at that failure: this result is an earlier run's
-            status = (f"<span class='e3-dim' title='not rerun: the run stopped when {html.escape(failed_before)} "
-                      f"failed'>ok, earlier run</span>")
+        if ok and failed_before:  # the run stopped at that failure: this result is an earlier run's
+            status = (
+                f"<span class='e3-dim' title='not rerun: the run stopped when {html.escape(failed_before)} "
+                f"failed'>ok, earlier run</span>"
+            )
         if not ok and failed_before is None:
             failed_before = stage
         rows.append(f"<tr><td>{link}</td><td>{status}</td><td>{duration(r.get('seconds'))}</td><td>{figs}</td></tr>")
         for png in sorted((run_dir / stage).glob("*.png")):
             rel = f"{stage}/{png.name}"
-            figures.append(f"<figure><a href='{rel}'><img src='{rel}' alt='{html.escape(rel)}'></a>"
-                           f"<figcaption>{html.escape(rel)}</figcaption></figure>")
+            figures.append(
+                f"<figure><a href='{rel}'><img src='{rel}' alt='{html.escape(rel)}'></a>"
+                f"<figcaption>{html.escape(rel)}</figcaption></figure>"
+            )
     bench = results.get("05_benchmark")
     recommendation = _recommendation_html(bench) if bench and bench.get("status") == "ok" else ""
     git = run.get("git", {})
     versions = table_html([{"package": k, "version": v} for k, v in run.get("versions", {}).items()])
     params = yaml.safe_dump(run.get("params", {}), sort_keys=False)
     started = run.get("started", "")
-    status_line = (f"all {len(stage_names)} stages finished" if done == len(stage_names)
-                   else f"{done} of {len(stage_names)} stages finished")
+    status_line = (
+        f"all {len(stage_names)} stages finished"
+        if done == len(stage_names)
+        else f"{done} of {len(stage_names)} stages finished"
+    )
     return f"""<!doctype html><html><head><meta charset="utf-8"><title>Run {html.escape(run_dir.name)}</title>
 <style>{CSS}
 body{{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;max-width:72em;margin:1.5em auto;padding:0 1em;color:#222}}
@@ -304,16 +366,16 @@ table.e3-stages{{border-collapse:collapse;width:100%}}table.e3-stages td:nth-chi
 .e3-figs figcaption{{font-size:80%;color:#555}}pre{{background:#f6f8fa;padding:.7em;overflow-x:auto;font-size:85%}}
 </style></head><body>
 <h1>Run <code>{html.escape(run_dir.name)}</code></h1>
-<p>{status_line} &middot; total stage time <b>{duration(total)}</b> &middot; params <code>{html.escape(str(run.get('params_file')))}</code>
-&middot; git <code>{html.escape(str(git.get('commit') or 'unknown'))[:12]}</code>{' (with uncommitted changes)' if git.get('dirty') else ''}
-&middot; started {html.escape(started)} &middot; index written {time.strftime('%Y-%m-%dT%H:%M:%S%z')}</p>
+<p>{status_line} &middot; total stage time <b>{duration(total)}</b> &middot; params <code>{html.escape(str(run.get("params_file")))}</code>
+&middot; git <code>{html.escape(str(git.get("commit") or "unknown"))[:12]}</code>{" (with uncommitted changes)" if git.get("dirty") else ""}
+&middot; started {html.escape(started)} &middot; index written {time.strftime("%Y-%m-%dT%H:%M:%S%z")}</p>
 <h2>Stages</h2>
 <table class="e3-stages"><thead><tr><th>stage report</th><th>status</th><th>time</th><th>headline figures</th></tr></thead>
-<tbody>{''.join(rows)}</tbody></table>
+<tbody>{"".join(rows)}</tbody></table>
 {recommendation}
-{'<h2>Figures</h2><div class="e3-figs">' + ''.join(figures) + '</div>' if figures else ''}
+{'<h2>Figures</h2><div class="e3-figs">' + "".join(figures) + "</div>" if figures else ""}
 <h2>Versions</h2>{versions}
-<h2>Params</h2><p>Resolved from <code>{html.escape(str(run.get('params_file')))}</code> with the run's overrides (also in <a href="run.json">run.json</a>):</p>
+<h2>Params</h2><p>Resolved from <code>{html.escape(str(run.get("params_file")))}</code> with the run's overrides (also in <a href="run.json">run.json</a>):</p>
 <pre>{html.escape(params)}</pre>
 </body></html>
 """

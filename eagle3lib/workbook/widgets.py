@@ -5,6 +5,7 @@ changes (an HTML widget rather than an Output one, so it behaves the same in Jup
 and in tests). `show(widget, static_html)` puts both in one output: JupyterLab renders the widget, the
 report (nbconvert; the pipeline drops the widget state, eagle3lib.workbook.report.static_widgets) the static HTML.
 """
+
 from __future__ import annotations
 
 import base64
@@ -14,11 +15,12 @@ import io
 import ipywidgets as W
 
 from eagle3lib.bench import sweep
-from eagle3lib.workbook import plots
-from eagle3lib.workbook import report
 from eagle3lib.bench.replay import TARGET
+from eagle3lib.workbook import plots, report
 
-STYLE = f"<style>{report.CSS.strip()}" + """
+STYLE = (
+    f"<style>{report.CSS.strip()}"
+    + """
 .e3-tokens{white-space:pre-wrap;font-family:system-ui,sans-serif;line-height:1.7;border:1px solid #ddd;
  border-radius:4px;padding:.5em .7em;background:#fff;max-height:32em;overflow-y:auto}
 .e3-tok{border-radius:3px;padding:.05em 0;border-right:1px solid #fff}
@@ -28,9 +30,11 @@ STYLE = f"<style>{report.CSS.strip()}" + """
 .e3-legend{font-size:85%;margin:.4em 0}.e3-legend span{display:inline-block;margin:0 .3em .2em 0;padding:0 .4em}
 .e3-side{display:flex;flex-wrap:wrap;gap:1.5em;align-items:flex-start}
 </style>"""
+)
 
 
 # ------------------------------------------------------------------------------- plumbing ----
+
 
 def bundle(widget, static_html: str) -> dict:
     """The widget's display data plus a static text/html rendering (shown where widgets cannot run)."""
@@ -41,6 +45,7 @@ def bundle(widget, static_html: str) -> dict:
 
 def show(widget, static_html: str) -> None:
     from IPython.display import display
+
     display(bundle(widget, static_html), raw=True)
 
 
@@ -53,6 +58,7 @@ def figure_html(fig, dpi: int = 100) -> str:
 
 
 # ------------------------------------------------------------------------------- training ----
+
 
 def training_evals(log_path, initial: dict | None = None) -> list[dict]:
     """[{step, eval}] of every validation in a training log.jsonl; `initial` (the evaluation before training)
@@ -67,14 +73,25 @@ def training_evals(log_path, initial: dict | None = None) -> list[dict]:
 def accuracy_html(ev: dict, title: str = "") -> str:
     """One validation: the accuracy-versus-depth figure, the per-position table and the estimated
     acceptance length per depth (extrapolated depths marked)."""
-    per_pos = [{"position": k + 1, "step_acc": ev["step_acc"][k], "cond_acc": ev["cond_acc"][k],
-                "joint_acc": ev["joint_acc"][k]} for k in range(len(ev["step_acc"]))]
+    per_pos = [
+        {
+            "position": k + 1,
+            "step_acc": ev["step_acc"][k],
+            "cond_acc": ev["cond_acc"][k],
+            "joint_acc": ev["joint_acc"][k],
+        }
+        for k in range(len(ev["step_acc"]))
+    ]
     extra = set(ev.get("extrapolated_depths", []))
-    est = [{"depth": int(d), "est. acceptance length": v, "": "extrapolated" if int(d) in extra else ""}
-           for d, v in sorted(ev["est_accept_len"].items(), key=lambda x: int(x[0]))]
+    est = [
+        {"depth": int(d), "est. acceptance length": v, "": "extrapolated" if int(d) in extra else ""}
+        for d, v in sorted(ev["est_accept_len"].items(), key=lambda x: int(x[0]))
+    ]
     fig = figure_html(plots.acceptance_vs_depth(ev, title))
-    return (f"{STYLE}<div class='e3-side'><div>{fig}</div><div>{report.table_html(per_pos)}</div>"
-            f"<div>{report.table_html(est)}</div></div>")
+    return (
+        f"{STYLE}<div class='e3-side'><div>{fig}</div><div>{report.table_html(per_pos)}</div>"
+        f"<div>{report.table_html(est)}</div></div>"
+    )
 
 
 def evals_table_html(evals: list[dict], depths=(1, 3, 5, 7, 10, 16)) -> str:
@@ -82,37 +99,51 @@ def evals_table_html(evals: list[dict], depths=(1, 3, 5, 7, 10, 16)) -> str:
     rows = []
     for e in evals:
         ev = e["eval"]
-        row = {"step": e["step"], "positions": ev.get("positions"),
-               "step_acc by position": " ".join(f"{x:.3f}" for x in ev["step_acc"]),
-               "cond_acc by position": " ".join(f"{x:.3f}" for x in ev["cond_acc"])}
+        row = {
+            "step": e["step"],
+            "positions": ev.get("positions"),
+            "step_acc by position": " ".join(f"{x:.3f}" for x in ev["step_acc"]),
+            "cond_acc by position": " ".join(f"{x:.3f}" for x in ev["cond_acc"]),
+        }
         for d in depths:
             if str(d) in ev["est_accept_len"]:
                 row[f"est. len @{d}"] = ev["est_accept_len"][str(d)]
         rows.append(row)
-    return (f"{STYLE}<p>Each validation during training (step 0: before training); est. len = estimated "
-            f"acceptance length 1 + &Sigma; joint_acc for a chain of that depth.</p>{report.table_html(rows)}")
+    return (
+        f"{STYLE}<p>Each validation during training (step 0: before training); est. len = estimated "
+        f"acceptance length 1 + &Sigma; joint_acc for a chain of that depth.</p>{report.table_html(rows)}"
+    )
 
 
 def accuracy_explorer(evals: list[dict]) -> W.VBox:
     """A slider over the validation checkpoints; shows that validation's accuracy per depth."""
     if not evals:
-        raise ValueError("Expected at least one validation in the training log, found none; "
-                         "lower train.eval_every or check the log.jsonl.")
+        raise ValueError(
+            "Expected at least one validation in the training log, found none; "
+            "lower train.eval_every or check the log.jsonl."
+        )
     labels = [("before training" if e["step"] == 0 else f"step {e['step']}", i) for i, e in enumerate(evals)]
-    slider = W.SelectionSlider(options=labels, value=len(evals) - 1, description="validation at",
-                               continuous_update=False, layout=W.Layout(width="36em"),
-                               style={"description_width": "initial"})
+    slider = W.SelectionSlider(
+        options=labels,
+        value=len(evals) - 1,
+        description="validation at",
+        continuous_update=False,
+        layout=W.Layout(width="36em"),
+        style={"description_width": "initial"},
+    )
     view = W.HTML()
 
     def render(_=None):
         e = evals[slider.value]
         view.value = accuracy_html(e["eval"], f"validation, {labels[slider.value][0]}")
+
     slider.observe(render, names="value")
     render()
     return W.VBox([slider, view])
 
 
 # ------------------------------------------------------------------------------ benchmark ----
+
 
 def source_colour(k: int, depth: int) -> tuple[str, str]:
     """(background, text) colour of a token accepted at draft position k of `depth` (k = 0: the target's)."""
@@ -145,34 +176,44 @@ def legend_html(depth: int) -> str:
     for k in range(1, depth + 1):
         bg, fg = source_colour(k, depth)
         items.append(f"<span style='background:{bg};color:{fg}'>{k}</span>")
-    return (f"<div class='e3-legend'>Each token: <b>target</b> = the target's own token (prefill, or the one it adds "
-            f"after the accepted drafts at each verification); <b>k</b> = a draft token accepted at chain position k. "
-            f"{''.join(items)} &#8629; = newline</div>")
+    return (
+        f"<div class='e3-legend'>Each token: <b>target</b> = the target's own token (prefill, or the one it adds "
+        f"after the accepted drafts at each verification); <b>k</b> = a draft token accepted at chain position k. "
+        f"{''.join(items)} &#8629; = newline</div>"
+    )
 
 
 def provenance_html(record: dict, depth: int) -> str:
     """One prompt at one depth: the replayed output coloured by source beside the no-speculation output."""
     r = record["replays"][str(depth)]
     drafted = sum(1 for s in r["source"] if s != TARGET)
-    left = (f"<h4>EAGLE-3, depth {depth}: acceptance length {report.fmt(r['accept_len'])}</h4>"
-            f"<div class='e3-dim'>{r['rounds']} verify steps; {drafted} of {len(r['token_ids'])} tokens were accepted "
-            f"drafts</div>{tokens_html(r['pieces'], r['source'], depth)}")
+    left = (
+        f"<h4>EAGLE-3, depth {depth}: acceptance length {report.fmt(r['accept_len'])}</h4>"
+        f"<div class='e3-dim'>{r['rounds']} verify steps; {drafted} of {len(r['token_ids'])} tokens were accepted "
+        f"drafts</div>{tokens_html(r['pieces'], r['source'], depth)}"
+    )
     base = record.get("baseline")
     if base:
         if r["token_ids"] == base["token_ids"]:
             same = "identical to the replay, token for token"
         else:
-            k = next((i for i, (a, b) in enumerate(zip(r["token_ids"], base["token_ids"])) if a != b),
-                     min(len(r["token_ids"]), len(base["token_ids"])))
+            k = next(
+                (i for i, (a, b) in enumerate(zip(r["token_ids"], base["token_ids"])) if a != b),
+                min(len(r["token_ids"]), len(base["token_ids"])),
+            )
             same = f"<span class='e3-failed'>differs from the replay from token {k} on</span>"
-        right = (f"<h4>No speculation (the engine's baseline)</h4><div class='e3-dim'>{same}</div>"
-                 f"{tokens_html(base['pieces'])}")
+        right = (
+            f"<h4>No speculation (the engine's baseline)</h4><div class='e3-dim'>{same}</div>"
+            f"{tokens_html(base['pieces'])}"
+        )
     else:
         right = "<h4>No speculation</h4><p class='e3-dim'>(no baseline output recorded)</p>"
     prompt = html.escape(record["prompt"][:1500] + ("…" if len(record["prompt"]) > 1500 else ""))
-    return (f"{STYLE}<div><b>Prompt</b> <span class='e3-dim'>{html.escape(str(record['id']))}</span>"
-            f"<div class='e3-prompt'>{prompt}</div></div>{legend_html(depth)}"
-            f"<div class='e3-two'><div>{left}</div><div>{right}</div></div>")
+    return (
+        f"{STYLE}<div><b>Prompt</b> <span class='e3-dim'>{html.escape(str(record['id']))}</span>"
+        f"<div class='e3-prompt'>{prompt}</div></div>{legend_html(depth)}"
+        f"<div class='e3-two'><div>{left}</div><div>{right}</div></div>"
+    )
 
 
 def default_depth(prov: dict, recommendation: dict | None = None) -> int:
@@ -198,12 +239,17 @@ def provenance_explorer(prov: dict, depth: int | None = None, prompt_index: int 
         raise ValueError("Expected replayed prompts in the provenance record, found none.")
     labels = [(f"{i + 1}. {' '.join(p['prompt'].split())[:70]}", i) for i, p in enumerate(prov["prompts"])]
     prompt = W.Dropdown(options=labels, value=prompt_index, description="prompt", layout=W.Layout(width="48em"))
-    depths = W.ToggleButtons(options=[(str(d), d) for d in prov["depths"]], value=depth or max(prov["depths"]),
-                             description="depth", style={"button_width": "4em"})
+    depths = W.ToggleButtons(
+        options=[(str(d), d) for d in prov["depths"]],
+        value=depth or max(prov["depths"]),
+        description="depth",
+        style={"button_width": "4em"},
+    )
     view = W.HTML()
 
     def render(_=None):
         view.value = provenance_html(prov["prompts"][prompt.value], depths.value)
+
     prompt.observe(render, names="value")
     depths.observe(render, names="value")
     render()
@@ -213,7 +259,8 @@ def provenance_explorer(prov: dict, depth: int | None = None, prompt_index: int 
 def provenance_table_html(prov: dict, rows: list[dict]) -> str:
     """Per depth: the replay's acceptance against the engine's measured and the training's predicted one."""
     from eagle3lib.bench.replay import compare_with_engine
-    return (f"{STYLE}{report.table_html(compare_with_engine(prov, rows))}")
+
+    return f"{STYLE}{report.table_html(compare_with_engine(prov, rows))}"
 
 
 def speed_html(rows: list[dict], concurrency: int, recommendation: dict | None = None) -> str:
@@ -222,8 +269,10 @@ def speed_html(rows: list[dict], concurrency: int, recommendation: dict | None =
     rec = (recommendation or {}).get(str(concurrency))
     line = ""
     if rec:
-        line = (f"<p>Fastest at concurrency {concurrency}: <b>{html.escape(rec['config'])}</b>, "
-                f"{report.fmt(rec['tokens_per_s'])} tokens/s ({report.fmt(rec['speedup'])}x the baseline).</p>")
+        line = (
+            f"<p>Fastest at concurrency {concurrency}: <b>{html.escape(rec['config'])}</b>, "
+            f"{report.fmt(rec['tokens_per_s'])} tokens/s ({report.fmt(rec['speedup'])}x the baseline).</p>"
+        )
     return f"{STYLE}{report.table_html(sweep.table(sel))}{line}"
 
 
@@ -232,12 +281,17 @@ def speed_explorer(rows: list[dict], recommendation: dict | None = None) -> W.VB
     levels = sorted({r["concurrency"] for r in rows})
     if not levels:
         raise ValueError("Expected benchmark rows, found none.")
-    pick = W.ToggleButtons(options=[(str(c), c) for c in levels], value=levels[0], description="concurrency",
-                           style={"description_width": "initial"})
+    pick = W.ToggleButtons(
+        options=[(str(c), c) for c in levels],
+        value=levels[0],
+        description="concurrency",
+        style={"description_width": "initial"},
+    )
     view = W.HTML()
 
     def render(_=None):
         view.value = speed_html(rows, pick.value, recommendation)
+
     pick.observe(render, names="value")
     render()
     return W.VBox([pick, view])
@@ -245,6 +299,8 @@ def speed_explorer(rows: list[dict], recommendation: dict | None = None) -> W.VB
 
 def speed_static_html(rows: list[dict], recommendation: dict | None = None) -> str:
     """Every concurrency's table, one after the other (the report cannot offer a control)."""
-    parts = [f"<h4>concurrency {c}</h4>{speed_html(rows, c, recommendation)}"
-             for c in sorted({r["concurrency"] for r in rows})]
+    parts = [
+        f"<h4>concurrency {c}</h4>{speed_html(rows, c, recommendation)}"
+        for c in sorted({r["concurrency"] for r in rows})
+    ]
     return "".join(parts)

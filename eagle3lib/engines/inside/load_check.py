@@ -14,6 +14,7 @@ vllm: builds the VllmConfig that `vllm serve TARGET --speculative-config {...}` 
 sglang: resolves the launch flags with SGLang's own prepare_server_args (ServerArgs.__post_init__) on
     --device cpu and reads the aux ids SGLang will hand to the target's set_eagle3_layers_to_capture.
 """
+
 import argparse
 import json
 import os
@@ -26,6 +27,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 def _load_ours(folder):
     from safetensors.torch import load_file
+
     return load_file(os.path.join(folder, "model.safetensors"))
 
 
@@ -58,14 +60,24 @@ def check_vllm(draft, target, depth):
     from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     problems = []
-    args = EngineArgs(model=target, dtype="float32", max_model_len=512, enforce_eager=True,
-                      speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": depth})
+    args = EngineArgs(
+        model=target,
+        dtype="float32",
+        max_model_len=512,
+        enforce_eager=True,
+        speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": depth},
+    )
     vllm_config = args.create_engine_config()
     spec = vllm_config.speculative_config
     draft_cfg = spec.draft_model_config
     with set_current_vllm_config(vllm_config):
-        init_distributed_environment(world_size=1, rank=0, local_rank=0, backend="gloo",
-                                     distributed_init_method=f"file://{tempfile.mktemp(prefix='vllm-gate-')}")
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            backend="gloo",
+            distributed_init_method=f"file://{tempfile.mktemp(prefix='vllm-gate-')}",
+        )
         ensure_model_parallel_initialized(1, 1)
         # DefaultModelLoader.load_model's own steps (create_model, load_weights) without its
         # torch.accelerator.empty_cache(), which raises on a machine with no accelerator.
@@ -77,10 +89,13 @@ def check_vllm(draft, target, depth):
         except (ValueError, KeyError, AssertionError, RuntimeError) as e:
             # AutoWeightsLoader refuses a tensor name it cannot place; a shape mismatch asserts.
             import traceback
+
             where = traceback.extract_tb(e.__traceback__)[-1]
-            problems.append(f"vLLM's loader rejected the checkpoint: {type(e).__name__}: {str(e) or '(no message)'} at "
-                            f"{Path(where.filename).name}:{where.lineno} `{where.line}` (a tensor name vLLM cannot "
-                            "place, or a shape that does not fit its parameter; see the per-parameter lines).")
+            problems.append(
+                f"vLLM's loader rejected the checkpoint: {type(e).__name__}: {str(e) or '(no message)'} at "
+                f"{Path(where.filename).name}:{where.lineno} `{where.line}` (a tensor name vLLM cannot "
+                "place, or a shape that does not fit its parameter; see the per-parameter lines)."
+            )
             skipped = 1
         else:
             skipped = 0
@@ -88,18 +103,23 @@ def check_vllm(draft, target, depth):
     captured = GPUModelRunner._get_eagle3_aux_layers_from_config(type("R", (), {"speculative_config": spec})())
     try:
         from vllm.v1.worker.gpu.spec_decode.eagle.eagle3_utils import get_eagle3_aux_layers_from_config
+
         captured_v2 = get_eagle3_aux_layers_from_config(spec)
     except ImportError:
         captured_v2 = captured
     if captured_v2 != captured:
-        problems.append(f"vLLM's two model runners disagree on the aux layers: {captured} vs {captured_v2}; "
-                        "write eagle_aux_hidden_state_layer_ids at the top level of config.json.")
+        problems.append(
+            f"vLLM's two model runners disagree on the aux layers: {captured} vs {captured_v2}; "
+            "write eagle_aux_hidden_state_layer_ids at the top level of config.json."
+        )
 
     hf = draft_cfg.hf_config
     for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
         if getattr(hf, flag, False):
-            problems.append(f"vLLM reads {flag}=true from the draft config; our drafter has no such variant "
-                            "(speculators configs must say false explicitly: norm_before_residual defaults to true).")
+            problems.append(
+                f"vLLM reads {flag}=true from the draft config; our drafter has no such variant "
+                "(speculators configs must say false explicitly: norm_before_residual defaults to true)."
+            )
     ours = _load_ours(draft)
     want = _expected_vllm_params(ours)
     params = dict(model.named_parameters())
@@ -118,21 +138,35 @@ def check_vllm(draft, target, depth):
             problems.append(f"{name}: vLLM holds shape {tuple(got.shape)}, ours is {tuple(tensor.shape)}.")
         elif not torch.equal(got.to(torch.float64), tensor.to(torch.float64)):
             mismatched.append(name)
-            problems.append(f"{name}: vLLM loaded different values than the checkpoint holds (not loaded, or loaded "
-                            "into the wrong slice).")
+            problems.append(
+                f"{name}: vLLM loaded different values than the checkpoint holds (not loaded, or loaded "
+                "into the wrong slice)."
+            )
         else:
             loaded.append(name)
     # embed_tokens is the target's (shared at load time when the draft has none): not ours to fill.
     extra = sorted(n for n in params if n not in want and "embed_tokens" not in n)
     for n in extra:
         problems.append(f"vLLM parameter {n} {tuple(params[n].shape)} has no tensor in our checkpoint (random init).")
-    return {"engine": "vllm", "ok": not problems, "problems": problems, "vllm_version": vllm.__version__,
-            "model_class": type(model).__name__, "architectures": list(draft_cfg.hf_config.architectures or []),
-            "method": spec.method, "num_speculative_tokens": spec.num_speculative_tokens,
-            "captured_hf_layers": list(captured) if captured else None,
-            "counts": {"expected": len(want), "loaded": len(loaded), "skipped": skipped,
-                       "missing": len(want) - len(loaded), "extra": len(extra)},
-            "draft_params": {n: list(p.shape) for n, p in params.items()}}
+    return {
+        "engine": "vllm",
+        "ok": not problems,
+        "problems": problems,
+        "vllm_version": vllm.__version__,
+        "model_class": type(model).__name__,
+        "architectures": list(draft_cfg.hf_config.architectures or []),
+        "method": spec.method,
+        "num_speculative_tokens": spec.num_speculative_tokens,
+        "captured_hf_layers": list(captured) if captured else None,
+        "counts": {
+            "expected": len(want),
+            "loaded": len(loaded),
+            "skipped": skipped,
+            "missing": len(want) - len(loaded),
+            "extra": len(extra),
+        },
+        "draft_params": {n: list(p.shape) for n, p in params.items()},
+    }
 
 
 def check_sglang(draft, argv):
@@ -147,28 +181,49 @@ def check_sglang(draft, argv):
     problems = []
     server_args = prepare_server_args(argv)
     algo = SpeculativeAlgorithm.from_string(server_args.speculative_algorithm)
-    aux = resolve_spec_aux_hidden_state_config(server_args=server_args, model_config=ModelConfig.from_server_args(server_args),
-                                               spec_algorithm=algo, is_draft_worker=False)
+    aux = resolve_spec_aux_hidden_state_config(
+        server_args=server_args,
+        model_config=ModelConfig.from_server_args(server_args),
+        spec_algorithm=algo,
+        is_draft_worker=False,
+    )
     ids = aux.eagle_aux_hidden_state_layer_ids
     draft_config = ModelConfig.from_server_args(server_args, model_path=draft, is_draft_model=True)
-    resolved = {k: getattr(server_args, k) for k in (
-        "speculative_algorithm", "speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens",
-        "speculative_draft_model_path", "device")}
+    resolved = {
+        k: getattr(server_args, k)
+        for k in (
+            "speculative_algorithm",
+            "speculative_num_steps",
+            "speculative_eagle_topk",
+            "speculative_num_draft_tokens",
+            "speculative_draft_model_path",
+            "device",
+        )
+    }
     flags = dict(zip(argv[::2], argv[1::2]))
-    asked = {"speculative_algorithm": flags.get("--speculative-algorithm"),
-             "speculative_num_steps": int(flags.get("--speculative-num-steps", -1)),
-             "speculative_eagle_topk": int(flags.get("--speculative-eagle-topk", -1)),
-             "speculative_num_draft_tokens": int(flags.get("--speculative-num-draft-tokens", -1))}
+    asked = {
+        "speculative_algorithm": flags.get("--speculative-algorithm"),
+        "speculative_num_steps": int(flags.get("--speculative-num-steps", -1)),
+        "speculative_eagle_topk": int(flags.get("--speculative-eagle-topk", -1)),
+        "speculative_num_draft_tokens": int(flags.get("--speculative-num-draft-tokens", -1)),
+    }
     for k, v in asked.items():
         if resolved[k] != v:
             problems.append(f"SGLang resolved {k} to {resolved[k]!r}, we asked for {v!r}.")
     if not aux.eagle_use_aux_hidden_state:
-        problems.append(f"SGLang will not feed the target's aux hidden states with --speculative-algorithm "
-                        f"{server_args.speculative_algorithm}; an EAGLE-3 drafter needs EAGLE3.")
-    return {"engine": "sglang", "problems": problems, "sglang_version": sglang.__version__, "resolved": resolved,
-            "draft_architectures": list(draft_config.hf_config.architectures or []),
-            # which HF layers these ids capture depends on the target's class (eagle3lib.convert.layouts.sglang_captured_ids)
-            "eagle_aux_hidden_state_layer_ids": list(ids) if ids else None}
+        problems.append(
+            f"SGLang will not feed the target's aux hidden states with --speculative-algorithm "
+            f"{server_args.speculative_algorithm}; an EAGLE-3 drafter needs EAGLE3."
+        )
+    return {
+        "engine": "sglang",
+        "problems": problems,
+        "sglang_version": sglang.__version__,
+        "resolved": resolved,
+        "draft_architectures": list(draft_config.hf_config.architectures or []),
+        # which HF layers these ids capture depends on the target's class (eagle3lib.convert.layouts.sglang_captured_ids)
+        "eagle_aux_hidden_state_layer_ids": list(ids) if ids else None,
+    }
 
 
 def main(argv=None):
@@ -186,10 +241,15 @@ def main(argv=None):
             report = check_sglang(a.draft, json.loads(a.args))
     except Exception as e:  # the engine refusing the export is the gate's verdict, not a crash
         import traceback
+
         traceback.print_exc()
-        report = {"engine": a.engine, "ok": False, "captured_hf_layers": None,
-                  "problems": [f"{a.engine} could not build or load the draft: {type(e).__name__}: {e}"],
-                  "counts": {"expected": 0, "loaded": 0, "skipped": 0, "missing": 0, "extra": 0}}
+        report = {
+            "engine": a.engine,
+            "ok": False,
+            "captured_hf_layers": None,
+            "problems": [f"{a.engine} could not build or load the draft: {type(e).__name__}: {e}"],
+            "counts": {"expected": 0, "loaded": 0, "skipped": 0, "missing": 0, "extra": 0},
+        }
     sys.stdout.flush()
     print(json.dumps(report), flush=True)
     return 0

@@ -19,6 +19,7 @@ prefill: a plain vllm.LLM (no speculation); times its prefill (max_tokens 1) of 
     --tokens after the first --warmup, and answers one line with tokens/s.
 Protocol lines on stdout start with "@@eagle3lib "; everything else there is vLLM's log.
 """
+
 import argparse
 import json
 import os
@@ -50,6 +51,7 @@ def engine_kwargs(target, dtype, flags):
 
 def read_sequences(path):
     from safetensors.torch import load_file
+
     t = load_file(path)
     ids, starts = t["input_ids"].tolist(), t["seq_starts"].tolist()
     return [ids[a:b] for a, b in zip(starts[:-1], starts[1:])]
@@ -60,23 +62,41 @@ def capture(a, flags):
     from safetensors.torch import save_file
     from vllm import LLM, SamplingParams
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
-        cleanup_hidden_states, load_hidden_states)
+        cleanup_hidden_states,
+        load_hidden_states,
+    )
     from vllm.inputs import TokensPrompt
 
     layers = [int(x) for x in a.layers.split(",")]
     on_gpu = torch.cuda.is_available()
-    connector = {"kv_connector": "ExampleHiddenStatesConnector", "kv_role": "kv_producer",
-                 "kv_connector_extra_config": {"shared_storage_path": a.work}}
+    connector = {
+        "kv_connector": "ExampleHiddenStatesConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"shared_storage_path": a.work},
+    }
     if not on_gpu:
         connector.update(kv_connector="CPUHiddenStatesConnector", kv_connector_module_path=CONNECTOR_MODULE)
     kw = engine_kwargs(a.target, a.dtype, flags)
-    kw.update(enable_prefix_caching=False, kv_transfer_config=connector,
-              speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
-                                  "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}}})
+    kw.update(
+        enable_prefix_caching=False,
+        kv_transfer_config=connector,
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": layers}},
+        },
+    )
     t0 = time.time()
     llm = LLM(**kw)
-    say({"ready": True, "start_s": round(time.time() - t0, 1), "connector": connector["kv_connector"],
-         "vllm_version": __import__("vllm").__version__, "dtype": str(llm.llm_engine.model_config.dtype)})
+    say(
+        {
+            "ready": True,
+            "start_s": round(time.time() - t0, 1),
+            "connector": connector["kv_connector"],
+            "vllm_version": __import__("vllm").__version__,
+            "dtype": str(llm.llm_engine.model_config.dtype),
+        }
+    )
     params = SamplingParams(max_tokens=1, temperature=0.0)
     for line in sys.stdin:
         if not line.strip():
@@ -89,23 +109,35 @@ def capture(a, flags):
         for s, o in zip(seqs, outs):
             path = (o.kv_transfer_params or {}).get("hidden_states_path")
             if path is None:
-                raise RuntimeError(f"request {o.request_id} came back without kv_transfer_params.hidden_states_path; "
-                                   "is the hidden-states connector configured?")
+                raise RuntimeError(
+                    f"request {o.request_id} came back without kv_transfer_params.hidden_states_path; "
+                    "is the hidden-states connector configured?"
+                )
             got = load_hidden_states(path)
             cleanup_hidden_states(path)
             if got["token_ids"].tolist() != s:
-                raise RuntimeError(f"request {o.request_id}: the connector saved rows for other tokens "
-                                   f"({got['token_ids'].numel()} ids) than the prompt ({len(s)} ids)")
+                raise RuntimeError(
+                    f"request {o.request_id}: the connector saved rows for other tokens "
+                    f"({got['token_ids'].numel()} ids) than the prompt ({len(s)} ids)"
+                )
             h = got["hidden_states"]
             if tuple(h.shape[1:]) != (len(layers), h.shape[-1]) or h.shape[0] != len(s):
-                raise RuntimeError(f"request {o.request_id}: rows of shape {tuple(h.shape)}, expected "
-                                   f"[{len(s)}, {len(layers)}, H]")
+                raise RuntimeError(
+                    f"request {o.request_id}: rows of shape {tuple(h.shape)}, expected [{len(s)}, {len(layers)}, H]"
+                )
             rows.append(h)
         tmp = req["out"] + ".tmp"
         save_file({"hidden": torch.cat(rows).contiguous()}, tmp)
         os.replace(tmp, req["out"])
-        say({"ok": True, "out": req["out"], "sequences": len(seqs), "tokens": sum(map(len, seqs)),
-             "seconds": round(time.time() - t1, 3)})
+        say(
+            {
+                "ok": True,
+                "out": req["out"],
+                "sequences": len(seqs),
+                "tokens": sum(map(len, seqs)),
+                "seconds": round(time.time() - t1, 3),
+            }
+        )
 
 
 def prefill(a, flags):
@@ -119,21 +151,28 @@ def prefill(a, flags):
     start_s = time.time() - t0
     seqs = read_sequences(a.tokens)
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    warm, timed = seqs[:a.warmup], seqs[a.warmup:] or seqs
+    warm, timed = seqs[: a.warmup], seqs[a.warmup :] or seqs
     if warm:
         llm.generate([TokensPrompt(prompt_token_ids=s) for s in warm], params, use_tqdm=False)
     t1 = time.perf_counter()
     llm.generate([TokensPrompt(prompt_token_ids=s) for s in timed], params, use_tqdm=False)
     seconds = time.perf_counter() - t1
     n = sum(map(len, timed))
-    say({"ok": True, "plain_prefill_tokens_per_s": n / seconds, "tokens": n, "seconds": seconds,
-         "start_s": round(start_s, 1)})
+    say(
+        {
+            "ok": True,
+            "plain_prefill_tokens_per_s": n / seconds,
+            "tokens": n,
+            "seconds": seconds,
+            "start_s": round(start_s, 1),
+        }
+    )
 
 
 def main():
     argv = sys.argv[1:]
-    flags = argv[argv.index("--") + 1:] if "--" in argv else []
-    argv = argv[:argv.index("--")] if "--" in argv else argv
+    flags = argv[argv.index("--") + 1 :] if "--" in argv else []
+    argv = argv[: argv.index("--")] if "--" in argv else argv
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("mode", choices=["capture", "prefill"])
     ap.add_argument("--target", required=True)
@@ -147,6 +186,7 @@ def main():
         (capture if a.mode == "capture" else prefill)(a, flags)
     except BaseException as e:
         import traceback
+
         traceback.print_exc()
         say({"ok": False, "error": f"{type(e).__name__}: {e}"})
         return 1

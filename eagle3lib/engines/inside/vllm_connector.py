@@ -11,12 +11,12 @@ memory and written by the connector's writer thread pool, under its lock protoco
 request is reported done-sending at once (an event that is always complete). On GPUs the stock
 connector is used (extract_vllm picks by device).
 """
+
 import fcntl
 import os
 from functools import partial
 
 import torch
-
 from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
     ExampleHiddenStatesConnector,
     extract_from_kv_cache,
@@ -43,8 +43,9 @@ class CPUHiddenStatesConnector(ExampleHiddenStatesConnector):
         blocks = torch.tensor(pending.block_ids, dtype=torch.long)
         offsets = torch.arange(self._block_size, dtype=torch.long)
         slots = (offsets[None, :] + blocks[:, None] * self._block_size).flatten()
-        rows = extract_from_kv_cache(self._kv_cache, slots.to(self._kv_cache.device),
-                                     pending.token_ids.shape[0]).to("cpu", copy=True)
+        rows = extract_from_kv_cache(self._kv_cache, slots.to(self._kv_cache.device), pending.token_ids.shape[0]).to(
+            "cpu", copy=True
+        )
         tensors = {"hidden_states": rows.contiguous(), "token_ids": pending.token_ids.clone()}
         if self._req_futures.get(pending.req_id) is not None:
             raise RuntimeError(f"a hidden-states write for request {pending.req_id} is already in flight")
