@@ -14,7 +14,7 @@ import nbformat
 import pytest
 
 from eagle3lib import params as P
-from eagle3lib.workbook import pipeline
+from eagle3lib import run_folder
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
@@ -165,6 +165,6 @@ def test_train_notebook_runs_in_jupyterlab_and_its_slider_works(ci_run, tmp_path
         os.killpg(lab.pid, signal.SIGTERM)
         lab.wait(30)
     assert (
-        pipeline.load_result(run_dir, "02_train")["figures"]["eval"]
-        == pipeline.load_result(ci_run[0], "02_train")["figures"]["eval"]
+        run_folder.load_result(run_dir, "02_train")["figures"]["eval"]
+        == run_folder.load_result(ci_run[0], "02_train")["figures"]["eval"]
     )  # the same result as the papermill run

@@ -8,27 +8,28 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
+from eagle3lib import run_folder
 from eagle3lib.workbook import pipeline
 
 STAGE_CODE = {
     "00_first": """
 import json, pathlib
 from eagle3lib import params as P
-from eagle3lib.workbook import pipeline
+from eagle3lib import run_folder
 p = P.load_params(params_file, overrides)
-out = pipeline.stage_dir(run_dir, "00_first")
+out = run_folder.stage_dir(run_dir, "00_first")
 (out / "made.txt").write_text(str(p.bench.max_tokens))
-pipeline.save_result(run_dir, "00_first", {"n": p.bench.max_tokens}, headline={"tokens": p.bench.max_tokens},
+run_folder.save_result(run_dir, "00_first", {"n": p.bench.max_tokens}, headline={"tokens": p.bench.max_tokens},
                      artifacts=["made.txt"])
 """,
     "01_second": """
 from eagle3lib import params as P
-from eagle3lib.workbook import pipeline
+from eagle3lib import run_folder
 p = P.load_params(params_file, overrides)
-first = pipeline.load_result(run_dir, "00_first")
+first = run_folder.load_result(run_dir, "00_first")
 if p.bench.num_prompts == 13:
     raise ValueError("thirteen prompts are unlucky")
-pipeline.save_result(run_dir, "01_second", {"twice": 2 * first["figures"]["n"]}, headline={"twice": 2 * first["figures"]["n"]})
+run_folder.save_result(run_dir, "01_second", {"twice": 2 * first["figures"]["n"]}, headline={"twice": 2 * first["figures"]["n"]})
 """,
 }
 
@@ -119,7 +120,7 @@ def test_failed_stage_keeps_traceback_and_earlier_work(workbook):
     assert "thirteen prompts" in (out / "index.html").read_text()
     # The failed stage is not skipped next time, and a later stage refuses a failed input.
     with pytest.raises(RuntimeError, match="did not finish"):
-        pipeline.load_result(out, "01_second")
+        run_folder.load_result(out, "01_second")
     run(workbook)
     assert result(out, "01_second")["status"] == "ok"
 

@@ -12,10 +12,11 @@ from eagle3lib.workbook import pipeline, report
 WIDGET_STAGE = """
 from tqdm.auto import tqdm
 from eagle3lib import params as P
-from eagle3lib.workbook import pipeline, widgets
+from eagle3lib import run_folder
+from eagle3lib.workbook import widgets
 from eagle3lib.train.metrics import acceptance_summary
 p = P.load_params(params_file, overrides)
-out = pipeline.stage_dir(run_dir, "00_look")
+out = run_folder.stage_dir(run_dir, "00_look")
 for _ in tqdm(range(7), desc="counting"):
     pass
 evals = [{"step": 5, "eval": acceptance_summary([0.5, 0.25], [0.5, 0.5], 4)}]
@@ -23,7 +24,7 @@ widgets.show(widgets.accuracy_explorer(evals), widgets.evals_table_html(evals))
 (out / "made.txt").write_text("made")
 (out / "sub").mkdir(exist_ok=True)
 (out / "sub" / "a.bin").write_bytes(b"x" * 2000)
-result = pipeline.save_result(run_dir, "00_look", {"n": 7}, headline={"items counted": 7, "share": 0.123456},
+result = run_folder.save_result(run_dir, "00_look", {"n": 7}, headline={"items counted": 7, "share": 0.123456},
                               artifacts=["made.txt"])
 """
 
@@ -45,7 +46,7 @@ def make_workbook(tmp_path):
     second.cells = [
         params.copy(),
         new_code_cell(
-            'from eagle3lib.workbook import pipeline\npipeline.save_result(run_dir, "01_next", {}, headline={"fine": True})'
+            'from eagle3lib import run_folder\nrun_folder.save_result(run_dir, "01_next", {}, headline={"fine": True})'
         ),
     ]
     nbformat.write(second, nbs / "01_next.ipynb")

@@ -13,12 +13,11 @@ import pytest
 import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from eagle3lib import target
+from eagle3lib import run_folder, target
 from eagle3lib.extract import shards
 from eagle3lib.params import load_params
 from eagle3lib.prepare import conversations
 from eagle3lib.train import trainer
-from eagle3lib.workbook import pipeline
 
 AUX = [1, 3, 5]
 
@@ -59,8 +58,8 @@ def make_run(root: Path, model, tokenizer, train_params: dict, n_train=40) -> Pa
             progress=False,
         )
     target.write_contract(prep, contract)
-    pipeline.save_result(run_dir, "00_prepare", {})
-    pipeline.save_result(run_dir, "01_extract", {})
+    run_folder.save_result(run_dir, "00_prepare", {})
+    run_folder.save_result(run_dir, "01_extract", {})
     tp = {
         "ttt_steps": 3,
         "max_seq_len": 128,

@@ -649,15 +649,14 @@ def online_sequences(model, tokens: dict, aux_layer_ids, seed: int, epoch: int, 
 
 def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
     """Everything 02_train needs from the params and the earlier stages; returns (setup, vocab stats)."""
-    from eagle3lib import target, vocab
+    from eagle3lib import run_folder, target, vocab
     from eagle3lib.extract.shards import ShardSet
     from eagle3lib.params import cache_dir
     from eagle3lib.prepare import conversations
-    from eagle3lib.workbook import pipeline
 
     run_dir = Path(run_dir)
     prep_dir = run_dir / "00_prepare"
-    pipeline.load_result(run_dir, "00_prepare")
+    run_folder.load_result(run_dir, "00_prepare")
     train_tokens, val_tokens = (
         conversations.load_tokens(prep_dir / "train.safetensors"),
         conversations.load_tokens(prep_dir / "val.safetensors"),
@@ -672,7 +671,7 @@ def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
     d2t, t2d, vocab_stats = draft_vocab_from_tokens(train_tokens, val_tokens, vocab_size, tp.draft_vocab_size)
 
     if tp.source == "shards":
-        pipeline.load_result(run_dir, "01_extract")
+        run_folder.load_result(run_dir, "01_extract")
         train_shards, val_shards = ShardSet(run_dir / "01_extract" / "train"), ShardSet(run_dir / "01_extract" / "val")
         contract = dict(train_shards.contract)
         aux_ids = contract["aux_layer_ids"]
@@ -724,7 +723,7 @@ def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
                 "train.init_lm_head_from_target is true: set it, or unfreeze the head"
             )
         drafter.lm_head.weight.requires_grad_(False)
-    out_dir = Path(pipeline.stage_dir(run_dir, "02_train"))
+    out_dir = Path(run_folder.stage_dir(run_dir, "02_train"))
     setup = TrainSetup(
         drafter=drafter,
         embed=tensors["embed"].float(),

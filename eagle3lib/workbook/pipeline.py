@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import platform
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
+from eagle3lib import run_folder
 from eagle3lib.params import Params, load_params
 from eagle3lib.params import run_dir as params_run_dir
 
@@ -72,47 +72,6 @@ def stage_name(text: str, known: list[str]) -> str:
         if text in (s, s[:2], s[3:]):
             return s
     raise ValueError(f"unknown stage '{text}'; stages are: {', '.join(known)}")
-
-
-def stage_dir(run_dir: str | Path, stage: str) -> Path:
-    d = Path(run_dir) / stage
-    d.mkdir(parents=True, exist_ok=True)
-    return d
-
-
-# --------------------------------------------------------------- results ----
-
-
-def _write_json(path: Path, obj) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
-
-
-def save_result(
-    run_dir: str | Path, stage: str, figures: dict, headline: dict | None = None, artifacts: list[str] | None = None
-) -> dict:
-    """Called by a stage notebook at its end: what it measured and what it made.
-
-    headline: the few figures the run index shows; artifacts: paths (relative
-    to the stage folder) whose absence makes the stage run again.
-    """
-    result = {"stage": stage, "figures": figures, "headline": headline or {}, "artifacts": artifacts or []}
-    _write_json(stage_dir(run_dir, stage) / "result.json", result)
-    return result
-
-
-def load_result(run_dir: str | Path, stage: str) -> dict:
-    """An earlier stage's result; refuses one that did not finish."""
-    path = Path(run_dir) / stage / "result.json"
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"{path} not found: run stage {stage} first (python -m eagle3lib run PARAMS --only {stage})"
-        )
-    result = json.loads(path.read_text())
-    if result.get("status", "ok") != "ok":
-        raise RuntimeError(f"stage {stage} did not finish ({result.get('status')}: {result.get('error')}); rerun it")
-    return result
 
 
 def _sha256_file(path: Path) -> str:
@@ -219,7 +178,7 @@ def execute_stage(
     result and render its report; raises StageError, after rendering the failed notebook, if it fails."""
     import papermill
 
-    out_dir = stage_dir(run_dir, stage)
+    out_dir = run_folder.stage_dir(run_dir, stage)
     executed = out_dir / f"{stage}.ipynb"
     result_path = out_dir / "result.json"
     result_path.unlink(missing_ok=True)  # a stale result must not survive a failed rerun
@@ -239,7 +198,7 @@ def execute_stage(
         error = _notebook_error(executed) if executed.is_file() else f"{type(e).__name__}: {e}"
     seconds = round(time.time() - started, 1)
     if error is None and not result_path.is_file():
-        error = "the notebook finished without calling eagle3lib.workbook.pipeline.save_result"
+        error = "the notebook finished without calling eagle3lib.run_folder.save_result"
     report_name = executed.with_suffix(".html").name
     if error is not None:
         result = {
@@ -251,7 +210,7 @@ def execute_stage(
             "report": report_name,
             "hide_code": p.run.hide_code,
         }
-        _write_json(result_path, result)
+        run_folder.write_json(result_path, result)
         if executed.is_file():
             render_html(executed, p.run.hide_code, result, neighbours)
         raise StageError(
@@ -293,7 +252,7 @@ def package_versions() -> dict:
 
 
 def write_run_json(p: Params, run_dir: Path) -> None:
-    _write_json(
+    run_folder.write_json(
         run_dir / "run.json",
         {
             "params": p.resolved(),
@@ -325,7 +284,7 @@ def _rerender_if_needed(p: Params, stage_path: Path, stage: str, neighbours: tup
     if result.get("hide_code") != p.run.hide_code and executed.is_file():
         result["hide_code"] = p.run.hide_code
         render_html(executed, p.run.hide_code, result, neighbours)
-        _write_json(stage_path / "result.json", result)
+        run_folder.write_json(stage_path / "result.json", result)
 
 
 def run_pipeline(
@@ -368,7 +327,7 @@ def run_pipeline(
             with logging_redirect_tqdm():  # echoed notebook output goes above the progress bar
                 result = execute_stage(p, stage, out, overrides, log_output, notebooks_dir, neighbours)
             result["hash"] = digest
-            _write_json(out / stage / "result.json", result)
+            run_folder.write_json(out / stage / "result.json", result)
             write_index(out, names)  # browsable while later stages run
             print(f"[eagle3] {stage}: done in {result['seconds']} s {result.get('headline', {})}", file=sys.stderr)
     finally:
