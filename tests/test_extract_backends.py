@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from eagle3lib import params as P
-from eagle3lib.convert.layouts import check_sglang, check_sglang_args
-from eagle3lib.engines.sglang import SGLang
+from eagle3lib.convert.layouts import check_sglang
+from eagle3lib.engines.sglang import SGLang, check_sglang_args, sglang_captured_ids, sglang_config_ids
 from eagle3lib.extract import sglang as sg
 from eagle3lib.extract import shards
 
@@ -32,17 +32,17 @@ ID_SETS = [[2, 15, 27], [3, 15, 27], [1, 10, 20], [4, 5, 6], [2, 3, 28], [5, 14,
 
 
 def test_sglang_id_translation_round_trip():
-    assert sg.sglang_config_ids(OURS, "LlamaForCausalLM") == [1, 14, 26]  # ours - 1
-    assert sg.sglang_config_ids([2, 30, 58], "DeepseekV3ForCausalLM") == [1, 29, 57]  # SGLang adds 1 back
-    assert sg.sglang_config_ids([3, 30, 58], "DeepseekV3ForCausalLM") == [3, 30, 58]  # SGLang keeps them
+    assert sglang_config_ids(OURS, "LlamaForCausalLM") == [1, 14, 26]  # ours - 1
+    assert sglang_config_ids([2, 30, 58], "DeepseekV3ForCausalLM") == [1, 29, 57]  # SGLang adds 1 back
+    assert sglang_config_ids([3, 30, 58], "DeepseekV3ForCausalLM") == [3, 30, 58]  # SGLang keeps them
     with pytest.raises(ValueError, match="cannot capture HF index 1"):
-        sg.sglang_config_ids([1, 30, 58], "KimiK25ForConditionalGeneration")
+        sglang_config_ids([1, 30, 58], "KimiK25ForConditionalGeneration")
     for arch in LLAMA_LIKE + DEEPSEEK_LIKE:
         for ids in ID_SETS:
             if arch in DEEPSEEK_LIKE and ids[0] == 1:
                 continue
-            assert sg.sglang_captured_ids(sg.sglang_config_ids(ids, arch), arch, 30) == ids, (arch, ids)
-    assert sg.sglang_captured_ids(None, "LlamaForCausalLM", 30) == OURS  # no ids: SGLang's default = ours
+            assert sglang_captured_ids(sglang_config_ids(ids, arch), arch, 30) == ids, (arch, ids)
+    assert sglang_captured_ids(None, "LlamaForCausalLM", 30) == OURS  # no ids: SGLang's default = ours
 
 
 REPLAY = textwrap.dedent("""
@@ -79,7 +79,7 @@ def test_sglang_ids_and_request_against_sglang_code(tmp_path):
     for arch in LLAMA_LIKE + DEEPSEEK_LIKE:
         for ids in ID_SETS:
             if not (arch in DEEPSEEK_LIKE and ids[0] == 1):
-                cases.append([arch, sg.sglang_config_ids(ids, arch)])
+                cases.append([arch, sglang_config_ids(ids, arch)])
                 want.append(ids)
     body = sg.generate_body([[1, 2, 3], [4, 5]], hidden_states=True)
     script = tmp_path / "replay.py"

@@ -22,7 +22,6 @@ from concurrent.futures import ThreadPoolExecutor
 from tqdm.auto import tqdm
 
 from eagle3lib import engines
-from eagle3lib.convert import layouts
 
 # ------------------------------------------------------------------------------ inputs ----
 
@@ -222,7 +221,7 @@ def recommend(rows: list[dict], target_dir, drafts: dict) -> dict:
             "speedup": round(best["speedup"], 3),
             "accept_len": best.get("accept_len"),
             **{
-                e: shlex.join(layouts.launch_command(e, target_dir, drafts.get(e, f"<{e} export>"), d, "python"))
+                e: shlex.join(engines.launch_command(e, target_dir, drafts.get(e, f"<{e} export>"), d, "python"))
                 for e in ("vllm", "sglang")
             },
         }

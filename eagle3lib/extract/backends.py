@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from eagle3lib import params as P
 from eagle3lib import target
-from eagle3lib.convert.layouts import engine_python
+from eagle3lib.engines.interpreter import engine_python
 from eagle3lib.extract import shards
 
 

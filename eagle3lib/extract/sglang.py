@@ -56,14 +56,9 @@ from pathlib import Path
 
 import torch
 
-from eagle3lib.convert.layouts import (
-    LAYER_TENSORS,
-    SGLANG_CONVENTION,
-    SGLANG_VERSION,
-    engine_python,
-    sglang_captured_ids,
-    sglang_config_ids,
-)
+from eagle3lib.convert.layouts import LAYER_TENSORS
+from eagle3lib.engines.interpreter import engine_python
+from eagle3lib.engines.sglang import SGLANG_CONVENTION, SGLANG_VERSION, sglang_captured_ids, sglang_config_ids
 from eagle3lib.extract import shards
 
 try:  # the GPU bundle has orjson; a float list decodes ~3x faster with it

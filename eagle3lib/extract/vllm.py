@@ -45,7 +45,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3lib.convert.layouts import engine_python
+from eagle3lib.engines.interpreter import engine_python
 from eagle3lib.engines.server import GUARD, alive_in_group, log_tail
 from eagle3lib.extract import shards
 

@@ -4,7 +4,7 @@
     python eagle3lib/engines/inside/load_check.py sglang DRAFT_DIR --args '[...launch flags...]'
 
 Prints one JSON report line. Standalone on purpose (stdlib, torch, safetensors and the engine only):
-the engines pin transformers versions that our .venv does not have, so eagle3lib.convert.layouts runs this
+the engines pin transformers versions that our .venv does not have, so eagle3lib.engines.interpreter runs this
 file through a subprocess and never imports an engine itself.
 
 vllm: builds the VllmConfig that `vllm serve TARGET --speculative-config {...}` would build, loads the
@@ -221,7 +221,7 @@ def check_sglang(draft, argv):
         "sglang_version": sglang.__version__,
         "resolved": resolved,
         "draft_architectures": list(draft_config.hf_config.architectures or []),
-        # which HF layers these ids capture depends on the target's class (eagle3lib.convert.layouts.sglang_captured_ids)
+        # which HF layers these ids capture depends on the target's class (eagle3lib.engines.sglang.sglang_captured_ids)
         "eagle_aux_hidden_state_layer_ids": list(ids) if ids else None,
     }
 
