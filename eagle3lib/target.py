@@ -215,6 +215,13 @@ def load_target(name_or_path: str, cache_dir: Path, dtype="float32", device="cpu
     return model.to(device).eval(), tokenizer
 
 
+def load_tokenizer(target_dir, trust_remote_code: bool = False):
+    """The target's tokenizer (its chat template included) from its resolved folder or hub id."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(target_dir, trust_remote_code=trust_remote_code)
+
+
 def load_target_info(name_or_path: str, cache_dir: Path, trust_remote_code: bool = False):
     """(info, tokenizer) without the weights, for a target an engine serves (one too big for this
     process): info has .config and .generation_config, all that the contract and the ids that end

@@ -9,22 +9,19 @@ import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
 from eagle3lib import run_folder
-from eagle3lib.workbook import pipeline
+from eagle3lib.workbook import open_stage, pipeline
 
 STAGE_CODE = {
     "00_first": """
-import json, pathlib
-from eagle3lib import params as P
-from eagle3lib import run_folder
-p = P.load_params(params_file, overrides)
-out = run_folder.stage_dir(run_dir, "00_first")
-(out / "made.txt").write_text(str(p.bench.max_tokens))
-run_folder.save_result(run_dir, "00_first", {"n": p.bench.max_tokens}, headline={"tokens": p.bench.max_tokens},
-                     artifacts=["made.txt"])
+from eagle3lib.workbook import open_stage
+stage = open_stage("00_first", params_file, run_dir, overrides)
+p = stage.p
+(stage.out / "made.txt").write_text(str(p.bench.max_tokens))
+stage.save({"n": p.bench.max_tokens}, headline={"tokens": p.bench.max_tokens}, artifacts=["made.txt"])
 """,
     "01_second": """
-from eagle3lib import params as P
 from eagle3lib import run_folder
+from eagle3lib import params as P
 p = P.load_params(params_file, overrides)
 first = run_folder.load_result(run_dir, "00_first")
 if p.bench.num_prompts == 13:
@@ -137,3 +134,35 @@ def test_cli_exit_codes(workbook, tmp_path):
         [sys.executable, "-m", "eagle3lib", "run", str(tmp_path / "none.yaml")], capture_output=True, text=True
     )
     assert missing.returncode == 2 and "params file not found" in missing.stderr
+
+
+def test_open_stage_reads_params_and_earlier_results_and_saves(tmp_path, capsys):
+    """The notebooks' preamble: params with overrides, the run folder (given or from the params), this stage's
+    folder, an earlier stage's folder and result (refused when missing or failed), this stage's result."""
+    params_file = tmp_path / "params" / "t.yaml"
+    params_file.parent.mkdir()
+    params_file.write_text("run: {name: t, output_root: ../outputs}\nbench: {max_tokens: 7}\n")
+    stage = open_stage("01_second", params_file, overrides={"bench.max_tokens": 9})
+    assert stage.p.bench.max_tokens == 9 and stage.overrides == {"bench.max_tokens": 9}
+    assert stage.run_dir == tmp_path / "outputs" / "t" and stage.out == stage.run_dir / "01_second"
+    assert stage.out.is_dir() and f"stage folder: {stage.out}" in capsys.readouterr().out
+    with pytest.raises(FileNotFoundError, match="run stage 00_first first"):
+        stage.result("00_first")
+    run_folder.save_result(stage.run_dir, "00_first", {"n": 3})
+    assert stage.result("00_first")["figures"] == {"n": 3} and stage.folder("00_first") == stage.run_dir / "00_first"
+    saved = stage.save({"twice": 6}, headline={"twice": 6}, artifacts=["x"])
+    assert (
+        result(stage.run_dir, "01_second")
+        == saved
+        == {
+            "stage": "01_second",
+            "figures": {"twice": 6},
+            "headline": {"twice": 6},
+            "artifacts": ["x"],
+        }
+    )
+    run_folder.write_json(stage.run_dir / "00_first" / "result.json", {"status": "failed", "error": "E: boom"})
+    with pytest.raises(RuntimeError, match="did not finish .failed: E: boom"):
+        stage.result("00_first")
+    elsewhere = open_stage("01_second", params_file, tmp_path / "other")
+    assert elsewhere.out == tmp_path / "other" / "01_second" and elsewhere.out.is_dir() and elsewhere.seconds >= 0

@@ -11,12 +11,10 @@ from eagle3lib.workbook import pipeline, report
 
 WIDGET_STAGE = """
 from tqdm.auto import tqdm
-from eagle3lib import params as P
-from eagle3lib import run_folder
-from eagle3lib.workbook import widgets
+from eagle3lib.workbook import open_stage, widgets
 from eagle3lib.train.metrics import acceptance_summary
-p = P.load_params(params_file, overrides)
-out = run_folder.stage_dir(run_dir, "00_look")
+stage = open_stage("00_look", params_file, run_dir, overrides)
+out = stage.out
 for _ in tqdm(range(7), desc="counting"):
     pass
 evals = [{"step": 5, "eval": acceptance_summary([0.5, 0.25], [0.5, 0.5], 4)}]
@@ -24,8 +22,7 @@ widgets.show(widgets.accuracy_explorer(evals), widgets.evals_table_html(evals))
 (out / "made.txt").write_text("made")
 (out / "sub").mkdir(exist_ok=True)
 (out / "sub" / "a.bin").write_bytes(b"x" * 2000)
-result = run_folder.save_result(run_dir, "00_look", {"n": 7}, headline={"items counted": 7, "share": 0.123456},
-                              artifacts=["made.txt"])
+result = stage.save({"n": 7}, headline={"items counted": 7, "share": 0.123456}, artifacts=["made.txt"])
 """
 
 

@@ -198,7 +198,7 @@ def execute_stage(
         error = _notebook_error(executed) if executed.is_file() else f"{type(e).__name__}: {e}"
     seconds = round(time.time() - started, 1)
     if error is None and not result_path.is_file():
-        error = "the notebook finished without calling eagle3lib.run_folder.save_result"
+        error = "the notebook finished without saving its result (stage.save, eagle3lib.run_folder.save_result)"
     report_name = executed.with_suffix(".html").name
     if error is not None:
         result = {

@@ -1,0 +1,63 @@
+"""What every stage notebook opens with: `stage = open_stage("05_benchmark", params_file, run_dir, overrides)`.
+
+The arguments are the notebook's papermill parameters cell; the Stage it returns holds the run's params, the run
+folder and this stage's folder, and reads earlier stages' results and saves this one's (eagle3lib.run_folder).
+Importing this module imports eagle3lib first, which sets OMP_WAIT_POLICY before anything imports torch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from eagle3lib import params, run_folder
+
+
+@dataclass
+class Stage:
+    name: str  # "05_benchmark"
+    p: params.Params
+    run_dir: Path
+    out: Path  # this stage's folder in the run folder
+    overrides: dict = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+
+    @property
+    def seconds(self) -> float:
+        """Since the stage was opened, to 0.1 s."""
+        return round(time.time() - self.started, 1)
+
+    @property
+    def cache_dir(self) -> Path:
+        return params.cache_dir(self.p)
+
+    @property
+    def target_dir(self) -> str:
+        """The target's local folder (the embedded one's cache folder), or its hub id."""
+        from eagle3lib import target
+
+        return target.resolve_target(self.p.target.name, self.cache_dir)
+
+    def folder(self, stage: str) -> Path:
+        """An earlier stage's folder."""
+        return run_folder.stage_dir(self.run_dir, stage)
+
+    def result(self, stage: str) -> dict:
+        """An earlier stage's result.json; refuses one that is missing or did not finish."""
+        return run_folder.load_result(self.run_dir, stage)
+
+    def save(self, figures: dict, headline: dict | None = None, artifacts: list[str] | None = None) -> dict:
+        """This stage's result.json (run_folder.save_result): what it measured, its headline, what it made."""
+        return run_folder.save_result(self.run_dir, self.name, figures, headline, artifacts)
+
+
+def open_stage(name: str, params_file: str | Path, run_dir: str | Path | None = None, overrides: dict | None = None):
+    """The run's params (params_file with overrides), its run folder (default: outputs/<run.name>) and this
+    stage's folder in it, made if missing."""
+    overrides = overrides or {}
+    p = params.load_params(params_file, overrides)
+    run_dir = Path(run_dir) if run_dir else params.run_dir(p)
+    stage = Stage(name, p, run_dir, run_folder.stage_dir(run_dir, name), overrides)
+    print("stage folder:", stage.out)
+    return stage
