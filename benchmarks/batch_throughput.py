@@ -24,7 +24,7 @@ import torch
 
 import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
 from eagle3lib.extract.shards import FORMAT, MANIFEST, ShardSet, write_shard
-from eagle3lib.train.trainer import micro_batches, shard_sequences
+from eagle3lib.train.batches import micro_batches, shard_sequences
 
 
 def write_synthetic_shards(out_dir: str, tokens: int, hidden: int, shard_tokens: int, seed: int = 0) -> int:
@@ -74,8 +74,7 @@ def measure(
 ) -> dict:
     shards = ShardSet(shard_dir)  # a fresh one per measurement: as a training run, it checks each sha256 once
     tp = SimpleNamespace(max_seq_len=max_seq_len, batch_rows=batch_rows, batch_prefetch=batch_prefetch)
-    setup = SimpleNamespace(train_sequences=lambda epoch: shard_sequences(shards, 0, epoch, prefetch=prefetch_shards))
-    stream = micro_batches(setup, tp, 0, 0)
+    stream = micro_batches(lambda epoch: shard_sequences(shards, 0, epoch, prefetch=prefetch_shards), tp, 0, 0)
     tokens = nbytes = 0
     wait = 0.0
     start = time.perf_counter()

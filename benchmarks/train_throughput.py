@@ -22,7 +22,9 @@ import torch.distributed as dist
 
 import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
 from eagle3lib.drafter import Drafter, DrafterConfig
-from eagle3lib.train.trainer import all_reduce_grads, compile_decoder_layer, convert_to_float8, ttt_loss_sums
+from eagle3lib.train.distributed import all_reduce_grads
+from eagle3lib.train.speedups import compile_decoder_layer, convert_to_float8
+from eagle3lib.train.trainer import ttt_loss_sums
 
 LLAMA_8B = dict(
     hidden_size=4096,

@@ -293,7 +293,7 @@ def test_compiled_layer_trains_as_the_eager_one():
     """train.compile_layer (compile_decoder_layer: q/k/v, o_proj, MLP, the merge, the output norm, all through
     torch.compile; here inductor's CPU code) changes neither the TTT outputs and gradients nor the names
     the checkpoint is saved under."""
-    from eagle3lib.train.trainer import compile_decoder_layer
+    from eagle3lib.train.speedups import compile_decoder_layer
 
     drafter, aux, embeds, pos, docs = one_document_case("cpu")
     names = list(drafter.state_dict())

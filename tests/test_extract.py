@@ -407,7 +407,7 @@ def test_bad_inputs_refused(model, tmp_path):
 
 def test_shard_prefetch_yields_what_plain_reading_does(model, tokens, tmp_path, monkeypatch):
     from eagle3lib.extract import shards as extract_module
-    from eagle3lib.train.trainer import shard_sequences
+    from eagle3lib.train.batches import shard_sequences
 
     out = str(tmp_path / "hidden")
     extract(model, tokens, AUX, out, CONTRACT, **SMALL)

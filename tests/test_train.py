@@ -17,7 +17,9 @@ from eagle3lib import run_folder, target
 from eagle3lib.extract import shards
 from eagle3lib.params import load_params
 from eagle3lib.prepare import conversations
-from eagle3lib.train import trainer
+from eagle3lib.train import TrainingError, trainer
+from eagle3lib.train.batches import Sequence, in_background, make_batch, pack_rows
+from eagle3lib.train.checkpoint import STATE_FILE, latest_checkpoint, load_drafter
 
 AUX = [1, 3, 5]
 
@@ -110,7 +112,7 @@ def params_file(root):
 
 
 def state(folder):
-    return trainer.load_drafter(folder).state_dict()
+    return load_drafter(folder).state_dict()
 
 
 def test_training_learns_and_writes_the_canonical_checkpoint(tmp_path, small_target):
@@ -148,7 +150,7 @@ def test_resume_after_kill_ends_where_an_uninterrupted_run_does(tmp_path, small_
     )
     ckpt = run_dir / "02_train" / "checkpoints"
     deadline = time.time() + 120
-    while not (ckpt / "step_0000004" / trainer.STATE_FILE).exists() and time.time() < deadline and proc.poll() is None:
+    while not (ckpt / "step_0000004" / STATE_FILE).exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -194,10 +196,10 @@ def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, smal
     p = load_params(params_file(tmp_path), {"train.max_tokens": 128 * 12})
     setup, _ = trainer.build_setup(p, run_dir)
     setup.head[5] = float("nan")  # a corrupt target head: every target distribution turns nan
-    with pytest.raises(trainer.TrainingError, match=r"loss became nan at step 4.*step_0000004.*train.lr"):
+    with pytest.raises(TrainingError, match=r"loss became nan at step 4.*step_0000004.*train.lr"):
         trainer.train(setup, p.train, log=lambda *a: None)
     assert (good / "model.safetensors").read_bytes() == before
-    assert trainer.latest_checkpoint(run_dir / "02_train" / "checkpoints") == good
+    assert latest_checkpoint(run_dir / "02_train" / "checkpoints") == good
 
 
 def test_online_mode_trains_on_the_same_states_as_shards(tmp_path, small_target):
@@ -254,16 +256,16 @@ def test_deepseek_v3_shaped_target_extracts_and_trains(tmp_path, embedded_cache)
 def test_make_batch_lays_out_packed_rows_with_padding_at_the_end():
     def seq(n, start):
         ids = torch.arange(start, start + n, dtype=torch.int32)
-        return trainer.Sequence(
+        return Sequence(
             ids,
             (ids % 2).to(torch.uint8),
             ids[:, None].repeat(1, 6).to(torch.bfloat16),
             -ids[:, None].repeat(1, 2).to(torch.bfloat16),
         )
 
-    rows = list(trainer.pack_rows(iter([seq(3, 10), seq(4, 20), seq(9, 30), seq(2, 50)]), 8))
+    rows = list(pack_rows(iter([seq(3, 10), seq(4, 20), seq(9, 30), seq(2, 50)]), 8))
     assert [[len(s.input_ids) for s in r] for r in rows] == [[3, 4], [8], [2]]  # greedy, truncated to 8
-    b = trainer.make_batch(rows[:2], 8)
+    b = make_batch(rows[:2], 8)
     assert b["tokens"] == 15
     assert b["input_ids"].tolist() == [[10, 11, 12, 20, 21, 22, 23, 0], list(range(30, 38))]
     assert b["doc_ids"].tolist() == [[0, 0, 0, 1, 1, 1, 1, -1], [0] * 8]
@@ -275,7 +277,7 @@ def test_make_batch_lays_out_packed_rows_with_padding_at_the_end():
 
 
 def test_in_background_keeps_order_raises_where_the_source_did_and_stops_on_close():
-    assert list(trainer.in_background(iter(range(50)), 3)) == list(range(50))
+    assert list(in_background(iter(range(50)), 3)) == list(range(50))
 
     def failing():
         yield from range(5)
@@ -283,7 +285,7 @@ def test_in_background_keeps_order_raises_where_the_source_did_and_stops_on_clos
 
     got = []
     with pytest.raises(ValueError, match="shard 5"):
-        for x in trainer.in_background(failing(), 2):
+        for x in in_background(failing(), 2):
             got.append(x)
     assert got == list(range(5))
 
@@ -298,7 +300,7 @@ def test_in_background_keeps_order_raises_where_the_source_did_and_stops_on_clos
         finally:
             closed.append(True)
 
-    stream = trainer.in_background(endless(), 2)
+    stream = in_background(endless(), 2)
     assert [next(stream) for _ in range(10)] == list(range(10))
     stream.close()
     assert closed == [True]  # the source was closed in its thread, and that thread has ended

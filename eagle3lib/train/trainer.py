@@ -15,128 +15,32 @@ so N processes take exactly the step one process takes with the same global batc
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
-import os
-import queue
-import random
-import shutil
 import sys
-import threading
 import time
-from collections import deque
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
 
 from eagle3lib.drafter import Drafter, DrafterConfig
+from eagle3lib.train import TrainingError
+from eagle3lib.train.batches import make_batch, micro_batches, online_sequences, pack_rows, shard_sequences
+from eagle3lib.train.checkpoint import (
+    CHECKPOINTS,
+    latest_checkpoint,
+    resume,
+    save_checkpoint,
+    save_drafter,
+    weights_digest,
+)
+from eagle3lib.train.distributed import all_reduce_grads, init_process_group, rank_and_world
 from eagle3lib.train.loss import compute_dtype, linear_soft_ce, target_probs
 from eagle3lib.train.metrics import AcceptanceCounter
-
-CHECKPOINTS = "checkpoints"
-STATE_FILE = "trainer_state.json"
-OPTIMIZER_FILE = "optimizer.pt"
-
-
-class TrainingError(RuntimeError):
-    """Training cannot go on (non-finite loss, bad inputs); the message says what to change."""
-
-
-# ------------------------------------------------------------------ data ----
-
-
-@dataclass
-class Sequence:
-    input_ids: torch.Tensor  # [n] int
-    loss_mask: torch.Tensor  # [n] uint8
-    aux: torch.Tensor  # [n, 3H_t]
-    final: torch.Tensor  # [n, H_t]
-
-
-def pack_rows(sequences: Iterator[Sequence], max_seq_len: int) -> Iterator[list[Sequence]]:
-    """Greedy packing of whole sequences (truncated to max_seq_len): the sequences of each row of at most
-    max_seq_len tokens (make_batch lays rows out)."""
-    row: list[Sequence] = []
-    used = 0
-    for seq in sequences:
-        n = min(len(seq.input_ids), max_seq_len)
-        if row and used + n > max_seq_len:
-            yield row
-            row, used = [], 0
-        row.append(Sequence(seq.input_ids[:n], seq.loss_mask[:n], seq.aux[:n], seq.final[:n]))
-        used += n
-    if row:
-        yield row
-
-
-def make_batch(rows: list[list[Sequence]], length: int) -> dict:
-    """A micro-batch [B, length, ...] of packed rows, each row's padding at its end (doc_ids -1, zeros elsewhere).
-    Each state is copied once, straight into place: at 4.6 KB a token (SmolLM2) a concatenate-pad-stack
-    pipeline made three copies and held an H200's training steps waiting."""
-    b, first = len(rows), rows[0][0]
-    long = dict(dtype=torch.long)
-    batch = {
-        "input_ids": torch.zeros(b, length, **long),
-        "loss_mask": torch.zeros(b, length, **long),
-        "doc_ids": torch.full((b, length), -1, **long),
-        "position_ids": torch.zeros(b, length, **long),
-        "aux": torch.empty(b, length, first.aux.shape[-1], dtype=first.aux.dtype),
-        "final": torch.empty(b, length, first.final.shape[-1], dtype=first.final.dtype),
-    }
-    tokens = 0
-    for r, row in enumerate(rows):
-        at = 0
-        for d, s in enumerate(row):
-            n = len(s.input_ids)
-            for key, value in (
-                ("input_ids", s.input_ids),
-                ("loss_mask", s.loss_mask),
-                ("aux", s.aux),
-                ("final", s.final),
-            ):
-                batch[key][r, at : at + n] = value
-            batch["doc_ids"][r, at : at + n] = d
-            batch["position_ids"][r, at : at + n] = torch.arange(n)
-            at += n
-        batch["aux"][r, at:] = 0
-        batch["final"][r, at:] = 0
-        tokens += at
-    batch["tokens"] = tokens
-    return batch
-
-
-def epoch_order(num_items: int, seed: int, epoch: int) -> list[int]:
-    order = list(range(num_items))
-    random.Random(seed * 1_000_003 + epoch).shuffle(order)
-    return order
-
-
-def shard_sequences(shards, seed: int, epoch: int, shuffle: bool = True, prefetch: int = 0) -> Iterator[Sequence]:
-    """Sequences of a ShardSet, shards and sequences within a shard in a seeded order per epoch.
-
-    prefetch: shards loaded ahead in threads (reading and sha256 release the GIL). On an H200 a 1.2 GB
-    shard took ~3 s to load and ~1.7 s to train on: without it the GPU idled for over half the run."""
-    order = epoch_order(len(shards.shards), seed, epoch) if shuffle else list(range(len(shards.shards)))
-    with ThreadPoolExecutor(max(1, prefetch)) as pool:
-        pending = deque(pool.submit(shards.load, i) for i in order[:prefetch])
-        for j, i in enumerate(order):
-            t = pending.popleft().result() if pending else shards.load(i)
-            if prefetch and j + prefetch < len(order):
-                pending.append(pool.submit(shards.load, order[j + prefetch]))
-            starts = t["seq_starts"].tolist()
-            spans = list(zip(starts[:-1], starts[1:]))
-            if shuffle:
-                random.Random(seed * 7919 + epoch * 31 + i).shuffle(spans)
-            for a, b in spans:
-                yield Sequence(t["input_ids"][a:b], t["loss_mask"][a:b], t["aux_hidden"][a:b], t["final_hidden"][a:b])
-
+from eagle3lib.train.speedups import compile_decoder_layer, convert_to_float8
 
 # ------------------------------------------------------------------ loss ----
 
@@ -215,59 +119,6 @@ def lr_at(step: int, total_steps: int, lr: float, warmup: int, final_fraction: f
     return lr * (final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-# ----------------------------------------------------------- checkpoints ----
-
-
-def drafter_state(drafter: Drafter) -> dict:
-    """Canonical tensor names (DESIGN.md §4): layers.0.*, fc, norm, lm_head, d2t, t2d."""
-    return {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
-
-
-def save_drafter(drafter: Drafter, out_dir: Path, contract: dict, extra: dict | None = None) -> Path:
-    """Write the canonical checkpoint folder atomically (temp folder, then rename)."""
-    out_dir = Path(out_dir)
-    tmp = out_dir.with_name(out_dir.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(drafter_state(drafter), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(drafter.cfg.to_hf_dict(), indent=2) + "\n")
-    (tmp / "eagle3.json").write_text(json.dumps(contract, indent=2) + "\n")
-    for name, obj in (extra or {}).items():
-        if name.endswith(".pt"):
-            torch.save(obj, tmp / name)
-        else:
-            (tmp / name).write_text(json.dumps(obj, indent=2) + "\n")
-    old = out_dir.with_name(out_dir.name + ".old")
-    if out_dir.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out_dir, old)
-    os.replace(tmp, out_dir)
-    shutil.rmtree(old, ignore_errors=True)
-    return out_dir
-
-
-def load_drafter(folder: Path, device="cpu") -> Drafter:
-    folder = Path(folder)
-    for name in ("config.json", "model.safetensors"):
-        if not (folder / name).is_file():
-            raise FileNotFoundError(f"{folder / name} missing: expected a canonical drafter checkpoint folder")
-    cfg = DrafterConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
-    drafter = Drafter(cfg)
-    state = load_file(str(folder / "model.safetensors"))
-    missing, unexpected = drafter.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise ValueError(f"{folder}: checkpoint does not fit the drafter: missing {missing}, unexpected {unexpected}")
-    return drafter.to(device)
-
-
-def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    done = sorted(
-        (p for p in Path(ckpt_root).glob("step_*") if (p / STATE_FILE).is_file()),
-        key=lambda p: int(p.name.split("_")[1]),
-    )
-    return done[-1] if done else None
-
-
 # ------------------------------------------------------------ the loop ----
 
 
@@ -282,150 +133,6 @@ class TrainSetup:
     val_rows: list[dict]  # packed validation rows, each a batch of one
     contract: dict
     out_dir: Path
-
-
-def weights_digest(module: torch.nn.Module) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    for name, t in sorted(module.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def all_reduce_grads(params: list, world: int) -> None:
-    """Sum the gradients over ranks (data parallel); all requests in flight at once."""
-    if world <= 1:
-        return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    for work in [dist.all_reduce(p.grad, async_op=True) for p in params]:
-        work.wait()
-
-
-def compile_decoder_layer(drafter: Drafter) -> None:
-    """torch.compile the elementwise-heavy parts of a TTT step (norm, q/k/v sum, rotary; MLP with its
-    SiLU·up; the merged attention's merge; the output norm before the loss), fusing what would otherwise
-    be separate passes over [T, 14336]-sized activations. Bound methods are replaced, so parameter names
-    stay as they were."""
-    layer = drafter.layer
-    layer.step_qkv = torch.compile(layer.step_qkv)
-    layer.self_attn.output = torch.compile(layer.self_attn.output)  # with train.float8: o_proj's input scaling fused
-    layer.finish = torch.compile(layer.finish)
-    drafter.norm.forward = torch.compile(drafter.norm.forward)
-    drafter.compile_merge = True
-
-
-FLOAT8_MODULES = ("fc", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def convert_to_float8(drafter: Drafter, emulate: bool = False) -> list[str]:
-    """Train fc, o_proj and the MLP with FP8 matmuls (e4m3, row-wise dynamic scales: torchao's "rowwise"
-    recipe): forward and both backward GEMMs at FP8 rate, master weights, optimizer and checkpoint as
-    before. q/k/v run as two bf16 GEMMs of weight halves (Drafter.ttt_forward) and lm_head inside the
-    fused loss, so they stay bf16. emulate: FP8 numerics without FP8 hardware (tests). Returns the names."""
-    try:
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-    except ImportError as e:
-        raise RuntimeError("train.float8 needs torchao: pip install 'eagle3-workbook[fp8]' (or torchao)") from e
-    if not emulate and not (torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)):
-        raise RuntimeError(
-            "train.float8 needs a GPU with FP8 matmuls (compute capability ≥ 8.9: Ada, Hopper, "
-            "Blackwell); set train.float8: false here"
-        )
-    config = Float8LinearConfig.from_recipe_name("rowwise")
-    if emulate:
-        config = dataclasses.replace(config, emulate=True)
-    converted = []
-
-    def wanted(module, name):
-        if name.split(".")[-1] in FLOAT8_MODULES and module.in_features % 16 == 0 and module.out_features % 16 == 0:
-            converted.append(name)
-            return True
-        return False
-
-    convert_to_float8_training(drafter, config=config, module_filter_fn=wanted)
-    return converted
-
-
-def _dist_info():
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def micro_batches(setup: TrainSetup, tp, start_epoch: int, skip: int) -> Iterator[tuple[int, int, dict]]:
-    """(epoch, index in epoch, micro-batch) for the whole stream, skipping `skip` of the first epoch;
-    made tp.batch_prefetch batches ahead in a background thread (the copies release the GIL)."""
-    return in_background(_micro_batches(setup, tp, start_epoch, skip), tp.batch_prefetch)
-
-
-def _micro_batches(setup: TrainSetup, tp, start_epoch: int, skip: int) -> Iterator[tuple[int, int, dict]]:
-    epoch = start_epoch
-    while True:
-        rows = pack_rows(setup.train_sequences(epoch), tp.max_seq_len)
-        index, chunk = 0, []
-        for row in rows:
-            chunk.append(row)
-            if len(chunk) == tp.batch_rows:
-                if index >= skip:
-                    yield epoch, index, make_batch(chunk, tp.max_seq_len)
-                index, chunk = index + 1, []
-        if index == 0 and skip == 0:
-            raise TrainingError("the training data yields no full batch: lower train.batch_rows or add data")
-        epoch, skip = epoch + 1, 0
-
-
-class _Raised:
-    def __init__(self, error: BaseException):
-        self.error = error
-
-
-def in_background(items: Iterator, depth: int) -> Iterator:
-    """The items of an iterator, in order, made up to `depth` ahead in a daemon thread; an error raised
-    there is raised here. Closing this generator stops the thread and closes `items` there."""
-    if depth <= 0:
-        yield from items
-        return
-    made, stop, end = queue.Queue(depth), threading.Event(), object()
-
-    def put(x) -> bool:
-        while not stop.is_set():
-            try:
-                made.put(x, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
-
-    def work():
-        try:
-            for x in items:
-                if not put(x):
-                    return
-            put(end)
-        except BaseException as e:  # noqa: BLE001 (re-raised in the consumer)
-            put(_Raised(e))
-        finally:
-            close = getattr(items, "close", None)
-            if close:
-                close()
-
-    worker = threading.Thread(target=work, name="eagle3-batches", daemon=True)
-    worker.start()
-    try:
-        while True:
-            x = made.get()
-            if x is end:
-                return
-            if isinstance(x, _Raised):
-                raise x.error
-            yield x
-    finally:
-        stop.set()
-        worker.join()
 
 
 def evaluate(setup: TrainSetup, steps: int, max_depth: int, device) -> dict:
@@ -449,7 +156,7 @@ def evaluate(setup: TrainSetup, steps: int, max_depth: int, device) -> dict:
 
 def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 16, log=print) -> dict:
     """The TTT loop with accumulation, AdamW, warmup+cosine, clipping, checkpoints, resume, and DDP."""
-    rank, world = _dist_info()
+    rank, world = rank_and_world()
     drafter = setup.drafter.to(device)
     embed, head = setup.embed.to(device), setup.head.to(device)
     setup.embed, setup.head = embed, head
@@ -470,33 +177,10 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
     use_bf16 = tp.dtype == "bfloat16" or (tp.dtype == "auto" and torch.device(device).type == "cuda")
     autocast_device = torch.device(device).type
 
-    state = {"step": 0, "epoch": 0, "micro_in_epoch": 0, "tokens": 0, "train_seconds": 0.0}
-    latest = latest_checkpoint(ckpt_root) if tp.resume else None
-    if latest is not None:
-        resumed = load_drafter(latest, device)
-        drafter.load_state_dict(resumed.state_dict())
-        opt.load_state_dict(torch.load(latest / OPTIMIZER_FILE, map_location=device, weights_only=True))
-        state = json.loads((latest / STATE_FILE).read_text())
-        if rank == 0 and log_path.exists():  # drop log lines of steps the checkpoint does not hold
-            lines = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] <= state["step"]]
-            log_path.write_text("".join(line + "\n" for line in lines))
-        log(f"resumed from {latest} (step {state['step']}, {state['tokens']} tokens)")
-    elif rank == 0 and ckpt_root.exists():
-        shutil.rmtree(ckpt_root)  # a fresh run (resume off) must not mix with older checkpoints
-        log_path.unlink(missing_ok=True)
+    state = resume(drafter, opt, ckpt_root, log_path, device, tp.resume, rank, log)
 
     def checkpoint():
-        if rank != 0:
-            return
-        path = save_drafter(
-            drafter,
-            ckpt_root / f"step_{state['step']:07d}",
-            setup.contract,
-            extra={STATE_FILE: state, OPTIMIZER_FILE: opt.state_dict()},
-        )
-        for old in sorted(ckpt_root.glob("step_*"))[:-2]:  # keep the last two
-            shutil.rmtree(old, ignore_errors=True)
-        return path
+        return save_checkpoint(drafter, opt, state, ckpt_root, setup.contract) if rank == 0 else None
 
     def write_log(entry):
         if rank == 0:
@@ -506,7 +190,7 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
     if state["step"] == 0:  # the untrained drafter, for "did training help" comparisons
         state["initial_eval"] = evaluate(setup, tp.ttt_steps, max_depth, device)
         write_log({"step": 0, "eval": state["initial_eval"]})
-    stream = micro_batches(setup, tp, state["epoch"], state["micro_in_epoch"])
+    stream = micro_batches(setup.train_sequences, tp, state["epoch"], state["micro_in_epoch"])
     started = time.time()
     drafter.train()
     last_eval = None
@@ -632,21 +316,6 @@ def draft_vocab_from_tokens(train_tokens: dict, val_tokens: dict, vocab_size: in
     )
 
 
-def online_sequences(model, tokens: dict, aux_layer_ids, seed: int, epoch: int, shuffle: bool = True):
-    """Sequences with the target's states computed now (train.source: online), one forward each."""
-    from eagle3lib.extract.shards import capture_hidden_states
-
-    starts = tokens["seq_starts"].tolist()
-    order = epoch_order(len(starts) - 1, seed, epoch) if shuffle else range(len(starts) - 1)
-    device = next(model.parameters()).device
-    for s in order:
-        ids = tokens["input_ids"][starts[s] : starts[s + 1]].long()
-        aux, final = capture_hidden_states(
-            model, ids[None].to(device), torch.ones(1, len(ids), dtype=torch.long, device=device), aux_layer_ids
-        )
-        yield Sequence(ids, tokens["loss_mask"][starts[s] : starts[s + 1]], aux[0].cpu(), final[0].cpu())
-
-
 def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
     """Everything 02_train needs from the params and the earlier stages; returns (setup, vocab stats)."""
     from eagle3lib import run_folder, target, vocab
@@ -742,15 +411,8 @@ def run_stage(params_file: str, run_dir: str, overrides: dict | None = None) -> 
     from eagle3lib.params import load_params
 
     p = load_params(params_file, overrides)
-    rank = int(os.environ.get("RANK", 0))
-    world = int(os.environ.get("WORLD_SIZE", 1))
-    device = p.target.device
-    if world > 1 and not dist.is_initialized():
-        backend = "nccl" if device.startswith("cuda") else "gloo"
-        if backend == "nccl":
-            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
-            torch.cuda.set_device(device)
-        dist.init_process_group(backend)
+    device = init_process_group(p.target.device)
+    rank, world = rank_and_world()
     setup, vocab_stats = build_setup(p, Path(run_dir), device)
     summary = train(
         setup,

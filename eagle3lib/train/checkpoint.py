@@ -1,0 +1,122 @@
+"""Drafter checkpoints: the canonical folder (config.json, model.safetensors, eagle3.json) that convert
+reads, and the training checkpoints under checkpoints/step_N (the same folder plus the optimizer's and the
+loop's state) that a rerun resumes from."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from eagle3lib.drafter import Drafter, DrafterConfig
+
+CHECKPOINTS = "checkpoints"
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+
+
+def drafter_state(drafter: Drafter) -> dict:
+    """Canonical tensor names (DESIGN.md §4): layers.0.*, fc, norm, lm_head, d2t, t2d."""
+    return {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
+
+
+def save_drafter(drafter: Drafter, out_dir: Path, contract: dict, extra: dict | None = None) -> Path:
+    """Write the canonical checkpoint folder atomically (temp folder, then rename)."""
+    out_dir = Path(out_dir)
+    tmp = out_dir.with_name(out_dir.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    save_file(drafter_state(drafter), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    (tmp / "config.json").write_text(json.dumps(drafter.cfg.to_hf_dict(), indent=2) + "\n")
+    (tmp / "eagle3.json").write_text(json.dumps(contract, indent=2) + "\n")
+    for name, obj in (extra or {}).items():
+        if name.endswith(".pt"):
+            torch.save(obj, tmp / name)
+        else:
+            (tmp / name).write_text(json.dumps(obj, indent=2) + "\n")
+    old = out_dir.with_name(out_dir.name + ".old")
+    if out_dir.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(out_dir, old)
+    os.replace(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True)
+    return out_dir
+
+
+def load_drafter(folder: Path, device="cpu") -> Drafter:
+    folder = Path(folder)
+    for name in ("config.json", "model.safetensors"):
+        if not (folder / name).is_file():
+            raise FileNotFoundError(f"{folder / name} missing: expected a canonical drafter checkpoint folder")
+    cfg = DrafterConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
+    drafter = Drafter(cfg)
+    state = load_file(str(folder / "model.safetensors"))
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise ValueError(f"{folder}: checkpoint does not fit the drafter: missing {missing}, unexpected {unexpected}")
+    return drafter.to(device)
+
+
+def latest_checkpoint(ckpt_root: Path) -> Path | None:
+    done = sorted(
+        (p for p in Path(ckpt_root).glob("step_*") if (p / STATE_FILE).is_file()),
+        key=lambda p: int(p.name.split("_")[1]),
+    )
+    return done[-1] if done else None
+
+
+def save_checkpoint(drafter: Drafter, optimizer: torch.optim.Optimizer, state: dict, ckpt_root: Path, contract: dict):
+    """The drafter with the optimizer's and the loop's state as ckpt_root/step_N; only the last two are kept."""
+    path = save_drafter(
+        drafter,
+        ckpt_root / f"step_{state['step']:07d}",
+        contract,
+        extra={STATE_FILE: state, OPTIMIZER_FILE: optimizer.state_dict()},
+    )
+    for old in sorted(ckpt_root.glob("step_*"))[:-2]:  # keep the last two
+        shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def resume(
+    drafter: Drafter,
+    optimizer: torch.optim.Optimizer,
+    ckpt_root: Path,
+    log_path: Path,
+    device,
+    enabled: bool = True,
+    rank: int = 0,
+    log=print,
+) -> dict:
+    """The loop's state to start from. With a checkpoint under ckpt_root (and `enabled`): its state, its
+    weights and optimizer state loaded in place, and the log's lines of later steps dropped. Else a fresh
+    state, and rank 0 removes the older checkpoints and log (a fresh run must not mix with them)."""
+    latest = latest_checkpoint(ckpt_root) if enabled else None
+    if latest is None:
+        if rank == 0 and ckpt_root.exists():
+            shutil.rmtree(ckpt_root)
+            log_path.unlink(missing_ok=True)
+        return {"step": 0, "epoch": 0, "micro_in_epoch": 0, "tokens": 0, "train_seconds": 0.0}
+    resumed = load_drafter(latest, device)
+    drafter.load_state_dict(resumed.state_dict())
+    optimizer.load_state_dict(torch.load(latest / OPTIMIZER_FILE, map_location=device, weights_only=True))
+    state = json.loads((latest / STATE_FILE).read_text())
+    if rank == 0 and log_path.exists():  # drop log lines of steps the checkpoint does not hold
+        lines = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] <= state["step"]]
+        log_path.write_text("".join(line + "\n" for line in lines))
+    log(f"resumed from {latest} (step {state['step']}, {state['tokens']} tokens)")
+    return state
+
+
+def weights_digest(module: torch.nn.Module) -> str:
+    """sha256 of the module's tensors by name: equal digests, equal weights."""
+    h = hashlib.sha256()
+    for name, t in sorted(module.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

@@ -1,0 +1,39 @@
+"""Data parallel training: under torchrun each rank takes its share of every step's micro-batches and the
+gradients are summed over ranks; one process is a world of one."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(this process's rank, number of processes); (0, 1) outside torchrun."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def init_process_group(device: str) -> str:
+    """Join torchrun's process group when WORLD_SIZE > 1 (NCCL on CUDA, gloo elsewhere); returns the device
+    this rank trains on (its LOCAL_RANK's GPU under NCCL)."""
+    if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
+        backend = "nccl" if device.startswith("cuda") else "gloo"
+        if backend == "nccl":
+            device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+            torch.cuda.set_device(device)
+        dist.init_process_group(backend)
+    return device
+
+
+def all_reduce_grads(params: list, world: int) -> None:
+    """Sum the gradients over ranks (data parallel); all requests in flight at once."""
+    if world <= 1:
+        return
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    for work in [dist.all_reduce(p.grad, async_op=True) for p in params]:
+        work.wait()
