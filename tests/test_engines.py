@@ -21,6 +21,9 @@ from eagle3lib import engines
 from eagle3lib.convert import layouts as ex
 from eagle3lib.drafter import Drafter, DrafterConfig
 from eagle3lib.engines import EngineError, alive_in_group
+from eagle3lib.engines.interpreter import engine_python
+from eagle3lib.engines.sglang import check_sglang_args, sglang_launch_args
+from eagle3lib.engines.vllm import vllm_launch_args
 from eagle3lib.params import EngineParams
 from eagle3lib.target import EMBEDDED_TARGET, make_contract
 from eagle3lib.train.checkpoint import save_drafter
@@ -30,7 +33,7 @@ AUX = [2, 15, 27]
 
 
 def need(engine):
-    py = ex.engine_python(engine)
+    py = engine_python(engine)
     if py is None:
         pytest.skip(f"no .venv-{engine}: run `make {engine}-env`")
     return py
@@ -73,8 +76,34 @@ def test_commands_and_logs(tmp_path):
     assert base.log_path.name == "vllm-baseline-float32.log"
     g = engines.make(EngineParams(name="sglang", python="/gpu/env/bin/python"), "/t", "/d", 4, tmp_path)
     assert g.base_command[:5] == ["/gpu/env/bin/python", "-m", "sglang.launch_server", "--model-path", "/t"]
-    assert g.base_command[5:] == ex.sglang_launch_args("/d", 4)
+    assert g.base_command[5:] == sglang_launch_args("/d", 4)
     assert g.command[-4:-2] == ["--host", "127.0.0.1"]
+
+
+def test_launch_flags():
+    assert sglang_launch_args("/d", 5) == [
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-draft-model-path",
+        "/d",
+        "--speculative-num-steps",
+        "5",
+        "--speculative-eagle-topk",
+        "1",
+        "--speculative-num-draft-tokens",
+        "6",
+    ]
+    flag, spec = vllm_launch_args("/d", 5)
+    assert flag == "--speculative-config"
+    assert json.loads(spec) == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 5}
+    assert check_sglang_args(sglang_launch_args("/d", 5)) == []
+    eagle = sglang_launch_args("/d", 5)
+    eagle[1] = "EAGLE"
+    assert any("'EAGLE3'" in p and "acceptance 1.00" in p for p in check_sglang_args(eagle))
+
+    cmd = engines.launch_command("sglang", "/t", "/d", 5, "/py")
+    assert cmd == ["/py", "-m", "sglang.launch_server", "--model-path", "/t"] + sglang_launch_args("/d", 5)
+    assert engines.launch_command("vllm", "/t", "/d", None)[-2:] == ["--model", "/t"]  # no drafter: the baseline
 
 
 def test_taken_port_is_a_clear_error(tmp_path):
@@ -89,7 +118,7 @@ def test_taken_port_is_a_clear_error(tmp_path):
 
 
 def test_sglang_refuses_wrong_flags_before_launch(tmp_path):
-    cmd = ["python", "-m", "sglang.launch_server", "--model-path", "/t"] + ex.sglang_launch_args("/d", 3)
+    cmd = ["python", "-m", "sglang.launch_server", "--model-path", "/t"] + sglang_launch_args("/d", 3)
     cmd[cmd.index("EAGLE3")] = "EAGLE"
     s = engines.sglang.SGLang(cmd, tmp_path / "x.log")
     with pytest.raises(EngineError, match="EAGLE3"):

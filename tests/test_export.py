@@ -17,6 +17,8 @@ from safetensors.torch import load_file, save_file
 from eagle3lib.__main__ import main as cli
 from eagle3lib.convert import layouts as ex
 from eagle3lib.drafter import Drafter, DrafterConfig
+from eagle3lib.engines.interpreter import engine_python, run_engine_check
+from eagle3lib.engines.sglang import sglang_launch_args
 from eagle3lib.target import EMBEDDED_TARGET, make_contract
 from eagle3lib.train.checkpoint import save_drafter
 from eagle3lib.vocab import build_draft_vocab, d2t_sha256
@@ -149,28 +151,6 @@ def test_export_refuses_another_target(ckpt, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
-def test_launch_flags():
-    assert ex.sglang_launch_args("/d", 5) == [
-        "--speculative-algorithm",
-        "EAGLE3",
-        "--speculative-draft-model-path",
-        "/d",
-        "--speculative-num-steps",
-        "5",
-        "--speculative-eagle-topk",
-        "1",
-        "--speculative-num-draft-tokens",
-        "6",
-    ]
-    flag, spec = ex.vllm_launch_args("/d", 5)
-    assert flag == "--speculative-config"
-    assert json.loads(spec) == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 5}
-    assert ex.check_sglang_args(ex.sglang_launch_args("/d", 5)) == []
-    eagle = ex.sglang_launch_args("/d", 5)
-    eagle[1] = "EAGLE"
-    assert any("'EAGLE3'" in p and "acceptance 1.00" in p for p in ex.check_sglang_args(eagle))
-
-
 # ----------------------------------------------------------------- SGLang name/shape gate ----
 
 
@@ -247,7 +227,7 @@ def test_cli_convert_and_verify(ckpt, tmp_path, capsys, monkeypatch):
 
 
 def need(engine):
-    py = ex.engine_python(engine)
+    py = engine_python(engine)
     if py is None:
         pytest.skip(f"no .venv-{engine}: run `make {engine}-env` to run the {engine} gate against the engine's code")
     return py
@@ -283,8 +263,8 @@ def test_sglang_server_args_resolve(ckpt, exports):
     assert report["server_args"]["resolved"]["speculative_num_draft_tokens"] == 6
     assert report["server_args"]["captured_hf_layers"] == AUX
     # SGLang itself takes EAGLE for an EAGLE-3 drafter without a word, and then feeds no aux states:
-    args = ["--model-path", str(ckpt[2]), "--device", "cpu"] + ex.sglang_launch_args(exports["sglang"], 3)
+    args = ["--model-path", str(ckpt[2]), "--device", "cpu"] + sglang_launch_args(exports["sglang"], 3)
     args[args.index("EAGLE3")] = "EAGLE"
-    resolved = ex.run_engine_check(["sglang", str(exports["sglang"]), "--args", json.dumps(args)], py)
+    resolved = run_engine_check(["sglang", str(exports["sglang"]), "--args", json.dumps(args)], py)
     assert resolved["resolved"]["speculative_algorithm"] == "EAGLE"
     assert any("EAGLE3" in p for p in resolved["problems"])
