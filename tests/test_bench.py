@@ -1,4 +1,4 @@
-"""bench.py: predicted acceptance, losslessness, the report, and one real sweep on the vLLM CPU server."""
+"""bench/sweep.py: predicted acceptance, losslessness, the report, and one real sweep on the vLLM CPU server."""
 
 import pytest
 from test_engines import drafts, need  # noqa: F401  (the random drafter's exports; a module-scoped fixture)
@@ -94,9 +94,10 @@ def test_recommendation_table_and_plots(tmp_path):
         '"num_speculative_tokens": 5' in rec["1"]["vllm"] and "--speculative-num-draft-tokens 6" in rec["1"]["sglang"]
     )
     assert "--speculative" not in rec["8"]["vllm"] + rec["8"]["sglang"]
-    page = sweep.table_html(ROWS)
+    from eagle3lib.workbook import plots, report
+
+    page = report.table_html(sweep.table(ROWS))
     assert page.count("<tr>") == 5 and "75%" in page and "0.70 0.40 0.20 0.10 0.00" in page
-    from eagle3lib.workbook import plots
 
     for fig in (
         plots.bench_throughput(ROWS),

@@ -14,7 +14,6 @@ run with bench.dtype float32 to check it token for token; DESIGN.md §3).
 
 from __future__ import annotations
 
-import html
 import shlex
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -250,13 +249,3 @@ def table(rows: list[dict]) -> list[dict]:
         }
         for r in rows
     ]
-
-
-def table_html(rows: list[dict]) -> str:
-    """An HTML table of table(rows) (nbconvert keeps it in the stage report)."""
-    recs = table(rows)
-    if not recs:
-        return "<p>no rows</p>"
-    head = "".join(f"<th>{html.escape(k)}</th>" for k in recs[0])
-    body = "".join("<tr>" + "".join(f"<td>{html.escape(str(v))}</td>" for v in r.values()) + "</tr>" for r in recs)
-    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
