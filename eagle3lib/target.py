@@ -286,6 +286,12 @@ def check_aux_layer_ids(ids, num_layers: int) -> list[int]:
     return ids
 
 
+def aux_layer_ids(requested, num_layers: int) -> list[int]:
+    """The aux ids a run captures: `requested` (target.aux_layer_ids in the params) when given, else the
+    default; checked against the target's layer count either way."""
+    return check_aux_layer_ids(requested or default_aux_layer_ids(num_layers), num_layers)
+
+
 # ---------------------------------------------------------------------------------------
 # The target contract (eagle3.json)
 

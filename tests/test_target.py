@@ -76,6 +76,10 @@ def test_aux_layer_ids():
     assert T.default_aux_layer_ids(30) == [2, 15, 27]
     assert T.default_aux_layer_ids(32) == [2, 16, 29]
     assert T.check_aux_layer_ids((1, 5, 29), 30) == [1, 5, 29]
+    assert T.aux_layer_ids(None, 30) == T.aux_layer_ids([], 30) == [2, 15, 27]  # not given: the default
+    assert T.aux_layer_ids((1, 5, 29), 30) == [1, 5, 29]
+    with pytest.raises(ValueError, match=r"1\.\.29"):
+        T.aux_layer_ids([2, 15, 30], 30)
     for bad in (
         [0, 15, 27],
         [2, 15, 30],

@@ -40,7 +40,7 @@ def setup(p) -> dict:
         info, tokenizer = target.load_target_info(target_dir, cache, trust_remote_code=p.target.trust_remote_code)
         config, model = info.config, None
     layers = target.num_layers(config)
-    aux_ids = target.check_aux_layer_ids(p.target.aux_layer_ids or target.default_aux_layer_ids(layers), layers)
+    aux_ids = target.aux_layer_ids(p.target.aux_layer_ids, layers)
     # make_contract reads only model.config: an engine backend passes the weights-free view
     contract = target.make_contract(
         p.target.name, model if model is not None else info, tokenizer, aux_ids, p.extract.store_dtype

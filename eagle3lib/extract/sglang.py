@@ -542,7 +542,7 @@ def _compare_main(a):
     target_dir = target.resolve_target(a.target, cache)
     model, tokenizer = target.load_target(target_dir, cache, dtype=a.dtype, device=a.device)
     layers = target.num_layers(model.config)
-    aux_ids = a.aux_layer_ids or target.default_aux_layer_ids(layers)
+    aux_ids = target.aux_layer_ids(a.aux_layer_ids, layers)
     tokens = _check_tokens(a, tokenizer)
     out = Path(a.out)
     for sub in ("sglang", "hf"):  # a check measures afresh: no resume from an earlier run

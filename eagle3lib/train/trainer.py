@@ -357,7 +357,7 @@ def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
             trust_remote_code=p.target.trust_remote_code,
         )
         layers = target.num_layers(model.config)
-        aux_ids = target.check_aux_layer_ids(p.target.aux_layer_ids or target.default_aux_layer_ids(layers), layers)
+        aux_ids = target.aux_layer_ids(p.target.aux_layer_ids, layers)
         contract = target.make_contract(p.target.name, model, tokenizer, aux_ids, p.target.dtype)
         train_sequences = lambda epoch: online_sequences(model, train_tokens, aux_ids, p.run.seed, epoch)  # noqa: E731
         val_sequences = online_sequences(model, val_tokens, aux_ids, p.run.seed, 0, shuffle=False)
