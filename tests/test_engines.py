@@ -21,7 +21,7 @@ from eagle3lib import engines
 from eagle3lib.convert import layouts as ex
 from eagle3lib.drafter import Drafter, DrafterConfig
 from eagle3lib.engines import EngineError, alive_in_group
-from eagle3lib.engines.interpreter import engine_python
+from eagle3lib.engines.interpreter import engine_env, engine_python, run_inside
 from eagle3lib.engines.sglang import check_sglang_args, sglang_launch_args
 from eagle3lib.engines.vllm import vllm_launch_args
 from eagle3lib.params import EngineParams
@@ -69,7 +69,8 @@ def test_commands_and_logs(tmp_path):
     assert s.base_command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     spec = json.loads(s.base_command[s.base_command.index("--speculative-config") + 1])
     assert spec == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 5}
-    assert s.env["VLLM_CPU_KVCACHE_SPACE"] == "2" and s.env["HF_HUB_OFFLINE"] == "1"
+    env = engine_env(s.env)  # what start() runs it with: engine.env over the engines' defaults
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["HF_HUB_OFFLINE"] == "1" and env["OMP_WAIT_POLICY"] == "PASSIVE"
     assert s.log_path == tmp_path / "vllm-depth5.log"
     base = engines.make(EngineParams(), "/t", "/d", None, tmp_path, dtype="float32")
     assert "--speculative-config" not in base.base_command and base.base_command[-2:] == ["--dtype", "float32"]
@@ -78,6 +79,19 @@ def test_commands_and_logs(tmp_path):
     assert g.base_command[:5] == ["/gpu/env/bin/python", "-m", "sglang.launch_server", "--model-path", "/t"]
     assert g.base_command[5:] == sglang_launch_args("/d", 4)
     assert g.command[-4:-2] == ["--host", "127.0.0.1"]
+
+
+def test_engine_env_and_inside_runner(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")
+    monkeypatch.setenv("PYTHONPATH", "/a")
+    env = engine_env({"TOKENIZERS_PARALLELISM": "true"}, pythonpath=["/inside"])
+    assert env["HF_HUB_OFFLINE"] == "1"  # ours over the environment's: engines never reach the hub
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "8"  # a size: the environment's when it says
+    assert env["TOKENIZERS_PARALLELISM"] == "true"  # engine.env over ours
+    assert env["PYTHONPATH"] == os.pathsep.join(["/inside", "/a"])
+    with pytest.raises(RuntimeError, match=r"(?s)no_such_script.py.*failed \(exit 2\); expected a JSON report"):
+        run_inside("no_such_script.py", [], sys.executable)
 
 
 def test_launch_flags():

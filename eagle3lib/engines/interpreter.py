@@ -1,4 +1,5 @@
-"""The engine's own interpreter: which one, and running a script of engines/inside in it.
+"""The engine's own interpreter: which one, the environment of its processes, and running a script of
+engines/inside in it.
 
 The engines pin versions (transformers above all) that our .venv does not have, so engine code never runs
 in this process: it runs in .venv-vllm / .venv-sglang (or engine.python), as a subprocess.
@@ -22,21 +23,34 @@ def engine_python(engine: str, python=None) -> str | None:
     return str(local) if local.is_file() else None
 
 
-def run_engine_check(args: list[str], python: str, timeout: float = 600) -> dict:
-    """Run eagle3lib/engines/inside/load_check.py in the engine's interpreter; returns its JSON report."""
-    script = INSIDE / "load_check.py"
-    env = dict(
-        os.environ,
-        OMP_WAIT_POLICY="PASSIVE",
-        HF_HUB_OFFLINE="1",
-        TOKENIZERS_PARALLELISM="false",
-        VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
-    )
-    proc = subprocess.run([python, str(script), *args], capture_output=True, text=True, timeout=timeout, env=env)
+# Every engine process, server or script: offline (the target and drafter are local folders by then), no
+# tokenizer threads competing with the engine's, no OpenMP threads spinning on a shared CPU. These win over
+# this process's environment; engine.env wins over them.
+ENGINE_ENV = {"OMP_WAIT_POLICY": "PASSIVE", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+# GiB of KV cache for vLLM's CPU build where the environment does not say: the sequences here are short.
+VLLM_CPU_KVCACHE_SPACE = "1"
+
+
+def engine_env(extra: dict | None = None, pythonpath=()) -> dict:
+    """The whole environment of an engine subprocess: this process's, ENGINE_ENV, then `extra` (engine.env);
+    `pythonpath` folders go before PYTHONPATH's."""
+    env = {**os.environ, **ENGINE_ENV}
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", VLLM_CPU_KVCACHE_SPACE)
+    env.update(extra or {})
+    if pythonpath:
+        env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), *filter(None, [env.get("PYTHONPATH")])])
+    return env
+
+
+def run_inside(script: str, args: list[str], python: str, timeout: float = 600) -> dict:
+    """Run engines/inside/<script> with `args` in the engine's interpreter; returns the JSON report it prints
+    last (the scripts report an engine's refusal there too: a failure here means the script itself broke)."""
+    path = INSIDE / script
+    proc = subprocess.run([python, str(path), *args], capture_output=True, text=True, timeout=timeout, env=engine_env())
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(
-            f"engine check `{python} {script.name} {' '.join(args)}` failed (exit {proc.returncode}); "
+            f"`{python} {path.name} {' '.join(args)}` failed (exit {proc.returncode}); "
             f"expected a JSON report. stderr tail:\n{proc.stderr[-3000:]}"
         )
     return json.loads(lines[-1])

@@ -21,6 +21,8 @@ import urllib.request
 from collections import deque
 from pathlib import Path
 
+from eagle3lib.engines.interpreter import engine_env
+
 GUARD = Path(__file__).resolve().parent / "guard.py"
 _RUNNING: set = set()
 
@@ -78,7 +80,7 @@ class Server:
     """One engine process. Subclasses (engines.vllm.VLLM, engines.sglang.SGLang) add generate() and stats().
 
     command: the launch command without host/port flags (the subclass adds them);
-    env: variables added to this process's environment; log_path: stdout+stderr of the server.
+    env: variables over engine_env's (engine.env); log_path: stdout+stderr of the server.
     """
 
     name = "engine"
@@ -135,7 +137,7 @@ class Server:
             stdout=log,
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
-            env={**os.environ, **self.env},
+            env=engine_env(self.env),
             start_new_session=True,
         )
         log.close()

@@ -30,8 +30,6 @@ PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 _POSITION = re.compile(r'position="(\d+)"')
 
-CPU_ENV = {"HF_HUB_OFFLINE": "1", "VLLM_CPU_KVCACHE_SPACE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
 
 def vllm_launch_args(draft_dir, depth: int) -> list[str]:
     """vLLM flags for `depth` speculative tokens (DESIGN.md §5)."""

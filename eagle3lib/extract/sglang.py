@@ -43,10 +43,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import shlex
 import shutil
-import subprocess
 import sys
 import time
 import urllib.error
@@ -57,7 +55,7 @@ from pathlib import Path
 import torch
 
 from eagle3lib.convert.layouts import LAYER_TENSORS
-from eagle3lib.engines.interpreter import engine_python
+from eagle3lib.engines.interpreter import engine_python, run_inside
 from eagle3lib.engines.sglang import SGLANG_CONVENTION, SGLANG_VERSION, sglang_captured_ids, sglang_config_ids
 from eagle3lib.extract import shards
 
@@ -67,7 +65,6 @@ except ImportError:  # pragma: no cover - depends on the environment
     _fastjson = None
 
 CAPTURE_DRAFT_ARCH = "LlamaForCausalLMEagle3"
-CHECK_SCRIPT = Path(__file__).resolve().parent.parent / "engines" / "inside" / "sglang_args.py"
 STAGING = ".sglang-final"
 # Both servers: every prompt token recomputed and returned (see the module docstring).
 COMMON_FLAGS = ["--enable-return-hidden-states", "--disable-radix-cache", "--chunked-prefill-size", "-1"]
@@ -185,23 +182,6 @@ def server_args(target_dir, drafter_dir=None, dtype: str | None = None, extra_ar
     return args + list(extra_args)
 
 
-def check_server_args(args: list[str], python: str, device: str | None = None, timeout: float = 300) -> dict:
-    """Resolve launch flags with SGLang's own prepare_server_args (and, for EAGLE3, its aux-id
-    resolution) in the engine's interpreter; returns the report of sglang_extract_check.py."""
-    argv = list(args) + (["--device", device] if device else [])
-    env = dict(os.environ, OMP_WAIT_POLICY="PASSIVE", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
-    proc = subprocess.run(
-        [python, str(CHECK_SCRIPT), json.dumps(argv)], capture_output=True, text=True, timeout=timeout, env=env
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-    if proc.returncode != 0 or not lines:
-        raise SGLangExtractError(
-            f"SGLang's argument check `{python} {CHECK_SCRIPT.name}` failed (exit "
-            f"{proc.returncode}); expected a JSON report. stderr tail:\n{proc.stderr[-3000:]}"
-        )
-    return json.loads(lines[-1])
-
-
 def preflight(target_dir, drafter_dir, aux_layer_ids, dtype, extra_args, python, device=None) -> dict:
     """Both servers' flags through SGLang's parser, and the layers the aux server will capture
     equal to ours; raises SGLangExtractError listing the problems."""
@@ -209,7 +189,8 @@ def preflight(target_dir, drafter_dir, aux_layer_ids, dtype, extra_args, python,
     num_layers = int(text["num_hidden_layers"])
     problems, reports = [], {}
     for name, drafter in (("final", None), ("aux", drafter_dir)):
-        r = check_server_args(server_args(target_dir, drafter, dtype, extra_args), python, device)
+        args = server_args(target_dir, drafter, dtype, extra_args) + (["--device", device] if device else [])
+        r = run_inside("sglang_args.py", [json.dumps(args)], python)
         reports[name] = r
         problems += [f"{name} server: {p}" for p in r.get("problems", [])]
         res = r.get("resolved", {})

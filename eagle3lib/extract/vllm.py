@@ -45,19 +45,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3lib.engines.interpreter import engine_python
+from eagle3lib.engines.interpreter import INSIDE, engine_env, engine_python
 from eagle3lib.engines.server import GUARD, alive_in_group, log_tail
 from eagle3lib.extract import shards
 
-INSIDE = Path(__file__).resolve().parent.parent / "engines" / "inside"
 SCRIPT = INSIDE / "vllm_capture.py"
 PREFIX = "@@eagle3lib "
-CPU_ENV = {
-    "HF_HUB_OFFLINE": "1",
-    "VLLM_CPU_KVCACHE_SPACE": "1",
-    "TOKENIZERS_PARALLELISM": "false",
-    "OMP_WAIT_POLICY": "PASSIVE",
-}
 
 
 class VLLMExtractError(RuntimeError):
@@ -83,7 +76,6 @@ class _Worker:
         self.timeout_s = timeout_s
         cmd = [sys.executable, str(GUARD), str(os.getpid()), python, str(SCRIPT), *args]
         self.log.write(f"$ {' '.join(cmd)}\n")
-        pythonpath = str(INSIDE) + (os.pathsep + os.environ["PYTHONPATH"] if os.environ.get("PYTHONPATH") else "")
         self.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.PIPE,
@@ -92,7 +84,7 @@ class _Worker:
             text=True,
             bufsize=1,
             start_new_session=True,
-            env={**os.environ, **env, "PYTHONPATH": pythonpath},
+            env=engine_env(env, pythonpath=[INSIDE]),  # INSIDE: vLLM imports our connector by module path
         )
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -178,7 +170,7 @@ class VLLMCapture:
         self.layers = self.aux_layer_ids + [self.num_layers]  # vLLM ids = ours; L = pre-norm final
         self.dtype, self.extra_args = dtype, list(extra_args)
         self.python = python or engine_python("vllm") or sys.executable
-        self.env = CPU_ENV | dict(env or {})
+        self.env = dict(env or {})
         self.log_dir, self.timeout_s = log_dir, timeout_s
         self.prefill_benchmark_batches, self.batch_tokens = prefill_benchmark_batches, batch_tokens
         self._stats, self._worker, self._norm, self._work, self._held = {}, None, None, None, False
