@@ -8,6 +8,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from eagle3lib.train import TrainingError
+from eagle3lib.train.checkpoint import weights_digest
+
 
 def rank_and_world() -> tuple[int, int]:
     """(this process's rank, number of processes); (0, 1) outside torchrun."""
@@ -37,3 +40,15 @@ def all_reduce_grads(params: list, world: int) -> None:
             p.grad = torch.zeros_like(p)
     for work in [dist.all_reduce(p.grad, async_op=True) for p in params]:
         work.wait()
+
+
+def check_same_weights(module: torch.nn.Module, world: int) -> list[str]:
+    """Each rank's weights_digest of the module, after training: data parallel must leave every rank with the
+    same weights, and a TrainingError says when it did not."""
+    if world <= 1:
+        return [weights_digest(module)]
+    digests = [None] * world
+    dist.all_gather_object(digests, weights_digest(module))
+    if len(set(digests)) != 1:
+        raise TrainingError(f"ranks hold different weights after training: {digests}")
+    return digests

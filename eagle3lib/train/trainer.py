@@ -35,9 +35,8 @@ from eagle3lib.train.checkpoint import (
     resume,
     save_checkpoint,
     save_drafter,
-    weights_digest,
 )
-from eagle3lib.train.distributed import all_reduce_grads, init_process_group, rank_and_world
+from eagle3lib.train.distributed import all_reduce_grads, check_same_weights, init_process_group, rank_and_world
 from eagle3lib.train.loss import compute_dtype, linear_soft_ce, target_probs
 from eagle3lib.train.metrics import AcceptanceCounter
 from eagle3lib.train.speedups import compile_decoder_layer, convert_to_float8
@@ -154,12 +153,61 @@ def evaluate(setup: TrainSetup, steps: int, max_depth: int, device) -> dict:
     return summary
 
 
+class TrainStep:
+    """One optimizer step on a group of micro-batches: every rank is given the whole group and computes its
+    share (every world-th); the loss of each TTT step k, weighted step_weight_decay**k, is normalized by the
+    group's count of valid positions, so the gradients summed over ranks are those of one process."""
+
+    def __init__(self, setup: TrainSetup, optimizer: torch.optim.Optimizer, tp, device, rank: int, world: int):
+        self.setup, self.optimizer, self.tp = setup, optimizer, tp
+        self.device, self.rank, self.world = device, rank, world
+        self.params = optimizer.param_groups[0]["params"]
+        self.weights = torch.tensor([tp.step_weight_decay**k for k in range(tp.ttt_steps)], device=device)
+        self.device_type = torch.device(device).type
+        self.bf16 = tp.dtype == "bfloat16" or (tp.dtype == "auto" and self.device_type == "cuda")
+
+    def __call__(self, group: list[tuple[int, int, dict]], lr: float) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(loss, gradient norm) of the step at learning rate lr; a non-finite loss leaves the weights as they
+        were and comes back with no gradient norm."""
+        tp, device = self.tp, self.device
+        counts = torch.zeros(tp.ttt_steps, device=device)
+        for _, _, mb in group:  # global normalizer, identical on every rank without communication
+            counts += torch.stack([valid_positions(mb, k).sum() for k in range(tp.ttt_steps)]).to(device)
+        for g in self.optimizer.param_groups:
+            g["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+        step_loss = torch.zeros((), device=device)
+        for _, _, mb in group[self.rank :: self.world]:
+            batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in mb.items()}
+            with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16):
+                sums, _, _, _ = ttt_loss_sums(
+                    self.setup.drafter,
+                    batch,
+                    self.setup.embed,
+                    self.setup.head,
+                    tp.ttt_steps,
+                    with_metrics=False,
+                    checkpoint=tp.activation_checkpointing,
+                    attention=tp.attention,
+                )
+            loss = (self.weights * sums / counts.clamp(min=1)).sum()
+            loss.backward()
+            step_loss += loss.detach()
+        all_reduce_grads(self.params, self.world)
+        if self.world > 1:
+            dist.all_reduce(step_loss)
+        if not torch.isfinite(step_loss):
+            return step_loss, None
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, tp.grad_clip)
+        self.optimizer.step()
+        return step_loss, grad_norm
+
+
 def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 16, log=print) -> dict:
     """The TTT loop with accumulation, AdamW, warmup+cosine, clipping, checkpoints, resume, and DDP."""
     rank, world = rank_and_world()
     drafter = setup.drafter.to(device)
-    embed, head = setup.embed.to(device), setup.head.to(device)
-    setup.embed, setup.head = embed, head
+    setup.embed, setup.head = setup.embed.to(device), setup.head.to(device)
     params = [p for p in drafter.parameters() if p.requires_grad]
     if tp.float8:
         log(f"FP8 matmuls (torchao rowwise) in {', '.join(convert_to_float8(drafter))}")
@@ -169,14 +217,11 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
     opt = torch.optim.AdamW(
         params, lr=tp.lr, betas=(0.9, 0.95), weight_decay=tp.weight_decay, fused=torch.device(device).type == "cuda"
     )
+    step = TrainStep(setup, opt, tp, device, rank, world)
     rows_per_step = tp.batch_rows * tp.grad_accum * world
     total_steps = max(1, math.ceil(tp.max_tokens / (rows_per_step * tp.max_seq_len)))
-    weights = torch.tensor([tp.step_weight_decay**k for k in range(tp.ttt_steps)], device=device)
     ckpt_root = setup.out_dir / CHECKPOINTS
     log_path = setup.out_dir / "log.jsonl"
-    use_bf16 = tp.dtype == "bfloat16" or (tp.dtype == "auto" and torch.device(device).type == "cuda")
-    autocast_device = torch.device(device).type
-
     state = resume(drafter, opt, ckpt_root, log_path, device, tp.resume, rank, log)
 
     def checkpoint():
@@ -186,6 +231,12 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
         if rank == 0:
             with open(log_path, "a") as f:
                 f.write(json.dumps(entry) + "\n")
+
+    def evaluate_now() -> dict:
+        result = evaluate(setup, tp.ttt_steps, max_depth, device)
+        result["at_step"] = state["step"]
+        write_log({"step": state["step"], "eval": result})
+        return result
 
     if state["step"] == 0:  # the untrained drafter, for "did training help" comparisons
         state["initial_eval"] = evaluate(setup, tp.ttt_steps, max_depth, device)
@@ -199,50 +250,20 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
             if tp.max_minutes and state["train_seconds"] + (time.time() - started) > tp.max_minutes * 60:
                 log(f"time budget of {tp.max_minutes} min reached at step {state['step']}")
                 break
-            # Everyone sees the step's micro-batches; each rank computes its share.
             waited = time.perf_counter()
-            micro = [next(stream) for _ in range(tp.grad_accum * world)]
+            group = [next(stream) for _ in range(tp.grad_accum * world)]
             state["data_wait_s"] = state.get("data_wait_s", 0.0) + time.perf_counter() - waited
-            mine = micro[rank::world]
-            counts = torch.zeros(tp.ttt_steps, device=device)
-            for _, _, mb in micro:  # global normalizer, identical on every rank without communication
-                counts += torch.stack([valid_positions(mb, k).sum() for k in range(tp.ttt_steps)]).to(device)
             lr = lr_at(state["step"], total_steps, tp.lr, tp.warmup_steps)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            opt.zero_grad(set_to_none=True)
-            step_loss = torch.zeros((), device=device)
-            for _, _, mb in mine:
-                batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in mb.items()}
-                with torch.autocast(autocast_device, dtype=torch.bfloat16, enabled=use_bf16):
-                    sums, _, _, _ = ttt_loss_sums(
-                        drafter,
-                        batch,
-                        embed,
-                        head,
-                        tp.ttt_steps,
-                        with_metrics=False,
-                        checkpoint=tp.activation_checkpointing,
-                        attention=tp.attention,
-                    )
-                loss = (weights * sums / counts.clamp(min=1)).sum()
-                loss.backward()
-                step_loss += loss.detach()
-            all_reduce_grads(params, world)
-            if world > 1:
-                dist.all_reduce(step_loss)
-            if not torch.isfinite(step_loss):
-                last = latest_checkpoint(ckpt_root)
+            step_loss, grad_norm = step(group, lr)
+            if grad_norm is None:
                 raise TrainingError(
                     f"loss became {step_loss.item()} at step {state['step']}; nothing after the last good "
-                    f"checkpoint ({last or 'none yet'}) was saved. Lower train.lr (now {tp.lr}) or "
-                    f"check the hidden-state shards for inf/nan, then rerun (resume continues from it)."
+                    f"checkpoint ({latest_checkpoint(ckpt_root) or 'none yet'}) was saved. Lower train.lr (now "
+                    f"{tp.lr}) or check the hidden-state shards for inf/nan, then rerun (resume continues from it)."
                 )
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, tp.grad_clip)
-            opt.step()
             state["step"] += 1
-            state["epoch"], state["micro_in_epoch"] = micro[-1][0], micro[-1][1] + 1
-            state["tokens"] += sum(mb["tokens"] for _, _, mb in micro)
+            state["epoch"], state["micro_in_epoch"] = group[-1][0], group[-1][1] + 1
+            state["tokens"] += sum(mb["tokens"] for _, _, mb in group)
             elapsed = state["train_seconds"] + time.time() - started
             entry = {
                 "step": state["step"],
@@ -254,9 +275,7 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
             }
             write_log(entry)
             if state["step"] % tp.eval_every == 0 or state["step"] == total_steps:
-                last_eval = evaluate(setup, tp.ttt_steps, max_depth, device)
-                last_eval["at_step"] = state["step"]
-                write_log({"step": state["step"], "eval": last_eval})
+                last_eval = evaluate_now()
                 log(
                     f"step {state['step']}/{total_steps} loss {entry['loss']:.4f} "
                     f"est_accept_len@5 {last_eval['est_accept_len'].get('5')} cond_acc {[round(x, 3) for x in last_eval['cond_acc']]}"
@@ -269,15 +288,8 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
         stream.close()
     state["train_seconds"] = state["train_seconds"] + time.time() - started
     if last_eval is None or last_eval.get("at_step") != state["step"]:
-        last_eval = evaluate(setup, tp.ttt_steps, max_depth, device)
-        last_eval["at_step"] = state["step"]
-        write_log({"step": state["step"], "eval": last_eval})
-    digests = [weights_digest(drafter)]
-    if world > 1:  # data parallel must leave every rank with the same weights
-        digests = [None] * world
-        dist.all_gather_object(digests, weights_digest(drafter))
-        if len(set(digests)) != 1:
-            raise TrainingError(f"ranks hold different weights after training: {digests}")
+        last_eval = evaluate_now()
+    digests = check_same_weights(drafter, world)
     final = checkpoint()
     if rank == 0:
         save_drafter(drafter, setup.out_dir / "drafter", setup.contract)
