@@ -265,6 +265,6 @@ def test_sglang_server_args_resolve(ckpt, exports):
     # SGLang itself takes EAGLE for an EAGLE-3 drafter without a word, and then feeds no aux states:
     args = ["--model-path", str(ckpt[2]), "--device", "cpu"] + sglang_launch_args(exports["sglang"], 3)
     args[args.index("EAGLE3")] = "EAGLE"
-    resolved = run_inside("load_check.py", ["sglang", str(exports["sglang"]), "--args", json.dumps(args)], py)
+    resolved = run_inside("load_check.py", ["sglang", "--args", json.dumps(args)], py)
     assert resolved["resolved"]["speculative_algorithm"] == "EAGLE"
     assert any("EAGLE3" in p for p in resolved["problems"])

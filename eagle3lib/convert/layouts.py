@@ -573,7 +573,7 @@ def verify(folder, engine: str, target=None, cache_dir=None, python=None, depth:
         else:
             args = ["--model-path", target_dir, "--device", "cpu"] + sglang_launch_args(folder, depth)
             report["launch_problems"] = check_sglang_args(args)
-            resolved = run_inside("load_check.py", ["sglang", str(folder), "--args", json.dumps(args)], py)
+            resolved = run_inside("load_check.py", ["sglang", "--args", json.dumps(args)], py)
             report["server_args"] = resolved
             report["problems"] += report["launch_problems"] + resolved["problems"]
             # The ids SGLang resolved from the export, through its capture rule for this target's class.

@@ -114,7 +114,7 @@ def preflight(target_dir, draft_dir, depth: int, python: str) -> dict:
 
     args = ["--model-path", str(target_dir), "--device", "cpu"] + sglang_launch_args(draft_dir, depth)
     problems = check_sglang_args(args)
-    report = run_inside("load_check.py", ["sglang", str(draft_dir), "--args", json.dumps(args)], python)
+    report = run_inside("load_check.py", ["sglang", "--args", json.dumps(args)], python)
     problems += report.get("problems", [])
     contract = read_contract(draft_dir)
     ids = report.get("eagle_aux_hidden_state_layer_ids")

@@ -190,7 +190,7 @@ def preflight(target_dir, drafter_dir, aux_layer_ids, dtype, extra_args, python,
     problems, reports = [], {}
     for name, drafter in (("final", None), ("aux", drafter_dir)):
         args = server_args(target_dir, drafter, dtype, extra_args) + (["--device", device] if device else [])
-        r = run_inside("sglang_args.py", [json.dumps(args)], python)
+        r = run_inside("load_check.py", ["sglang", "--args", json.dumps(args)], python)
         reports[name] = r
         problems += [f"{name} server: {p}" for p in r.get("problems", [])]
         res = r.get("resolved", {})

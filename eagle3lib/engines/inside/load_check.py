@@ -1,7 +1,7 @@
 """Engine-side load-back checks, run in the engine's own interpreter (.venv-vllm / .venv-sglang).
 
     python eagle3lib/engines/inside/load_check.py vllm DRAFT_DIR --target TARGET_DIR [--depth D]
-    python eagle3lib/engines/inside/load_check.py sglang DRAFT_DIR --args '[...launch flags...]'
+    python eagle3lib/engines/inside/load_check.py sglang --args '[...launch flags...]'
 
 Prints one JSON report line. Standalone on purpose (stdlib, torch, safetensors and the engine only):
 the engines pin transformers versions that our .venv does not have, so eagle3lib.engines.interpreter runs this
@@ -11,8 +11,9 @@ vllm: builds the VllmConfig that `vllm serve TARGET --speculative-config {...}` 
     draft with vLLM's own model loader (get_model -> Eagle3LlamaForCausalLM.load_weights) on the CPU,
     and compares every parameter with the checkpoint's tensors (q/k/v and gate/up fused as vLLM does).
     AutoWeightsLoader raises on a name it cannot place; a parameter left unloaded shows as a mismatch.
-sglang: resolves the launch flags with SGLang's own prepare_server_args (ServerArgs.__post_init__) on
-    --device cpu and reads the aux ids SGLang will hand to the target's set_eagle3_layers_to_capture.
+sglang: resolves the launch flags with SGLang's own prepare_server_args (ServerArgs.__post_init__) and, for
+    an EAGLE3 launch, reads the aux ids SGLang will hand to the target's set_eagle3_layers_to_capture. The
+    deploy, convert and extraction checks all use it; add `--device cpu` to run it without a GPU.
 """
 
 import argparse
@@ -169,67 +170,92 @@ def check_vllm(draft, target, depth):
     }
 
 
-def check_sglang(draft, argv):
+# The ServerArgs fields the callers rely on: the deploy chain, and the extraction servers' hidden-state settings.
+SGLANG_FIELDS = (
+    "model_path",
+    "enable_return_hidden_states",
+    "return_hidden_states_mode",
+    "disable_radix_cache",
+    "chunked_prefill_size",
+    "max_prefill_tokens",
+    "speculative_algorithm",
+    "speculative_draft_model_path",
+    "speculative_num_steps",
+    "speculative_eagle_topk",
+    "speculative_num_draft_tokens",
+    "dtype",
+    "tp_size",
+    "device",
+)
+# Flags whose value SGLang must keep as asked (ServerArgs.__post_init__ may change them without a word).
+SGLANG_ASKED = (
+    ("--speculative-algorithm", "speculative_algorithm", str),
+    ("--speculative-num-steps", "speculative_num_steps", int),
+    ("--speculative-eagle-topk", "speculative_eagle_topk", int),
+    ("--speculative-num-draft-tokens", "speculative_num_draft_tokens", int),
+)
+
+
+def check_sglang(argv):
+    """SGLang's own resolution of these launch flags (prepare_server_args, i.e. ServerArgs.__post_init__) and,
+    for a speculative launch, of the aux ids it will hand to the target's set_eagle3_layers_to_capture."""
     import sglang
+    from sglang.srt.server_args import prepare_server_args
+
+    server_args = prepare_server_args(argv)
+    resolved = {k: getattr(server_args, k, None) for k in SGLANG_FIELDS}
+    report = {
+        "engine": "sglang",
+        "problems": [],
+        "sglang_version": sglang.__version__,
+        "resolved": resolved,
+        "eagle_use_aux_hidden_state": False,
+        "eagle_aux_hidden_state_layer_ids": None,
+    }
+    for flag, field, kind in SGLANG_ASKED:
+        asked = argv[argv.index(flag) + 1] if flag in argv[:-1] else None
+        if asked is not None and resolved[field] != kind(asked):
+            report["problems"].append(f"SGLang resolved {field} to {resolved[field]!r}, we asked for {kind(asked)!r}.")
+    if not server_args.speculative_algorithm:
+        return report
+
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_executor.model_runner_components.spec_aux_hidden_state import (
         resolve_spec_aux_hidden_state_config,
     )
-    from sglang.srt.server_args import prepare_server_args
     from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
-    problems = []
-    server_args = prepare_server_args(argv)
-    algo = SpeculativeAlgorithm.from_string(server_args.speculative_algorithm)
+    model_config = ModelConfig.from_server_args(server_args)
     aux = resolve_spec_aux_hidden_state_config(
         server_args=server_args,
-        model_config=ModelConfig.from_server_args(server_args),
-        spec_algorithm=algo,
+        model_config=model_config,
+        spec_algorithm=SpeculativeAlgorithm.from_string(server_args.speculative_algorithm),
         is_draft_worker=False,
     )
+    draft_config = ModelConfig.from_server_args(
+        server_args, model_path=server_args.speculative_draft_model_path, is_draft_model=True
+    )
     ids = aux.eagle_aux_hidden_state_layer_ids
-    draft_config = ModelConfig.from_server_args(server_args, model_path=draft, is_draft_model=True)
-    resolved = {
-        k: getattr(server_args, k)
-        for k in (
-            "speculative_algorithm",
-            "speculative_num_steps",
-            "speculative_eagle_topk",
-            "speculative_num_draft_tokens",
-            "speculative_draft_model_path",
-            "device",
-        )
-    }
-    flags = dict(zip(argv[::2], argv[1::2]))
-    asked = {
-        "speculative_algorithm": flags.get("--speculative-algorithm"),
-        "speculative_num_steps": int(flags.get("--speculative-num-steps", -1)),
-        "speculative_eagle_topk": int(flags.get("--speculative-eagle-topk", -1)),
-        "speculative_num_draft_tokens": int(flags.get("--speculative-num-draft-tokens", -1)),
-    }
-    for k, v in asked.items():
-        if resolved[k] != v:
-            problems.append(f"SGLang resolved {k} to {resolved[k]!r}, we asked for {v!r}.")
+    report.update(
+        eagle_use_aux_hidden_state=bool(aux.eagle_use_aux_hidden_state),
+        # which HF layers these ids capture depends on the target's class (eagle3lib.engines.sglang.sglang_captured_ids)
+        eagle_aux_hidden_state_layer_ids=list(ids) if ids is not None else None,
+        target_architectures=list(model_config.hf_config.architectures or []),
+        target_num_layers=model_config.num_hidden_layers,
+        draft_architectures=list(draft_config.hf_config.architectures or []),
+    )
     if not aux.eagle_use_aux_hidden_state:
-        problems.append(
+        report["problems"].append(
             f"SGLang will not feed the target's aux hidden states with --speculative-algorithm "
             f"{server_args.speculative_algorithm}; an EAGLE-3 drafter needs EAGLE3."
         )
-    return {
-        "engine": "sglang",
-        "problems": problems,
-        "sglang_version": sglang.__version__,
-        "resolved": resolved,
-        "draft_architectures": list(draft_config.hf_config.architectures or []),
-        # which HF layers these ids capture depends on the target's class (eagle3lib.engines.sglang.sglang_captured_ids)
-        "eagle_aux_hidden_state_layer_ids": list(ids) if ids else None,
-    }
+    return report
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("engine", choices=["vllm", "sglang"])
-    ap.add_argument("draft")
+    ap.add_argument("draft", nargs="?", help="vllm: the export folder (sglang: the flags name it)")
     ap.add_argument("--target")
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--args", help="JSON list of SGLang launch flags")
@@ -238,20 +264,22 @@ def main(argv=None):
         if a.engine == "vllm":
             report = check_vllm(a.draft, a.target, a.depth)
         else:
-            report = check_sglang(a.draft, json.loads(a.args))
-    except Exception as e:  # the engine refusing the export is the gate's verdict, not a crash
+            report = check_sglang(json.loads(a.args))
+    except BaseException as e:  # the engine refusing (argparse's SystemExit included) is the verdict, not a crash
         import traceback
 
         traceback.print_exc()
+        verdict = "vllm could not build or load the draft" if a.engine == "vllm" else "SGLang refused the flags"
         report = {
             "engine": a.engine,
             "ok": False,
             "captured_hf_layers": None,
-            "problems": [f"{a.engine} could not build or load the draft: {type(e).__name__}: {e}"],
+            "problems": [f"{verdict}: {type(e).__name__}: {e}"],
+            "resolved": {},
             "counts": {"expected": 0, "loaded": 0, "skipped": 0, "missing": 0, "extra": 0},
         }
     sys.stdout.flush()
-    print(json.dumps(report), flush=True)
+    print(json.dumps(report, default=str), flush=True)
     return 0
 
 
