@@ -73,8 +73,10 @@ def measure(
     step_ms: float = 0.0,
 ) -> dict:
     shards = ShardSet(shard_dir)  # a fresh one per measurement: as a training run, it checks each sha256 once
-    tp = SimpleNamespace(max_seq_len=max_seq_len, batch_rows=batch_rows, batch_prefetch=batch_prefetch)
-    stream = micro_batches(lambda epoch: shard_sequences(shards, 0, epoch, prefetch=prefetch_shards), tp, 0, 0)
+    train_params = SimpleNamespace(max_seq_len=max_seq_len, batch_rows=batch_rows, batch_prefetch=batch_prefetch)
+    stream = micro_batches(
+        lambda epoch: shard_sequences(shards, 0, epoch, prefetch=prefetch_shards), train_params, 0, 0
+    )
     tokens = nbytes = 0
     wait = 0.0
     start = time.perf_counter()

@@ -62,7 +62,7 @@ def make_run(root: Path, model, tokenizer, train_params: dict, n_train=40) -> Pa
     target.write_contract(prep, contract)
     run_folder.save_result(run_dir, "00_prepare", {})
     run_folder.save_result(run_dir, "01_extract", {})
-    tp = {
+    train_section = {
         "ttt_steps": 3,
         "max_seq_len": 128,
         "draft_vocab_size": 96,
@@ -78,7 +78,7 @@ def make_run(root: Path, model, tokenizer, train_params: dict, n_train=40) -> Pa
             {
                 "run": {"name": "t", "output_root": "outputs", "seed": 0},
                 "target": {"name": str(tdir), "dtype": "float32", "num_layers": 6, "aux_layer_ids": AUX},
-                "train": tp,
+                "train": train_section,
                 "bench": {"depths": [5]},
             }
         )

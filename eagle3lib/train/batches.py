@@ -118,25 +118,25 @@ def online_sequences(model, tokens: dict, aux_layer_ids, seed: int, epoch: int, 
 
 
 def micro_batches(
-    train_sequences: Callable[[int], Iterator[Sequence]], tp, start_epoch: int, skip: int
+    train_sequences: Callable[[int], Iterator[Sequence]], train_params, start_epoch: int, skip: int
 ) -> Iterator[tuple[int, int, dict]]:
     """(epoch, index in epoch, micro-batch) for the whole stream, skipping `skip` of the first epoch;
-    made tp.batch_prefetch batches ahead in a background thread (the copies release the GIL)."""
-    return in_background(_micro_batches(train_sequences, tp, start_epoch, skip), tp.batch_prefetch)
+    made train_params.batch_prefetch batches ahead in a background thread (the copies release the GIL)."""
+    return in_background(_micro_batches(train_sequences, train_params, start_epoch, skip), train_params.batch_prefetch)
 
 
 def _micro_batches(
-    train_sequences: Callable[[int], Iterator[Sequence]], tp, start_epoch: int, skip: int
+    train_sequences: Callable[[int], Iterator[Sequence]], train_params, start_epoch: int, skip: int
 ) -> Iterator[tuple[int, int, dict]]:
     epoch = start_epoch
     while True:
-        rows = pack_rows(train_sequences(epoch), tp.max_seq_len)
+        rows = pack_rows(train_sequences(epoch), train_params.max_seq_len)
         index, chunk = 0, []
         for row in rows:
             chunk.append(row)
-            if len(chunk) == tp.batch_rows:
+            if len(chunk) == train_params.batch_rows:
                 if index >= skip:
-                    yield epoch, index, make_batch(chunk, tp.max_seq_len)
+                    yield epoch, index, make_batch(chunk, train_params.max_seq_len)
                 index, chunk = index + 1, []
         if index == 0 and skip == 0:
             raise TrainingError("the training data yields no full batch: lower train.batch_rows or add data")

@@ -158,21 +158,25 @@ class TrainStep:
     share (every world-th); the loss of each TTT step k, weighted step_weight_decay**k, is normalized by the
     group's count of valid positions, so the gradients summed over ranks are those of one process."""
 
-    def __init__(self, setup: TrainSetup, optimizer: torch.optim.Optimizer, tp, device, rank: int, world: int):
-        self.setup, self.optimizer, self.tp = setup, optimizer, tp
+    def __init__(
+        self, setup: TrainSetup, optimizer: torch.optim.Optimizer, train_params, device, rank: int, world: int
+    ):
+        self.setup, self.optimizer, self.train_params = setup, optimizer, train_params
         self.device, self.rank, self.world = device, rank, world
-        self.params = optimizer.param_groups[0]["params"]
-        self.weights = torch.tensor([tp.step_weight_decay**k for k in range(tp.ttt_steps)], device=device)
+        self.trainable = optimizer.param_groups[0]["params"]
+        self.weights = torch.tensor(
+            [train_params.step_weight_decay**k for k in range(train_params.ttt_steps)], device=device
+        )
         self.device_type = torch.device(device).type
-        self.bf16 = tp.dtype == "bfloat16" or (tp.dtype == "auto" and self.device_type == "cuda")
+        self.bf16 = train_params.dtype == "bfloat16" or (train_params.dtype == "auto" and self.device_type == "cuda")
 
     def __call__(self, group: list[tuple[int, int, dict]], lr: float) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(loss, gradient norm) of the step at learning rate lr; a non-finite loss leaves the weights as they
         were and comes back with no gradient norm."""
-        tp, device = self.tp, self.device
-        counts = torch.zeros(tp.ttt_steps, device=device)
+        train_params, device = self.train_params, self.device
+        counts = torch.zeros(train_params.ttt_steps, device=device)
         for _, _, mb in group:  # global normalizer, identical on every rank without communication
-            counts += torch.stack([valid_positions(mb, k).sum() for k in range(tp.ttt_steps)]).to(device)
+            counts += torch.stack([valid_positions(mb, k).sum() for k in range(train_params.ttt_steps)]).to(device)
         for g in self.optimizer.param_groups:
             g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
@@ -185,44 +189,48 @@ class TrainStep:
                     batch,
                     self.setup.embed,
                     self.setup.head,
-                    tp.ttt_steps,
+                    train_params.ttt_steps,
                     with_metrics=False,
-                    checkpoint=tp.activation_checkpointing,
-                    attention=tp.attention,
+                    checkpoint=train_params.activation_checkpointing,
+                    attention=train_params.attention,
                 )
             loss = (self.weights * sums / counts.clamp(min=1)).sum()
             loss.backward()
             step_loss += loss.detach()
-        all_reduce_grads(self.params, self.world)
+        all_reduce_grads(self.trainable, self.world)
         if self.world > 1:
             dist.all_reduce(step_loss)
         if not torch.isfinite(step_loss):
             return step_loss, None
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, tp.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, train_params.grad_clip)
         self.optimizer.step()
         return step_loss, grad_norm
 
 
-def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 16, log=print) -> dict:
+def train(setup: TrainSetup, train_params, seed: int = 0, device="cpu", max_depth: int = 16, log=print) -> dict:
     """The TTT loop with accumulation, AdamW, warmup+cosine, clipping, checkpoints, resume, and DDP."""
     rank, world = rank_and_world()
     drafter = setup.drafter.to(device)
     setup.embed, setup.head = setup.embed.to(device), setup.head.to(device)
-    params = [p for p in drafter.parameters() if p.requires_grad]
-    if tp.float8:
+    trainable = [p for p in drafter.parameters() if p.requires_grad]
+    if train_params.float8:
         log(f"FP8 matmuls (torchao rowwise) in {', '.join(convert_to_float8(drafter))}")
-    if tp.compile_layer:
+    if train_params.compile_layer:
         compile_decoder_layer(drafter)
     # fused: one CUDA kernel for the whole update instead of a foreach chain (same maths)
     opt = torch.optim.AdamW(
-        params, lr=tp.lr, betas=(0.9, 0.95), weight_decay=tp.weight_decay, fused=torch.device(device).type == "cuda"
+        trainable,
+        lr=train_params.lr,
+        betas=(0.9, 0.95),
+        weight_decay=train_params.weight_decay,
+        fused=torch.device(device).type == "cuda",
     )
-    step = TrainStep(setup, opt, tp, device, rank, world)
-    rows_per_step = tp.batch_rows * tp.grad_accum * world
-    total_steps = max(1, math.ceil(tp.max_tokens / (rows_per_step * tp.max_seq_len)))
+    step = TrainStep(setup, opt, train_params, device, rank, world)
+    rows_per_step = train_params.batch_rows * train_params.grad_accum * world
+    total_steps = max(1, math.ceil(train_params.max_tokens / (rows_per_step * train_params.max_seq_len)))
     ckpt_root = setup.out_dir / CHECKPOINTS
     log_path = setup.out_dir / "log.jsonl"
-    state = resume(drafter, opt, ckpt_root, log_path, device, tp.resume, rank, log)
+    state = resume(drafter, opt, ckpt_root, log_path, device, train_params.resume, rank, log)
 
     def checkpoint():
         return save_checkpoint(drafter, opt, state, ckpt_root, setup.contract) if rank == 0 else None
@@ -233,33 +241,35 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
                 f.write(json.dumps(entry) + "\n")
 
     def evaluate_now() -> dict:
-        result = evaluate(setup, tp.ttt_steps, max_depth, device)
+        result = evaluate(setup, train_params.ttt_steps, max_depth, device)
         result["at_step"] = state["step"]
         write_log({"step": state["step"], "eval": result})
         return result
 
     if state["step"] == 0:  # the untrained drafter, for "did training help" comparisons
-        state["initial_eval"] = evaluate(setup, tp.ttt_steps, max_depth, device)
+        state["initial_eval"] = evaluate(setup, train_params.ttt_steps, max_depth, device)
         write_log({"step": 0, "eval": state["initial_eval"]})
-    stream = micro_batches(setup.train_sequences, tp, state["epoch"], state["micro_in_epoch"])
+    budget_s = (train_params.max_minutes or 0) * 60  # 0: no time budget
+    stream = micro_batches(setup.train_sequences, train_params, state["epoch"], state["micro_in_epoch"])
     started = time.time()
     drafter.train()
     last_eval = None
     try:  # the batch thread stops however the loop ends (a notebook keeps the failed frame alive)
         while state["step"] < total_steps:
-            if tp.max_minutes and state["train_seconds"] + (time.time() - started) > tp.max_minutes * 60:
-                log(f"time budget of {tp.max_minutes} min reached at step {state['step']}")
+            if budget_s and state["train_seconds"] + (time.time() - started) > budget_s:
+                log(f"time budget of {train_params.max_minutes} min reached at step {state['step']}")
                 break
             waited = time.perf_counter()
-            group = [next(stream) for _ in range(tp.grad_accum * world)]
+            group = [next(stream) for _ in range(train_params.grad_accum * world)]
             state["data_wait_s"] = state.get("data_wait_s", 0.0) + time.perf_counter() - waited
-            lr = lr_at(state["step"], total_steps, tp.lr, tp.warmup_steps)
+            lr = lr_at(state["step"], total_steps, train_params.lr, train_params.warmup_steps)
             step_loss, grad_norm = step(group, lr)
             if grad_norm is None:
                 raise TrainingError(
                     f"loss became {step_loss.item()} at step {state['step']}; nothing after the last good "
                     f"checkpoint ({latest_checkpoint(ckpt_root) or 'none yet'}) was saved. Lower train.lr (now "
-                    f"{tp.lr}) or check the hidden-state shards for inf/nan, then rerun (resume continues from it)."
+                    f"{train_params.lr}) or check the hidden-state shards for inf/nan, then rerun (resume "
+                    "continues from it)."
                 )
             state["step"] += 1
             state["epoch"], state["micro_in_epoch"] = group[-1][0], group[-1][1] + 1
@@ -274,13 +284,13 @@ def train(setup: TrainSetup, tp, seed: int = 0, device="cpu", max_depth: int = 1
                 "tokens_per_s": round(state["tokens"] / max(elapsed, 1e-9), 1),
             }
             write_log(entry)
-            if state["step"] % tp.eval_every == 0 or state["step"] == total_steps:
+            if state["step"] % train_params.eval_every == 0 or state["step"] == total_steps:
                 last_eval = evaluate_now()
                 log(
                     f"step {state['step']}/{total_steps} loss {entry['loss']:.4f} "
                     f"est_accept_len@5 {last_eval['est_accept_len'].get('5')} cond_acc {[round(x, 3) for x in last_eval['cond_acc']]}"
                 )
-            if state["step"] % tp.checkpoint_every == 0:
+            if state["step"] % train_params.checkpoint_every == 0:
                 state["train_seconds"] = state["train_seconds"] + time.time() - started
                 started = time.time()
                 checkpoint()
@@ -347,11 +357,11 @@ def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
 
     tcfg = AutoConfig.from_pretrained(target_path, trust_remote_code=p.target.trust_remote_code)
     tensors = target.load_head_tensors(target_path)
-    tp = p.train
+    train_params = p.train
     vocab_size = tensors["embed"].shape[0]
-    d2t, t2d, vocab_stats = draft_vocab_from_tokens(train_tokens, val_tokens, vocab_size, tp.draft_vocab_size)
+    d2t, t2d, vocab_stats = draft_vocab_from_tokens(train_tokens, val_tokens, vocab_size, train_params.draft_vocab_size)
 
-    if tp.source == "shards":
+    if train_params.source == "shards":
         run_folder.load_result(run_dir, "01_extract")
         train_shards, val_shards = ShardSet(run_dir / "01_extract" / "train"), ShardSet(run_dir / "01_extract" / "val")
         contract = dict(train_shards.contract)
@@ -377,28 +387,28 @@ def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
     target.check_contract(
         {k: prep_contract[k] for k in ("target_fingerprint", "vocab_size")}, contract, "the hidden states' eagle3.json"
     )
-    contract.update(draft_vocab_size=tp.draft_vocab_size, d2t_sha256=vocab.d2t_sha256(d2t))
+    contract.update(draft_vocab_size=train_params.draft_vocab_size, d2t_sha256=vocab.d2t_sha256(d2t))
 
     val_rows, val_tokens_used = [], 0
-    for row in pack_rows(val_sequences, tp.max_seq_len):
-        if val_tokens_used >= tp.eval_max_tokens:
+    for row in pack_rows(val_sequences, train_params.max_seq_len):
+        if val_tokens_used >= train_params.eval_max_tokens:
             break
-        val_rows.append(make_batch([row], tp.max_seq_len))
+        val_rows.append(make_batch([row], train_params.max_seq_len))
         val_tokens_used += val_rows[-1]["tokens"]
     if not val_rows:
         raise TrainingError("the validation split is empty: raise data.val_fraction so the metrics mean something")
 
     torch.manual_seed(p.run.seed)
-    cfg = DrafterConfig.from_target(tcfg, tp.draft_vocab_size, aux_ids)
+    cfg = DrafterConfig.from_target(tcfg, train_params.draft_vocab_size, aux_ids)
     drafter = Drafter(cfg)
     drafter.set_vocab(d2t, t2d)
-    if tp.init_lm_head_from_target:
+    if train_params.init_lm_head_from_target:
         # The draft's last hidden state plays the target's final one: start from the target's head and norm.
         with torch.no_grad():
             drafter.lm_head.weight.copy_(tensors["lm_head"][t2d])
             drafter.norm.weight.copy_(tensors["norm"])
-    if tp.freeze_lm_head:
-        if not tp.init_lm_head_from_target:
+    if train_params.freeze_lm_head:
+        if not train_params.init_lm_head_from_target:
             raise TrainingError(
                 "train.freeze_lm_head keeps lm_head as initialized, which is random unless "
                 "train.init_lm_head_from_target is true: set it, or unfreeze the head"
