@@ -20,12 +20,12 @@ from pathlib import Path
 
 from eagle3lib import engines, target
 from eagle3lib.params import cache_dir, load_params
-from eagle3lib.prepare import conversations
+from eagle3lib.prepare import conversations, regenerate
 
 
 def wave_generator(server, tokenizer, max_new_tokens, eos_ids, window):
     """hf's batch interface over the engine: a wave's prompts, `window` at a time, all back before it returns."""
-    reply = conversations.engine_reply(server, tokenizer, max_new_tokens, eos_ids, threading.Lock())
+    reply = regenerate.engine_reply(server, tokenizer, max_new_tokens, eos_ids, threading.Lock())
 
     def generate(model, tokenizer, prompts, max_new_tokens, eos_ids):
         with ThreadPoolExecutor(window) as pool:
@@ -50,7 +50,7 @@ def main():
     p = load_params(args.params, {"engine.extra_args": ["--dtype", args.dtype]} if args.dtype else None)
     convs, _ = conversations.load_conversations(p.data.sources, limit=args.conversations)
     model, tokenizer = target.load_target_info(p.target.name, cache_dir(p))
-    eos_ids = conversations.eos_token_ids(model, tokenizer)
+    eos_ids = regenerate.eos_token_ids(model, tokenizer)
     kw = dict(
         budget_tokens=10**9,
         max_new_tokens=args.max_new_tokens,
@@ -63,13 +63,13 @@ def main():
     target_dir = target.resolve_target(p.target.name, cache_dir(p))
     with engines.make(p.engine, target_dir, None, None, out) as server:
         print(f"{p.engine.name} ready in {server.ready_s:.1f} s; {len(convs)} conversations, window {args.window}")
-        conversations.regenerate_responses(
+        regenerate.regenerate_responses(
             model, tokenizer, convs[: args.window], out / "warmup.jsonl", engine=server, **kw
         )
         for mode in ("waves", "window"):
             t0 = time.perf_counter()
             if mode == "waves":
-                stats = conversations.regenerate_responses(
+                stats = regenerate.regenerate_responses(
                     model,
                     tokenizer,
                     convs,
@@ -78,7 +78,7 @@ def main():
                     **kw,
                 )
             else:
-                stats = conversations.regenerate_responses(
+                stats = regenerate.regenerate_responses(
                     model, tokenizer, convs, out / f"{mode}.jsonl", engine=server, **kw
                 )
             seconds = time.perf_counter() - t0
@@ -89,7 +89,7 @@ def main():
                 "tokens_per_s": round(stats["tokens_generated"] / seconds, 1),
             }
             print(mode, json.dumps(results[mode]))
-    same = conversations.read_regenerated(out / "waves.jsonl") == conversations.read_regenerated(out / "window.jsonl")
+    same = regenerate.read_regenerated(out / "waves.jsonl") == regenerate.read_regenerated(out / "window.jsonl")
     print(
         json.dumps(
             {

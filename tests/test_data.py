@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from eagle3lib.prepare import conversations as D
+from eagle3lib.prepare import regenerate as R
 
 
 def sharegpt(cid, *turns):
@@ -330,17 +331,17 @@ def test_a_reply_ends_at_the_first_eos_whoever_generated_it():
             return " ".join(map(str, ids))
 
     eos = {0, 9}
-    assert D._reply(Tok(), [5, 6, 9, 0, 0], eos) == ("5 6", 3, True)  # hf: eos, then padding
-    assert D._reply(Tok(), [5, 6, 7], eos) == ("5 6 7", 3, False)  # hf: ran into max_new_tokens
-    assert D._reply(Tok(), [5, 6], eos, "stop") == ("5 6", 3, True)  # engine: left the eos out
-    assert D._reply(Tok(), [5, 6, 7], eos, "length") == ("5 6 7", 3, False)
+    assert R._reply(Tok(), [5, 6, 9, 0, 0], eos) == ("5 6", 3, True)  # hf: eos, then padding
+    assert R._reply(Tok(), [5, 6, 7], eos) == ("5 6 7", 3, False)  # hf: ran into max_new_tokens
+    assert R._reply(Tok(), [5, 6], eos, "stop") == ("5 6", 3, True)  # engine: left the eos out
+    assert R._reply(Tok(), [5, 6, 7], eos, "length") == ("5 6 7", 3, False)
 
 
 def test_regeneration_resumes_to_the_same_result(tmp_path, embedded_target):
     model, tok = embedded_target
     kw = dict(budget_tokens=30, max_new_tokens=8, batch_size=2, progress=False)
     a = tmp_path / "a.jsonl"
-    stats = D.regenerate_responses(model, tok, REGEN_CONVS, a, **kw)
+    stats = R.regenerate_responses(model, tok, REGEN_CONVS, a, **kw)
     assert stats["budget_exhausted"] and stats["kept_original"] >= 1
     assert stats["tokens_generated"] >= 30 and stats["tokens_per_s"] > 0
     assert tok.padding_side == "right"  # restored
@@ -354,22 +355,22 @@ def test_regeneration_resumes_to_the_same_result(tmp_path, embedded_target):
     text = a.read_text()
     cut = len("".join(text.splitlines(keepends=True)[:3])) + 25
     b.write_text(text[:cut])
-    stats_b = D.regenerate_responses(model, tok, REGEN_CONVS, b, **kw)
+    stats_b = R.regenerate_responses(model, tok, REGEN_CONVS, b, **kw)
     assert b.read_text() == text
     assert stats_b["tokens_generated"] == stats["tokens_generated"]
     assert stats_b["tokens_generated_this_run"] == recs[3]["generated_tokens"]
 
     # finished file: rerun does nothing
-    stats_c = D.regenerate_responses(model, tok, REGEN_CONVS, b, **kw)
+    stats_c = R.regenerate_responses(model, tok, REGEN_CONVS, b, **kw)
     assert stats_c["tokens_generated_this_run"] == 0 and b.read_text() == text
 
-    merged = D.apply_regenerated(REGEN_CONVS, a)
+    merged = R.apply_regenerated(REGEN_CONVS, a)
     assert [c["id"] for c in merged] == [c["id"] for c in REGEN_CONVS]
     assert merged[0]["messages"] == recs[0]["messages"] and merged[4] == REGEN_CONVS[4]
-    assert set(D.read_regenerated(a)) == {"two-turns", "system", "count", "color"}
+    assert set(R.read_regenerated(a)) == {"two-turns", "system", "count", "color"}
 
     with pytest.raises(ValueError, match="settings"):
-        D.regenerate_responses(model, tok, REGEN_CONVS, a, **{**kw, "max_new_tokens": 9})
+        R.regenerate_responses(model, tok, REGEN_CONVS, a, **{**kw, "max_new_tokens": 9})
 
 
 class GreedyServer:
@@ -402,10 +403,10 @@ class GreedyServer:
 def test_engine_regeneration_window_budget_and_resume(tmp_path, embedded_target):
     model, tok = embedded_target
     kw = dict(max_new_tokens=8, batch_size=2, progress=False, backend="engine:test")
-    free = D.regenerate_responses(
+    free = R.regenerate_responses(
         model, tok, REGEN_CONVS, tmp_path / "free.jsonl", budget_tokens=10_000, engine=GreedyServer(model), **kw
     )
-    hf = D.regenerate_responses(
+    hf = R.regenerate_responses(
         model,
         tok,
         REGEN_CONVS,
@@ -415,7 +416,7 @@ def test_engine_regeneration_window_budget_and_resume(tmp_path, embedded_target)
         batch_size=2,
         progress=False,
     )
-    assert not free["budget_exhausted"] and D.read_regenerated(tmp_path / "free.jsonl") == D.read_regenerated(
+    assert not free["budget_exhausted"] and R.read_regenerated(tmp_path / "free.jsonl") == R.read_regenerated(
         tmp_path / "hf.jsonl"
     )  # the same greedy replies, turn for turn
     assert {k: free[k] for k in ("regenerated", "turns_regenerated", "tokens_generated", "stops")} == {
@@ -426,7 +427,7 @@ def test_engine_regeneration_window_budget_and_resume(tmp_path, embedded_target)
     # Conversation i starts only while conversations 0..i-2 (window 2) spent less than the budget.
     budget = spent[0] + spent[1]
     a = tmp_path / "a.jsonl"
-    stats = D.regenerate_responses(model, tok, REGEN_CONVS, a, budget_tokens=budget, engine=GreedyServer(model), **kw)
+    stats = R.regenerate_responses(model, tok, REGEN_CONVS, a, budget_tokens=budget, engine=GreedyServer(model), **kw)
     started = [c["id"] for i, c in enumerate(REGEN_CONVS) if sum(spent[: max(0, i - 1)]) < budget]
     assert (
         [json.loads(line)["id"] for line in a.read_text().splitlines()] == started == [c["id"] for c in REGEN_CONVS[:3]]
@@ -438,7 +439,7 @@ def test_engine_regeneration_window_budget_and_resume(tmp_path, embedded_target)
     text = a.read_text()
     b.write_text(text[: len(text.splitlines(keepends=True)[0]) + 30])
     server = GreedyServer(model)
-    again = D.regenerate_responses(model, tok, REGEN_CONVS, b, budget_tokens=budget, engine=server, **kw)
+    again = R.regenerate_responses(model, tok, REGEN_CONVS, b, budget_tokens=budget, engine=server, **kw)
     assert b.read_text() == text and again["tokens_generated_this_run"] == sum(spent[1:3])
     assert server.requests == sum(json.loads(line)["turns_regenerated"] for line in text.splitlines()[1:])
 

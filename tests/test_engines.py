@@ -212,7 +212,7 @@ def test_regeneration_through_the_engine_equals_hf_greedy(embedded_cache, embedd
     """data.regenerate with backend "engine": a vLLM server (no drafter, fp32) writes the same replies
     as model.generate in this process, multi-turn included, and is stopped afterwards."""
     from eagle3lib.params import RegenerateParams
-    from eagle3lib.prepare import conversations
+    from eagle3lib.prepare import regenerate
 
     need("vllm")
     model, tokenizer = embedded_target
@@ -233,11 +233,11 @@ def test_regeneration_through_the_engine_equals_hf_greedy(embedded_cache, embedd
         {"id": "hi", "messages": [{"role": "user", "content": "Say hi."}, {"role": "assistant", "content": "hi"}]},
     ]
     rg = dict(budget_tokens=200, max_new_tokens=20, batch_size=2)
-    hf = conversations.regenerate(
+    hf = regenerate.regenerate(
         RegenerateParams(**rg), model, tokenizer, convs, tmp_path / "hf" / "regenerated.jsonl", progress=False
     )
     out = tmp_path / "engine" / "regenerated.jsonl"
-    engine = conversations.regenerate(
+    engine = regenerate.regenerate(
         RegenerateParams(**rg, backend="engine"),
         model,
         tokenizer,
@@ -251,7 +251,7 @@ def test_regeneration_through_the_engine_equals_hf_greedy(embedded_cache, embedd
     assert (out.parent / engine["engine_log"]).read_text().startswith("$ ")
     for key in ("regenerated", "turns_regenerated", "tokens_generated", "stops"):
         assert engine[key] == hf[key], key
-    assert conversations.read_regenerated(out) == conversations.read_regenerated(tmp_path / "hf" / "regenerated.jsonl")
+    assert regenerate.read_regenerated(out) == regenerate.read_regenerated(tmp_path / "hf" / "regenerated.jsonl")
     assert hf["turns_regenerated"] >= 3  # the two-turn conversation got both its turns back
 
 

@@ -128,7 +128,7 @@ def test_contract_round_trip_and_mismatch(tmp_path, embedded_target):
 
 def test_the_weights_free_view_makes_the_same_contract_and_reply_ends(embedded_cache, embedded_target):
     """00_prepare and the engine extract backends use it for targets an engine serves."""
-    from eagle3lib.prepare import conversations
+    from eagle3lib.prepare import regenerate
 
     model, tokenizer = embedded_target
     info, tok = T.load_target_info(T.EMBEDDED_TARGET, embedded_cache[0])
@@ -136,7 +136,7 @@ def test_the_weights_free_view_makes_the_same_contract_and_reply_ends(embedded_c
     assert T.make_contract("t", info, tok, [2, 15, 27], "bfloat16") == T.make_contract(
         "t", model, tokenizer, [2, 15, 27], "bfloat16"
     )
-    assert conversations.eos_token_ids(info, tok) == conversations.eos_token_ids(model, tokenizer)
+    assert regenerate.eos_token_ids(info, tok) == regenerate.eos_token_ids(model, tokenizer)
 
 
 def test_fingerprint_ignores_volatile_fields(embedded_target):

@@ -1,0 +1,413 @@
+"""Regenerating responses with the target (greedy), resumably.
+
+Turn by turn: each assistant turn is replaced by the target's greedy reply to the
+conversation so far (with its own earlier replies). A conversation is cut after its last
+regenerated turn when a reply hits max_new_tokens (the target had not finished, so later
+user turns no longer fit), or when the next prompt exceeds max_prompt_tokens.
+The token budget: hf runs fixed batches and checks it before each wave of a batch's turns;
+engines run the conversations in order, batch_size in flight, and check it before starting
+a conversation (see _in_window). Conversations not started keep their original responses.
+
+Resumable: each finished conversation (engines) or batch (hf) appends one JSON line per
+conversation to out_path (flush + fsync). On restart, lines already there are kept, a torn
+tail is cut off, and a partly written hf batch is recomputed whole (same batch, so the same
+greedy outputs) with only its missing lines appended.
+"""
+
+import json
+import os
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from eagle3lib.prepare.conversations import render
+
+
+def _read_done(out_path: Path, repair: bool = True) -> dict:
+    """Records already in out_path by id; a torn or unparsable tail is ignored (and cut off the
+    file when `repair`)."""
+    if not out_path.exists():
+        return {}
+    data, done, good = out_path.read_bytes(), {}, 0
+    while good < len(data):
+        nl = data.find(b"\n", good)
+        if nl < 0:
+            break
+        try:
+            rec = json.loads(data[good:nl])
+        except ValueError:
+            break
+        done[rec["id"]] = rec
+        good = nl + 1
+    if repair and good < len(data):
+        with open(out_path, "r+b") as f:
+            f.truncate(good)
+    return done
+
+
+def _reply(tokenizer, row: list[int], eos_ids: set, finish_reason: str | None = None) -> tuple[str, int, bool]:
+    """(text, tokens generated, finished) of one generated row: cut at the first eos (counted);
+    an engine that stopped on an eos it left out of its output says so by finish_reason "stop"."""
+    stop = next((j for j, t in enumerate(row) if t in eos_ids), None)
+    if stop is not None:
+        return tokenizer.decode(row[:stop], skip_special_tokens=True), stop + 1, True
+    finished = finish_reason == "stop"
+    return tokenizer.decode(row, skip_special_tokens=True), len(row) + finished, finished
+
+
+def _generate(model, tokenizer, prompts, max_new_tokens, eos_ids):
+    """The hf backend: one batched greedy model.generate in this process (left padding)."""
+    enc = tokenizer(prompts, add_special_tokens=False, padding=True, return_tensors="pt").to(model.device)
+    with torch.no_grad():
+        out = model.generate(
+            **enc,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            num_beams=1,
+            temperature=None,
+            top_p=None,
+            top_k=None,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=sorted(eos_ids),
+        )
+    return [_reply(tokenizer, row, eos_ids) for row in out[:, enc["input_ids"].shape[1] :].tolist()]
+
+
+def engine_reply(server, tokenizer, max_new_tokens: int, eos_ids: set, tokenizer_lock):
+    """The engine backend's reply to one prompt: (text, tokens generated, finished), greedy, through a
+    running engine server (engines.make(..., depth=None)); called from many threads at once."""
+
+    def reply(prompt):
+        with tokenizer_lock:  # a fast tokenizer may not be used by two threads at once ("Already borrowed")
+            ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        out = server.generate(ids, max_new_tokens, ignore_eos=False, stop_token_ids=sorted(eos_ids))
+        with tokenizer_lock:
+            return _reply(tokenizer, list(out["token_ids"] or []), eos_ids, out["finish_reason"])
+
+    return reply
+
+
+def eos_token_ids(model, tokenizer) -> set:
+    """The ids that end a reply: the generation config's eos ids and the tokenizer's."""
+    eos = model.generation_config.eos_token_id
+    ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else []) | {tokenizer.eos_token_id}
+    ids.discard(None)
+    return ids
+
+
+def _start(conv) -> dict:
+    return {"conv": conv, "out": [], "pos": 0, "gen": 0, "turns": 0, "stop": None}
+
+
+def _next_prompt(tokenizer, st, max_prompt_tokens, over_budget=False) -> str | None:
+    """The prompt for st's next assistant turn, moving st past that turn; None (and st["stop"] says why)
+    when the conversation ends here."""
+    msgs = st["conv"]["messages"]
+    nxt = next((j for j in range(st["pos"], len(msgs)) if msgs[j]["role"] == "assistant"), None)
+    if nxt is None:
+        st["stop"] = "done"
+        return None
+    if over_budget:
+        st["stop"] = "budget"
+        return None
+    prompt = render(tokenizer, st["out"] + msgs[st["pos"] : nxt], add_generation_prompt=True)
+    if len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) > max_prompt_tokens:
+        st["stop"] = "prompt too long"
+        return None
+    st["out"] += msgs[st["pos"] : nxt]
+    st["pos"] = nxt + 1
+    return prompt
+
+
+def _take_reply(st, text: str, n: int, finished: bool) -> int:
+    st["out"].append({"role": "assistant", "content": text})
+    st["gen"] += n
+    st["turns"] += 1
+    if not finished:  # the target had not finished: later user turns no longer fit
+        st["stop"] = "max_new_tokens"
+    return n
+
+
+def _record(st) -> dict:
+    if st["turns"] == 0:
+        messages = st["conv"]["messages"]
+    else:
+        last = max(j for j, m in enumerate(st["out"]) if m["role"] == "assistant")
+        messages = st["out"][: last + 1]
+    return {
+        "id": st["conv"]["id"],
+        "messages": messages,
+        "regenerated": st["turns"] > 0,
+        "turns_regenerated": st["turns"],
+        "generated_tokens": st["gen"],
+        "stop": st["stop"],
+    }
+
+
+def _regenerate_batch(model, tokenizer, batch, max_new_tokens, max_prompt_tokens, budget_left, eos_ids, generate):
+    """hf: the batch's conversations advance in waves, one padded generate call per wave."""
+    states = [_start(c) for c in batch]
+    spent = 0
+    while True:
+        active, prompts = [], []
+        for st in states:
+            if not st["stop"]:
+                prompt = _next_prompt(tokenizer, st, max_prompt_tokens, over_budget=spent >= budget_left)
+                if prompt is not None:
+                    active.append(st)
+                    prompts.append(prompt)
+        if not active:
+            break
+        for st, reply in zip(active, generate(model, tokenizer, prompts, max_new_tokens, eos_ids)):
+            spent += _take_reply(st, *reply)
+    return [_record(st) for st in states]
+
+
+def _regenerate_one(tokenizer, conv, max_prompt_tokens, reply, tokenizer_lock) -> dict:
+    """engines: one conversation, turn after turn, as soon as each reply is back."""
+    st = _start(conv)
+    while not st["stop"]:
+        with tokenizer_lock:
+            prompt = _next_prompt(tokenizer, st, max_prompt_tokens)
+        if prompt is not None:
+            _take_reply(st, *reply(prompt))
+    return _record(st)
+
+
+def _in_batches(
+    model,
+    tokenizer,
+    conversations,
+    done,
+    write,
+    budget_tokens,
+    batch_size,
+    max_new_tokens,
+    max_prompt_tokens,
+    eos_ids,
+    generate,
+    progress,
+):
+    """hf: fixed slices of batch_size conversations, one after the other. Returns (stopped_at, this_run)."""
+    used, this_run, stopped_at = 0, 0, None
+    batches = [conversations[i : i + batch_size] for i in range(0, len(conversations), batch_size)]
+    for b, batch in enumerate(tqdm(batches, desc="regenerate", disable=not progress)):
+        if all(c["id"] in done for c in batch):
+            used += sum(done[c["id"]]["generated_tokens"] for c in batch)
+            continue
+        if used >= budget_tokens:
+            stopped_at = b
+            break
+        records = _regenerate_batch(
+            model, tokenizer, batch, max_new_tokens, max_prompt_tokens, budget_tokens - used, eos_ids, generate
+        )
+        used += sum(r["generated_tokens"] for r in records)
+        new = [r for r in records if r["id"] not in done]  # a partly written batch is recomputed whole
+        this_run += sum(r["generated_tokens"] for r in new)
+        write(new, batch=b)
+    return stopped_at, this_run
+
+
+def _in_window(
+    engine,
+    tokenizer,
+    conversations,
+    done,
+    write,
+    budget_tokens,
+    window,
+    max_new_tokens,
+    max_prompt_tokens,
+    eos_ids,
+    progress,
+):
+    """engines: conversations in input order, `window` of them in flight, each advancing to its next turn as
+    soon as its reply is back (hf's waves wait for the batch's longest reply: SGLang on an H200 managed
+    3,277 tokens/s that way). Conversation i starts once conversation i - window has finished, and only
+    while conversations 0 .. i - window have spent less than the budget: a rule of the replies alone, not of
+    timing. Records are written in input order. The replies themselves are the same in a rerun where the
+    engine's kernels do not depend on batch shape (vLLM's CPU build in fp32; bf16 rounds by batch shape,
+    DESIGN.md §3). Returns (stopped_at, this_run)."""
+    lock = threading.Lock()
+    reply = engine_reply(engine, tokenizer, max_new_tokens, eos_ids, lock)
+    running, spent, this_run, stopped_at = {}, 0, 0, None
+    bar = tqdm(total=len(conversations), desc="regenerate", disable=not progress)
+
+    def settle(j):  # conversation j has finished (or had, in an earlier run): record it and count it
+        nonlocal spent, this_run
+        if j in running:
+            record = running.pop(j).result()
+            write([record], index=j)
+            this_run += record["generated_tokens"]
+        spent += done[conversations[j]["id"]]["generated_tokens"]
+        bar.update()
+
+    pool = ThreadPoolExecutor(window)
+    try:
+        for i, conv in enumerate(conversations):
+            if i >= window:
+                settle(i - window)
+            if spent >= budget_tokens:
+                stopped_at = i
+                break
+            if conv["id"] not in done:
+                running[i] = pool.submit(_regenerate_one, tokenizer, conv, max_prompt_tokens, reply, lock)
+        for j in sorted(running):
+            settle(j)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+        bar.close()
+    return stopped_at, this_run
+
+
+def regenerate_responses(
+    model,
+    tokenizer,
+    conversations,
+    out_path: Path,
+    budget_tokens: int,
+    max_new_tokens: int,
+    batch_size: int,
+    progress: bool = True,
+    max_prompt_tokens: int = 2048,
+    generate=None,
+    engine=None,
+    backend: str = "hf",
+) -> dict:
+    """Replace assistant turns by the target's greedy replies, resumably, into out_path (JSONL).
+
+    See the notes above for what is cut and when. Returns stats; read the result back with
+    `read_regenerated` or `apply_regenerated`. hf (engine None): batches of batch_size through
+    `generate` (model.generate here by default); engine: a running engine server with batch_size
+    conversations in flight; backend names it in the settings.
+    """
+    generate = generate or _generate
+    out_path = Path(out_path)
+    ids = [c["id"] for c in conversations]
+    if len(set(ids)) != len(ids):
+        raise ValueError(
+            "Expected conversations with distinct ids, found duplicates; pass the output of "
+            "split_conversations (which deduplicates)."
+        )
+    settings = {
+        "budget_tokens": budget_tokens,
+        "max_new_tokens": max_new_tokens,
+        "batch_size": batch_size,
+        "max_prompt_tokens": max_prompt_tokens,
+    }
+    if backend != "hf":  # hf files written before backends existed stay resumable
+        settings["backend"] = backend
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = _read_done(out_path)
+    for rec in done.values():
+        if rec.get("settings") != settings:
+            raise ValueError(
+                f"{out_path} was written with settings {rec.get('settings')}, now {settings}. "
+                "Delete it (or use another path) to regenerate with the new settings."
+            )
+    eos_ids = eos_token_ids(model, tokenizer)
+    saved = tokenizer.padding_side, tokenizer.pad_token
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+
+    t0 = time.perf_counter()
+    try:
+        with open(out_path, "a", encoding="utf-8") as f:
+
+            def write(records, **where):
+                f.write("".join(json.dumps({**r, **where, "settings": settings}) + "\n" for r in records))
+                f.flush()
+                os.fsync(f.fileno())
+                done.update({r["id"]: r for r in records})
+
+            if engine is None:
+                stopped_at, this_run = _in_batches(
+                    model,
+                    tokenizer,
+                    conversations,
+                    done,
+                    write,
+                    budget_tokens,
+                    batch_size,
+                    max_new_tokens,
+                    max_prompt_tokens,
+                    eos_ids,
+                    generate,
+                    progress,
+                )
+            else:
+                stopped_at, this_run = _in_window(
+                    engine,
+                    tokenizer,
+                    conversations,
+                    done,
+                    write,
+                    budget_tokens,
+                    batch_size,
+                    max_new_tokens,
+                    max_prompt_tokens,
+                    eos_ids,
+                    progress,
+                )
+    finally:
+        tokenizer.padding_side, tokenizer.pad_token = saved
+    seconds = time.perf_counter() - t0
+    recs = [done[i] for i in ids if i in done]
+    return {
+        "conversations": len(conversations),
+        "regenerated": sum(r["regenerated"] for r in recs),
+        "kept_original": len(conversations) - sum(r["regenerated"] for r in recs),
+        "turns_regenerated": sum(r["turns_regenerated"] for r in recs),
+        "tokens_generated": sum(r["generated_tokens"] for r in recs),
+        "tokens_generated_this_run": this_run,
+        "seconds_this_run": round(seconds, 2),
+        "tokens_per_s": round(this_run / seconds, 1) if seconds > 0 and this_run else 0.0,
+        "stops": dict(Counter(r["stop"] for r in recs)),
+        "backend": backend,
+        "budget_tokens": budget_tokens,
+        "budget_exhausted": stopped_at is not None,
+        "note": "conversations after the budget ran out, and those with no regenerated turn, keep their original responses",
+    }
+
+
+def regenerate(
+    rg, model, tokenizer, conversations, out_path: Path, engine_params=None, target_dir=None, progress: bool = True
+) -> dict:
+    """regenerate_responses as params' data.regenerate section (rg) asks: backend "hf" generates
+    with `model` here; "engine" starts the run's serving engine (engine_params, no drafter) on
+    target_dir, logs it next to out_path, and stops it when done (also on errors)."""
+    kwargs = dict(
+        budget_tokens=rg.budget_tokens,
+        max_new_tokens=rg.max_new_tokens,
+        batch_size=rg.batch_size,
+        progress=progress,
+        max_prompt_tokens=rg.max_prompt_tokens,
+    )
+    if rg.backend == "hf":
+        return regenerate_responses(model, tokenizer, conversations, out_path, **kwargs)
+    from eagle3lib import engines
+
+    server = engines.make(engine_params, target_dir, None, None, Path(out_path).parent)
+    with server:
+        stats = regenerate_responses(
+            model, tokenizer, conversations, out_path, engine=server, backend=f"engine:{engine_params.name}", **kwargs
+        )
+    return {**stats, "engine_start_s": round(server.ready_s, 1), "engine_log": server.log_path.name}
+
+
+def read_regenerated(out_path: Path) -> dict[str, dict]:
+    """{id: conversation} of the conversations regenerated in out_path (a torn tail is ignored)."""
+    done = _read_done(Path(out_path), repair=False)
+    return {i: {"id": i, "messages": r["messages"]} for i, r in done.items() if r["regenerated"]}
+
+
+def apply_regenerated(conversations, out_path: Path) -> list[dict]:
+    """The conversations, with the regenerated version from out_path where there is one."""
+    regenerated = read_regenerated(out_path)
+    return [regenerated.get(c["id"], c) for c in conversations]
