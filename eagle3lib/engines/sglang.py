@@ -5,7 +5,8 @@ Launch: python -m sglang.launch_server --model-path T --speculative-algorithm EA
         --speculative-draft-model-path D --speculative-num-steps d --speculative-eagle-topk 1
         --speculative-num-draft-tokens d+1
 The flags are checked before launch: check_sglang_args (pure Python) in start(), and SGLang's own
-ServerArgs resolution in preflight() (needs sglang).
+ServerArgs resolution in preflight() (needs sglang; the deploy, convert and extract stages
+use it).
 Generation: POST /generate with input_ids, greedy, ignore_eos. Statistics come per request from
 `meta_info` (/server_info's avg_spec_accept_length is a lifetime figure): aggregate_meta sums them.
 
@@ -107,27 +108,60 @@ def check_sglang_args(args: list[str]) -> list[str]:
     return problems
 
 
-def preflight(target_dir, draft_dir, depth: int, python: str) -> dict:
-    """Resolve the launch flags with SGLang's own prepare_server_args (--device cpu, no GPU needed) and
-    check them; returns the resolved report, raises EngineError listing the problems."""
-    from eagle3lib.target import read_contract
+def server_flags(target_dir, draft_dir=None, depth: int | None = None, extra_args=()) -> list[str]:
+    """Launch flags without --host/--port (Server adds them): the target, the drafter's top-k 1 chain of
+    `depth` tokens (None: no speculation), then extra_args."""
+    spec = sglang_launch_args(draft_dir, depth) if depth else []
+    return ["--model-path", str(target_dir)] + spec + list(extra_args)
 
-    args = ["--model-path", str(target_dir), "--device", "cpu"] + sglang_launch_args(draft_dir, depth)
-    problems = check_sglang_args(args)
+
+def preflight(
+    target_dir,
+    draft_dir,
+    depth: int | None,
+    python: str,
+    extra_args=(),
+    aux_layer_ids=None,
+    require: dict | None = None,
+    device: str | None = "cpu",
+    raises: bool = True,
+) -> dict:
+    """SGLang's own resolution of the launch server_flags(...) builds (engines/inside/load_check.py in its
+    interpreter) and what is wrong with it: load_check's report, its `problems` completed with
+    check_sglang_args, `require` and the layers the target will capture (`captured_hf_layers`). Raises
+    EngineError listing the problems, unless raises=False (the convert gate reports them).
+
+    aux_layer_ids: the HF hidden_states ids the target must capture (EAGLE3 launches); default, the
+        drafter's contract's. SGLang's own reading of the target (class, layer count) decides what its ids
+        capture (sglang_captured_ids).
+    require: {ServerArgs field: (value, why)} the launch must resolve to.
+    device: passed as --device; "cpu" resolves without a GPU, None as the server itself would.
+    """
+    args = server_flags(target_dir, draft_dir, depth, extra_args) + (["--device", device] if device else [])
     report = run_inside("load_check.py", ["sglang", "--args", json.dumps(args)], python)
-    problems += report.get("problems", [])
-    contract = read_contract(draft_dir)
+    report["args"] = args
+    problems = (check_sglang_args(args) if depth else []) + report.get("problems", [])
+    resolved = report.get("resolved", {})
+    for field, (want, why) in (require or {}).items():
+        if resolved.get(field) != want:
+            problems.append(f"{field} resolved to {resolved.get(field)!r}, expected {want!r}: {why}.")
     ids = report.get("eagle_aux_hidden_state_layer_ids")
-    report["captured_hf_layers"] = (
-        sglang_captured_ids(ids, contract.get("target_architecture"), contract.get("num_layers") or 0) if ids else None
-    )
-    if ids and report["captured_hf_layers"] != contract.get("aux_layer_ids"):
-        problems.append(
-            f"SGLang will capture HF hidden_states {report['captured_hf_layers']}, the drafter was "
-            f"trained on {contract.get('aux_layer_ids')}: re-export it with eagle3lib.convert.layouts."
-        )
-    if problems:
-        raise EngineError("SGLang would not run the drafter as asked:\n  " + "\n  ".join(problems))
+    architecture = (report.get("target_architectures") or [None])[0]
+    captured = sglang_captured_ids(ids, architecture, report.get("target_num_layers") or 0) if ids else None
+    report["captured_hf_layers"] = captured
+    if captured is not None:
+        if aux_layer_ids is None:
+            from eagle3lib.target import read_contract
+
+            aux_layer_ids = read_contract(draft_dir).get("aux_layer_ids")
+        if captured != [int(i) for i in aux_layer_ids]:
+            problems.append(
+                f"SGLang will capture HF hidden_states {captured} (config ids {ids} on a {architecture} target), "
+                f"the drafter needs {list(aux_layer_ids)}: re-export it with eagle3lib.convert.layouts."
+            )
+    report["problems"] = problems
+    if problems and raises:
+        raise EngineError(f"SGLang would not run `{' '.join(args)}` as asked:\n  " + "\n  ".join(problems))
     return report
 
 

@@ -30,8 +30,9 @@ middle chunks); a response whose row count differs from the prompt's length is r
 
 Layer ids (DESIGN.md §4): ours are HF hidden_states indices. SGLang 0.5.17 turns config ids j into
 captured HF indices in `set_eagle3_layers_to_capture`: Llama-like models j+1 always; DeepSeek-V2/V3
-(Kimi-K2.5) and GLM-4-MoE-Lite j+1 only when j[0] == 1, else j as given. sglang_config_ids inverts
-that per architecture, sglang_captured_ids replays it (tests check one against the other).
+(Kimi-K2.5) and GLM-4-MoE-Lite j+1 only when j[0] == 1, else j as given. engines/sglang.py holds that
+rule: sglang_config_ids inverts it per architecture, sglang_captured_ids replays it (tests check one
+against the other and against SGLang's own code).
 
 GPU check (one command; prints a JSON of per-layer differences, tokens/s, plain-prefill tokens/s):
     python -m eagle3lib.extract.sglang --compare --n 64 --out /tmp/sglang-check \\
@@ -55,8 +56,8 @@ from pathlib import Path
 import torch
 
 from eagle3lib.convert.layouts import LAYER_TENSORS
-from eagle3lib.engines.interpreter import engine_python, run_inside
-from eagle3lib.engines.sglang import SGLANG_CONVENTION, SGLANG_VERSION, sglang_captured_ids, sglang_config_ids
+from eagle3lib.engines.interpreter import engine_python
+from eagle3lib.engines.sglang import SGLANG_CONVENTION, SGLANG_VERSION, preflight, server_flags, sglang_config_ids
 from eagle3lib.extract import shards
 
 try:  # the GPU bundle has orjson; a float list decodes ~3x faster with it
@@ -66,19 +67,15 @@ except ImportError:  # pragma: no cover - depends on the environment
 
 CAPTURE_DRAFT_ARCH = "LlamaForCausalLMEagle3"
 STAGING = ".sglang-final"
-# Both servers: every prompt token recomputed and returned (see the module docstring).
+# Both servers: every prompt token recomputed and returned (see the module docstring), and what SGLang must
+# resolve these flags to (checked by check_servers).
 COMMON_FLAGS = ["--enable-return-hidden-states", "--disable-radix-cache", "--chunked-prefill-size", "-1"]
-# Capture server: EAGLE3 with the capture drafter, the shortest chain (no token is ever drafted).
-SPEC_FLAGS = [
-    "--speculative-algorithm",
-    "EAGLE3",
-    "--speculative-num-steps",
-    "1",
-    "--speculative-eagle-topk",
-    "1",
-    "--speculative-num-draft-tokens",
-    "2",
-]
+HIDDEN_STATES = {
+    "return_hidden_states_mode": ("full", "requests ask for return_hidden_states=true"),
+    "disable_radix_cache": (True, "a cached prefix would come back without rows"),
+    "chunked_prefill_size": (-1, "SGLang drops the hidden states of a prompt's middle chunks"),
+}
+CAPTURE_DEPTH = 1  # the aux server's EAGLE3 chain: the shortest (no token is ever drafted)
 
 
 class SGLangExtractError(RuntimeError):
@@ -171,54 +168,26 @@ def write_capture_drafter(target_dir, aux_layer_ids, out_dir, dtype=torch.bfloat
 # ------------------------------------------------------------------------------ commands ----
 
 
+def _flags(dtype, extra_args) -> list[str]:
+    return COMMON_FLAGS + (["--dtype", dtype] if dtype else []) + list(extra_args)
+
+
 def server_args(target_dir, drafter_dir=None, dtype: str | None = None, extra_args=()) -> list[str]:
     """Launch flags (no --host/--port: engines.Server adds them). drafter_dir None: the plain
     "final" server; else the EAGLE3 "aux" server that captures the drafter config's layers."""
-    args = ["--model-path", str(target_dir)] + COMMON_FLAGS
-    if drafter_dir is not None:
-        args += SPEC_FLAGS + ["--speculative-draft-model-path", str(drafter_dir)]
-    if dtype:
-        args += ["--dtype", dtype]
-    return args + list(extra_args)
+    depth = CAPTURE_DEPTH if drafter_dir is not None else None
+    return server_flags(target_dir, drafter_dir, depth, _flags(dtype, extra_args))
 
 
-def preflight(target_dir, drafter_dir, aux_layer_ids, dtype, extra_args, python, device=None) -> dict:
-    """Both servers' flags through SGLang's parser, and the layers the aux server will capture
-    equal to ours; raises SGLangExtractError listing the problems."""
-    text, arch = target_text_config(target_dir)
-    num_layers = int(text["num_hidden_layers"])
-    problems, reports = [], {}
-    for name, drafter in (("final", None), ("aux", drafter_dir)):
-        args = server_args(target_dir, drafter, dtype, extra_args) + (["--device", device] if device else [])
-        r = run_inside("load_check.py", ["sglang", "--args", json.dumps(args)], python)
-        reports[name] = r
-        problems += [f"{name} server: {p}" for p in r.get("problems", [])]
-        res = r.get("resolved", {})
-        if res.get("return_hidden_states_mode") != "full":
-            problems.append(
-                f"{name} server: return_hidden_states_mode resolved to {res.get('return_hidden_states_mode')!r}, "
-                "expected 'full' (requests ask for return_hidden_states=true)"
-            )
-        if not res.get("disable_radix_cache"):
-            problems.append(f"{name} server: the radix cache is on; a cached prefix would come back without rows")
-        if res.get("chunked_prefill_size") not in (-1, None) and res.get("chunked_prefill_size", 0) > 0:
-            problems.append(
-                f"{name} server: chunked prefill is on ({res.get('chunked_prefill_size')}); SGLang drops "
-                "the hidden states of a prompt's middle chunks"
-            )
-    aux = reports["aux"]
-    captured = sglang_captured_ids(aux.get("eagle_aux_hidden_state_layer_ids"), arch, num_layers)
-    reports["captured_hf_layers"] = captured
-    if not aux.get("eagle_use_aux_hidden_state"):
-        problems.append("aux server: SGLang will not capture aux hidden states (EAGLE3 with use_aux_hidden_state)")
-    if captured != [int(i) for i in aux_layer_ids]:
-        problems.append(
-            f"aux server: SGLang would capture HF layers {captured}, we want {list(aux_layer_ids)} "
-            f"(config ids {aux.get('eagle_aux_hidden_state_layer_ids')}, architecture {arch})"
+def check_servers(target_dir, drafter_dir, aux_layer_ids, dtype, extra_args, python, device=None) -> dict:
+    """{final, aux}: both servers' flags through SGLang's own code (engines.sglang.preflight): hidden states
+    as HIDDEN_STATES says, and the aux server capturing our ids. Raises EngineError listing the problems."""
+    return {
+        name: preflight(
+            target_dir, drafter, depth, python, _flags(dtype, extra_args), aux_layer_ids, HIDDEN_STATES, device
         )
-    if problems:
-        raise SGLangExtractError("SGLang would not return the hidden states we need:\n  " + "\n  ".join(problems))
-    return reports
+        for name, drafter, depth in (("final", None, None), ("aux", drafter_dir, CAPTURE_DEPTH))
+    }
 
 
 # ----------------------------------------------------------------------------- requests ----
@@ -389,9 +358,9 @@ class SGLangCapture:
         log_dir = Path(self.log_dir or work)
         drafter = write_capture_drafter(self.target_dir, self.aux_layer_ids, work / "capture-drafter")
         if self.check_args:
-            self._stats["captured_hf_layers"] = preflight(
+            self._stats["captured_hf_layers"] = check_servers(
                 self.target_dir, drafter, self.aux_layer_ids, self.dtype, self.extra_args, self.python
-            )["captured_hf_layers"]
+            )["aux"]["captured_hf_layers"]
         self._staging, self._aux_t = work, [0.0, 0]
         excluded = time.perf_counter() - t_setup
         try:
@@ -484,7 +453,7 @@ def _drop_staged(work, first, end):
 
 def _check_tokens(a, tokenizer):
     """The check's token arrays: --tokens FILE (data.save_tokens format), else N conversations of --data."""
-    from eagle3lib.prepare import conversations
+    from eagle3lib.prepare import conversations, sources
 
     if a.tokens:
         tokens = conversations.load_tokens(a.tokens)
@@ -496,7 +465,7 @@ def _check_tokens(a, tokenizer):
             "seq_starts": tokens["seq_starts"][: n + 1],
             "ids": list(tokens.get("ids", range(n)))[:n],
         }
-    convs, _ = conversations.load_conversations(a.data, limit=a.n)
+    convs, _ = sources.load_conversations(a.data, limit=a.n)
     return conversations.tokenize_split(tokenizer, convs, a.max_seq_len, progress=False)
 
 
