@@ -20,7 +20,7 @@ from pathlib import Path
 
 from eagle3lib import engines, target
 from eagle3lib.params import cache_dir, load_params
-from eagle3lib.prepare import conversations, regenerate
+from eagle3lib.prepare import regenerate, sources
 
 
 def wave_generator(server, tokenizer, max_new_tokens, eos_ids, window):
@@ -48,7 +48,7 @@ def main():
     args = ap.parse_args()
 
     p = load_params(args.params, {"engine.extra_args": ["--dtype", args.dtype]} if args.dtype else None)
-    convs, _ = conversations.load_conversations(p.data.sources, limit=args.conversations)
+    convs, _ = sources.load_conversations(p.data.sources, limit=args.conversations)
     model, tokenizer = target.load_target_info(p.target.name, cache_dir(p))
     eos_ids = regenerate.eos_token_ids(model, tokenizer)
     kw = dict(

@@ -7,6 +7,7 @@ import torch
 
 from eagle3lib.prepare import conversations as D
 from eagle3lib.prepare import regenerate as R
+from eagle3lib.prepare import sources as S
 
 
 def sharegpt(cid, *turns):
@@ -24,7 +25,7 @@ def conv(cid, *turns):
 
 
 def test_embedded_sharegpt_with_limit():
-    convs, stats = D.load_conversations(D.EMBEDDED_DATA, limit=500)
+    convs, stats = S.load_conversations(S.EMBEDDED_DATA, limit=500)
     assert len(convs) == 500 and stats["kept"] == 500 and stats["stopped_at_limit"]
     assert stats["read"] >= 500 and stats["truncated_sources"] == []
     for c in convs:
@@ -36,8 +37,8 @@ def test_embedded_sharegpt_with_limit():
 
 
 def test_embedded_sharegpt_whole_file_is_truncated():
-    convs, stats = D.load_conversations(D.EMBEDDED_DATA)
-    assert stats["truncated_sources"] == [D.EMBEDDED_DATA] and stats["skipped"]["truncated tail"] == 1
+    convs, stats = S.load_conversations(S.EMBEDDED_DATA)
+    assert stats["truncated_sources"] == [S.EMBEDDED_DATA] and stats["skipped"]["truncated tail"] == 1
     assert stats["kept"] == len(convs) > 17000
     assert stats["read"] == stats["kept"] + sum(stats["skipped"].values())
     assert stats["unknown_roles"] == {"bing": 4}
@@ -78,7 +79,7 @@ def test_json_array_tolerant(tmp_path):
     path = tmp_path / "sg.json"
     path.write_text(text)
 
-    convs, stats = D.load_conversations(str(path))
+    convs, stats = S.load_conversations(str(path))
     ids = [c["id"] for c in convs]
     assert ids[:3] == ["a", "b", "c"] and ids[4:] == ["m", "after-broken"]
     assert ids[3].startswith("sha-")
@@ -95,16 +96,16 @@ def test_json_array_tolerant(tmp_path):
     assert stats["read"] == len(records)
 
     # the same data read in small pieces (elements straddle buffer ends) gives the same result
-    old = D._CHUNK
+    old = S._CHUNK
     try:
-        D._CHUNK = 7
-        assert D.load_conversations(str(path)) == (convs, stats)
+        S._CHUNK = 7
+        assert S.load_conversations(str(path)) == (convs, stats)
     finally:
-        D._CHUNK = old
+        S._CHUNK = old
 
-    limited, s = D.load_conversations([str(path), str(path)], limit=2)
+    limited, s = S.load_conversations([str(path), str(path)], limit=2)
     assert [c["id"] for c in limited] == ["a", "b"] and s["stopped_at_limit"]
-    both, s = D.load_conversations([str(path), str(path)])
+    both, s = S.load_conversations([str(path), str(path)])
     assert len(both) == 2 * len(convs)
 
 
@@ -117,13 +118,13 @@ def test_jsonl(tmp_path):
     ]
     path = tmp_path / "sg.jsonl"
     path.write_text("\n".join(lines))
-    convs, stats = D.load_conversations(str(path))
+    convs, stats = S.load_conversations(str(path))
     assert [c["id"] for c in convs] == ["a", "b"]
     assert stats["skipped"] == {"malformed JSON": 1, "truncated tail": 1}
     assert stats["truncated_sources"] == [str(path)]
 
     path.write_text("\n".join(lines[:3]) + "\n")
-    assert D.load_conversations(str(path))[1]["truncated_sources"] == []
+    assert S.load_conversations(str(path))[1]["truncated_sources"] == []
 
 
 @pytest.mark.parametrize("suffix", [".json.xz", ".json.gz", ".jsonl.bz2"])
@@ -137,7 +138,7 @@ def test_compressed_files_are_read_like_plain_ones(tmp_path, suffix):
     opener = {".xz": lzma.open, ".gz": gzip.open, ".bz2": bz2.open}["." + suffix.rsplit(".", 1)[1]]
     with opener(tmp_path / f"sg{suffix}", "wt", encoding="utf-8") as f:
         f.write(text)
-    convs, stats = D.load_conversations(str(tmp_path / f"sg{suffix}"))
+    convs, stats = S.load_conversations(str(tmp_path / f"sg{suffix}"))
     assert [c["id"] for c in convs] == ["a", "b"] and stats["skipped"] == {}
 
 
@@ -145,14 +146,14 @@ def test_a_source_with_no_usable_conversation_is_an_error(tmp_path):
     path = tmp_path / "binary.json"
     path.write_bytes(b"\xfd7zXZ\x00 not json at all\n{also not}\n")
     with pytest.raises(ValueError, match="No usable conversation.*malformed JSON"):
-        D.load_conversations(str(path))
+        S.load_conversations(str(path))
 
 
 def test_missing_file(tmp_path):
     with pytest.raises(FileNotFoundError, match="nope.json"):
-        D.load_conversations(str(tmp_path / "nope.json"))
-    with pytest.raises(ValueError, match=D.EMBEDDED_DATA):
-        D.load_conversations("embedded:other")
+        S.load_conversations(str(tmp_path / "nope.json"))
+    with pytest.raises(ValueError, match=S.EMBEDDED_DATA):
+        S.load_conversations("embedded:other")
 
 
 # ---------------------------------------------------------------------------------------------
