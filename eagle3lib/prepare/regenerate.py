@@ -19,8 +19,11 @@ import os
 import threading
 import time
 from collections import Counter
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm.auto import tqdm
@@ -179,53 +182,52 @@ def _regenerate_one(tokenizer, conv, max_prompt_tokens, reply, tokenizer_lock) -
     return _record(st)
 
 
-def _in_batches(
-    model,
-    tokenizer,
-    conversations,
-    done,
-    write,
-    budget_tokens,
-    batch_size,
-    max_new_tokens,
-    max_prompt_tokens,
-    eos_ids,
-    generate,
-    progress,
-):
+@dataclass
+class _Job:
+    """What the two ways of regenerating share: the conversations in input order, the records already done
+    (by id) and the function that appends new ones, the token budget and the generation limits."""
+
+    tokenizer: Any
+    conversations: list
+    done: dict
+    write: Callable
+    budget_tokens: int
+    max_new_tokens: int
+    max_prompt_tokens: int
+    eos_ids: set
+    progress: bool
+
+
+def _in_batches(job: _Job, model, batch_size: int, generate):
     """hf: fixed slices of batch_size conversations, one after the other. Returns (stopped_at, this_run)."""
+    conversations, done = job.conversations, job.done
     used, this_run, stopped_at = 0, 0, None
     batches = [conversations[i : i + batch_size] for i in range(0, len(conversations), batch_size)]
-    for b, batch in enumerate(tqdm(batches, desc="regenerate", disable=not progress)):
+    for b, batch in enumerate(tqdm(batches, desc="regenerate", disable=not job.progress)):
         if all(c["id"] in done for c in batch):
             used += sum(done[c["id"]]["generated_tokens"] for c in batch)
             continue
-        if used >= budget_tokens:
+        if used >= job.budget_tokens:
             stopped_at = b
             break
         records = _regenerate_batch(
-            model, tokenizer, batch, max_new_tokens, max_prompt_tokens, budget_tokens - used, eos_ids, generate
+            model,
+            job.tokenizer,
+            batch,
+            job.max_new_tokens,
+            job.max_prompt_tokens,
+            job.budget_tokens - used,
+            job.eos_ids,
+            generate,
         )
         used += sum(r["generated_tokens"] for r in records)
         new = [r for r in records if r["id"] not in done]  # a partly written batch is recomputed whole
         this_run += sum(r["generated_tokens"] for r in new)
-        write(new, batch=b)
+        job.write(new, batch=b)
     return stopped_at, this_run
 
 
-def _in_window(
-    engine,
-    tokenizer,
-    conversations,
-    done,
-    write,
-    budget_tokens,
-    window,
-    max_new_tokens,
-    max_prompt_tokens,
-    eos_ids,
-    progress,
-):
+def _in_window(job: _Job, engine, window: int):
     """engines: conversations in input order, `window` of them in flight, each advancing to its next turn as
     soon as its reply is back (hf's waves wait for the batch's longest reply: SGLang on an H200 managed
     3,277 tokens/s that way). Conversation i starts once conversation i - window has finished, and only
@@ -233,16 +235,17 @@ def _in_window(
     timing. Records are written in input order. The replies themselves are the same in a rerun where the
     engine's kernels do not depend on batch shape (vLLM's CPU build in fp32; bf16 rounds by batch shape,
     DESIGN.md §3). Returns (stopped_at, this_run)."""
+    tokenizer, conversations, done = job.tokenizer, job.conversations, job.done
     lock = threading.Lock()
-    reply = engine_reply(engine, tokenizer, max_new_tokens, eos_ids, lock)
+    reply = engine_reply(engine, tokenizer, job.max_new_tokens, job.eos_ids, lock)
     running, spent, this_run, stopped_at = {}, 0, 0, None
-    bar = tqdm(total=len(conversations), desc="regenerate", disable=not progress)
+    bar = tqdm(total=len(conversations), desc="regenerate", disable=not job.progress)
 
     def settle(j):  # conversation j has finished (or had, in an earlier run): record it and count it
         nonlocal spent, this_run
         if j in running:
             record = running.pop(j).result()
-            write([record], index=j)
+            job.write([record], index=j)
             this_run += record["generated_tokens"]
         spent += done[conversations[j]["id"]]["generated_tokens"]
         bar.update()
@@ -252,11 +255,11 @@ def _in_window(
         for i, conv in enumerate(conversations):
             if i >= window:
                 settle(i - window)
-            if spent >= budget_tokens:
+            if spent >= job.budget_tokens:
                 stopped_at = i
                 break
             if conv["id"] not in done:
-                running[i] = pool.submit(_regenerate_one, tokenizer, conv, max_prompt_tokens, reply, lock)
+                running[i] = pool.submit(_regenerate_one, tokenizer, conv, job.max_prompt_tokens, reply, lock)
         for j in sorted(running):
             settle(j)
     finally:
@@ -281,7 +284,7 @@ def regenerate_responses(
 ) -> dict:
     """Replace assistant turns by the target's greedy replies, resumably, into out_path (JSONL).
 
-    See the notes above for what is cut and when. Returns stats; read the result back with
+    See the module's notes for what is cut and when. Returns stats; read the result back with
     `read_regenerated` or `apply_regenerated`. hf (engine None): batches of batch_size through
     `generate` (model.generate here by default); engine: a running engine server with batch_size
     conversations in flight; backend names it in the settings.
@@ -326,35 +329,21 @@ def regenerate_responses(
                 os.fsync(f.fileno())
                 done.update({r["id"]: r for r in records})
 
+            job = _Job(
+                tokenizer,
+                conversations,
+                done,
+                write,
+                budget_tokens,
+                max_new_tokens,
+                max_prompt_tokens,
+                eos_ids,
+                progress,
+            )
             if engine is None:
-                stopped_at, this_run = _in_batches(
-                    model,
-                    tokenizer,
-                    conversations,
-                    done,
-                    write,
-                    budget_tokens,
-                    batch_size,
-                    max_new_tokens,
-                    max_prompt_tokens,
-                    eos_ids,
-                    generate,
-                    progress,
-                )
+                stopped_at, this_run = _in_batches(job, model, batch_size, generate)
             else:
-                stopped_at, this_run = _in_window(
-                    engine,
-                    tokenizer,
-                    conversations,
-                    done,
-                    write,
-                    budget_tokens,
-                    batch_size,
-                    max_new_tokens,
-                    max_prompt_tokens,
-                    eos_ids,
-                    progress,
-                )
+                stopped_at, this_run = _in_window(job, engine, batch_size)
     finally:
         tokenizer.padding_side, tokenizer.pad_token = saved
     seconds = time.perf_counter() - t0
