@@ -123,7 +123,7 @@ def lr_at(step: int, total_steps: int, lr: float, warmup: int, final_fraction: f
 
 @dataclass
 class TrainSetup:
-    """Everything the loop needs, built by the stage (see stage_setup) or a test."""
+    """Everything the loop needs, built by the stage (build_setup) or a test."""
 
     drafter: Drafter
     embed: torch.Tensor  # target input embeddings [V, H] (frozen)
