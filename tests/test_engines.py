@@ -327,5 +327,7 @@ def test_sglang_preflight_resolves_flags(drafts):
     assert report["resolved"]["speculative_num_steps"] == 4
     assert report["resolved"]["speculative_num_draft_tokens"] == 5 and report["captured_hf_layers"] == AUX
     # a drafter that needs other layers than the export's ids make SGLang capture: said, not launched
-    with pytest.raises(EngineError, match=r"SGLang will capture HF hidden_states \[2, 15, 27\].*needs \[3, 15, 27\]"):
+    with pytest.raises(
+        EngineError, match=r"SGLang will capture HF hidden_states \[2, 15, 27\].*but \[3, 15, 27\] were asked"
+    ):
         engines.sglang.preflight(drafts["target"], drafts["sglang"], 4, py, aux_layer_ids=[3, 15, 27])

@@ -567,9 +567,7 @@ def verify(folder, engine: str, target=None, cache_dir=None, python=None, depth:
             ]
         else:
             # SGLang's own reading of the launch: its flags, and the layers it will capture from the export's ids.
-            resolved = sglang_preflight(
-                target_dir, folder, depth, py, aux_layer_ids=contract["aux_layer_ids"], raises=False
-            )
+            resolved = sglang_preflight(target_dir, folder, depth, py, raises=False)  # ids: the folder's contract
             report["server_args"] = resolved
             seen = any(p.startswith("SGLang will capture") for p in report["problems"])  # the name gate's finding
             report["problems"] += [

@@ -150,14 +150,16 @@ def preflight(
     captured = sglang_captured_ids(ids, architecture, report.get("target_num_layers") or 0) if ids else None
     report["captured_hf_layers"] = captured
     if captured is not None:
+        want = f"{aux_layer_ids} were asked for"
         if aux_layer_ids is None:
             from eagle3lib.target import read_contract
 
             aux_layer_ids = read_contract(draft_dir).get("aux_layer_ids")
+            want = f"the drafter was trained on {aux_layer_ids}: re-export it with eagle3lib.convert.layouts"
         if captured != [int(i) for i in aux_layer_ids]:
             problems.append(
                 f"SGLang will capture HF hidden_states {captured} (config ids {ids} on a {architecture} target), "
-                f"the drafter needs {list(aux_layer_ids)}: re-export it with eagle3lib.convert.layouts."
+                f"but {want}."
             )
     report["problems"] = problems
     if problems and raises:
