@@ -16,13 +16,8 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from eagle3lib.extract.shards import (
-    capture_hidden_states,
-    default_shard_max_tokens,
-    extract,
-    iter_batches,
-    measure_forward_tokens_per_s,
-)
+from eagle3lib.extract.hf import capture_hidden_states, extract, iter_batches, measure_forward_tokens_per_s
+from eagle3lib.extract.shards import default_shard_max_tokens
 
 SHAPES = {
     "tiny": dict(

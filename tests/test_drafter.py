@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from eagle3lib.drafter import DraftCache, Drafter, DrafterConfig
-from eagle3lib.extract.shards import capture_hidden_states
+from eagle3lib.extract.hf import capture_hidden_states
 from eagle3lib.target import default_aux_layer_ids, num_layers
 
 STEPS = 7

@@ -1,4 +1,4 @@
-"""Tests for eagle3lib.extract.shards on a tiny random Llama (the real architecture), real files on disk."""
+"""Tests for eagle3lib.extract.shards and .hf on a tiny random Llama (the real architecture), real files on disk."""
 
 import json
 import os
@@ -15,16 +15,12 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from eagle3lib.extract.hf import capture_hidden_states, extract, iter_batches, make_batch, measure_forward_tokens_per_s
 from eagle3lib.extract.shards import (
     FORMAT,
     ShardError,
     ShardSet,
-    capture_hidden_states,
-    extract,
-    iter_batches,
     load_manifest,
-    make_batch,
-    measure_forward_tokens_per_s,
     plan_batches,
     plan_shards,
     read_shard,
@@ -190,7 +186,7 @@ import os, sys
 os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
 import torch, transformers
 from safetensors.torch import load_file
-from eagle3lib.extract.shards import extract
+from eagle3lib.extract.hf import extract
 model = transformers.LlamaForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()
 extract(model, load_file(sys.argv[2]), {aux}, sys.argv[3], {contract}, batch_tokens=256, shard_max_tokens=60,
         progress=False)

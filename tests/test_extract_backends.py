@@ -16,8 +16,8 @@ from eagle3lib.convert.layouts import check_sglang
 from eagle3lib.engines import EngineError
 from eagle3lib.engines.interpreter import engine_env
 from eagle3lib.engines.sglang import SGLang, check_sglang_args, sglang_captured_ids, sglang_config_ids
+from eagle3lib.extract import compare, hf, shards
 from eagle3lib.extract import sglang as sg
-from eagle3lib.extract import shards
 
 REPO = Path(__file__).resolve().parent.parent
 SGLANG_PY = REPO / ".venv-sglang" / "bin" / "python"
@@ -237,7 +237,7 @@ def test_vllm_backend_equals_hf(embedded_target, embedded_cache, chat_tokens, tm
     model, tokenizer = embedded_target
     contract = make_contract("embedded:smollm2-135m-instruct", model, tokenizer, OURS, "float32")
     kw = dict(batch_tokens=1024, shard_max_tokens=600, store_dtype=torch.float32, progress=False)
-    ref = shards.extract(model, chat_tokens, OURS, str(tmp_path / "hf"), contract, **kw)
+    ref = hf.extract(model, chat_tokens, OURS, str(tmp_path / "hf"), contract, **kw)
     cap = VLLMCapture(
         embedded_cache[1],
         OURS,
@@ -266,19 +266,36 @@ def test_vllm_backend_equals_hf(embedded_target, embedded_cache, chat_tokens, tm
         (e["file"], e["sequences"], e["tokens"]) for e in b["shards"]
     ]
     assert shards.ShardSet(tmp_path / "vllm").contract == contract
-    agree = shards.compare_shard_sets(
+    agree = compare.compare_shard_sets(
         tmp_path / "vllm", tmp_path / "hf", lm_head=model.lm_head.weight.detach(), rel_tol=1e-5
     )
     print(json.dumps(agree))
     assert set(agree["layers"]) == {"aux_2", "aux_15", "aux_27", "final"}
     assert agree["ok"] and agree["argmax_agree"] == 1.0, agree
-    probe = shards.layer_probe(model, tmp_path / "vllm", OURS, max_sequences=3)
+    probe = compare.layer_probe(model, tmp_path / "vllm", OURS, max_sequences=3)
     assert probe["ok"], probe
     for slot in probe["slots"]:  # the neighbours are far: an off-by-one would not hide
         own = slot["rel_rms"][str(slot["want"])]
         assert own < 1e-5 and all(e > 1e3 * own for j, e in slot["rel_rms"].items() if j != str(slot["want"]))
     again = shards.extract_with(cap, chat_tokens, OURS, str(tmp_path / "vllm"), contract, **kw)
     assert again["tokens"] == 0 and again["tokens_per_s"] is None and "engine_start_s" not in again
+
+
+# ---------------------------------------------------------------------------------- protocol ----
+
+
+def test_every_backend_is_a_capture(embedded_cache, embedded_target):
+    """extract_with takes any shards.Capture: the three backends have all it names (attributes and methods)."""
+    from eagle3lib.extract.vllm import VLLMCapture
+
+    target_dir = embedded_cache[1]
+    for cap in (
+        hf.HFCapture(embedded_target[0], OURS),
+        VLLMCapture(target_dir, OURS, python="/py"),
+        sg.SGLangCapture(target_dir, OURS, python="/py"),
+    ):
+        assert isinstance(cap, shards.Capture), type(cap).__name__
+    assert not isinstance(object(), shards.Capture)
 
 
 # ------------------------------------------------------------------------------------ params ----

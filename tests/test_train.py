@@ -14,7 +14,7 @@ import torch
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from eagle3lib import run_folder, target
-from eagle3lib.extract import shards
+from eagle3lib.extract import hf
 from eagle3lib.params import load_params
 from eagle3lib.prepare import conversations
 from eagle3lib.train import TrainingError, trainer
@@ -48,7 +48,7 @@ def make_run(root: Path, model, tokenizer, train_params: dict, n_train=40) -> Pa
     for split, n, seed in (("train", n_train, 1), ("val", 8, 2)):
         tokens = random_tokens(n, model.config.vocab_size, seed)
         conversations.save_tokens(prep / f"{split}.safetensors", tokens)
-        shards.extract(
+        hf.extract(
             model,
             tokens,
             AUX,
@@ -243,7 +243,7 @@ def test_deepseek_v3_shaped_target_extracts_and_trains(tmp_path, embedded_cache)
     model = DeepseekV3ForCausalLM(cfg).eval()
     tokenizer = AutoTokenizer.from_pretrained(embedded_cache[1])
     ids = torch.randint(0, 256, (1, 30))
-    aux, final = shards.capture_hidden_states(model, ids, torch.ones_like(ids), AUX)
+    aux, final = hf.capture_hidden_states(model, ids, torch.ones_like(ids), AUX)
     with torch.no_grad():
         ref = model(ids, output_hidden_states=True)
         assert torch.allclose(model.lm_head(final.clone()), ref.logits, atol=1e-5)

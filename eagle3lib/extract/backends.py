@@ -1,10 +1,10 @@
 """01_extract's backends (extract.backend: hf | vllm | sglang) behind the few calls the stage notebook makes.
 
-    s = extract_backends.setup(p)                        # target folder, aux ids, contract (+ the model for hf)
-    capture = extract_backends.make_capture(p, s, log_dir=out)
+    s = backends.setup(p)                                # target folder, aux ids, contract (+ the model for hf)
+    capture = backends.make_capture(p, s, log_dir=out)
     with capture:                                        # an engine may stay up across the splits
-        r = extract.extract_with(capture, tokens, s["aux_ids"], out / split, s["contract"], ...)
-    tps = extract_backends.plain_prefill_tokens_per_s(p, s, capture, tokens, r, log_dir=out)
+        r = shards.extract_with(capture, tokens, s["aux_ids"], out / split, s["contract"], ...)
+    tps = backends.plain_prefill_tokens_per_s(p, s, capture, tokens, r, log_dir=out)
 
 hf loads the target here (the reference); the engine backends never do: a Kimi-sized target does not fit
 one process, so they read its config and tokenizer only and the engine loads the weights. The engine
@@ -15,10 +15,27 @@ Whatever the backend: the same shards, manifest, contract and HF hidden_states i
 
 from __future__ import annotations
 
+import json
+import os
+
 from eagle3lib import params as P
 from eagle3lib import target
 from eagle3lib.engines.interpreter import engine_python
-from eagle3lib.extract import shards
+from eagle3lib.extract import hf, shards
+
+
+def target_config_json(target_dir):
+    """(the text model's config dict, architecture) read from target_dir/config.json as JSON, without
+    importing the model's code (engines load the target in their own processes)."""
+    path = os.path.join(str(target_dir), "config.json")
+    if not os.path.isfile(path):
+        raise FileNotFoundError(
+            f"{path} not found: an engine backend needs the target as a local Hugging Face "
+            f"folder (the embedded target resolves to its cache folder)"
+        )
+    with open(path) as f:
+        cfg = json.load(f)
+    return (cfg.get("text_config") or cfg), (cfg.get("architectures") or ["?"])[0]
 
 
 def setup(p) -> dict:
@@ -36,7 +53,7 @@ def setup(p) -> dict:
         config, target_dir = model.config, None
     else:
         target_dir = target.resolve_target(p.target.name, cache)
-        shards.target_config_json(target_dir)  # a local folder: the engine and we read the same files
+        target_config_json(target_dir)  # a local folder: the engine and we read the same files
         info, tokenizer = target.load_target_info(target_dir, cache, trust_remote_code=p.target.trust_remote_code)
         config, model = info.config, None
     layers = target.num_layers(config)
@@ -69,10 +86,10 @@ def engine_settings(p, engine: str) -> dict:
 
 
 def make_capture(p, s: dict, log_dir=None):
-    """The capture object (extract.HFCapture / extract_vllm.VLLMCapture / extract_sglang.SGLangCapture)."""
+    """The backend's shards.Capture (hf.HFCapture / vllm.VLLMCapture / sglang.SGLangCapture)."""
     backend = p.extract.backend
     if backend == "hf":
-        return shards.HFCapture(s["model"], s["aux_ids"], p.extract.batch_tokens)
+        return hf.HFCapture(s["model"], s["aux_ids"], p.extract.batch_tokens)
     e = engine_settings(p, backend)
     if e["python"] is None:
         raise FileNotFoundError(
@@ -120,11 +137,11 @@ def plain_prefill_tokens_per_s(p, s: dict, capture, tokens, result: dict | None,
     no writes); an engine, the same engine's plain prefill (no hidden states asked), taken from the
     extraction's result when it measured it, else measured now. None when there is nothing to time."""
     n = p.extract.forward_benchmark_batches
-    batches = list(shards.iter_batches(tokens, p.extract.batch_tokens, p.extract.shard_max_tokens))[: n + 1]
+    batches = list(hf.iter_batches(tokens, p.extract.batch_tokens, p.extract.shard_max_tokens))[: n + 1]
     if not n or not batches:
         return None
     if p.extract.backend == "hf":
-        return shards.measure_forward_tokens_per_s(s["model"], batches[:n])
+        return hf.measure_forward_tokens_per_s(s["model"], batches[:n])
     if result and result.get("plain_prefill_tokens_per_s"):
         return result["plain_prefill_tokens_per_s"]
     if len(batches) < 2:

@@ -19,7 +19,7 @@ So the sglang backend runs two passes over the same tokens, each a plain prefill
     pass "aux":   an EAGLE3 server with the capture drafter, --enable-return-hidden-states -> aux [T, 3H]
 Pass "final" runs first over every shard still to do and stages its states in out_dir/.sglang-final/
 (small: H per token, deleted when the shard is written); then pass "aux" runs shard by shard and the
-shards go through the same writer as the hf backend (extract.extract_with). One server runs at a
+shards go through the same writer as the hf backend (shards.extract_with). One server runs at a
 time, so a target that fills the GPUs fits. The cost of not getting the final state with the aux
 states: a second prefill of every token (about 2x the compute) and H more floats per token on the
 wire; the shards are the same bytes per token as hf's.
@@ -58,7 +58,8 @@ import torch
 from eagle3lib.convert.layouts import LAYER_TENSORS
 from eagle3lib.engines.interpreter import engine_python
 from eagle3lib.engines.sglang import SGLANG_CONVENTION, SGLANG_VERSION, preflight, server_flags, sglang_config_ids
-from eagle3lib.extract import shards
+from eagle3lib.extract import compare, hf, shards
+from eagle3lib.extract.backends import target_config_json
 
 try:  # the GPU bundle has orjson; a float list decodes ~3x faster with it
     import orjson as _fastjson
@@ -87,7 +88,7 @@ class SGLangExtractError(RuntimeError):
 
 def target_text_config(target_dir) -> tuple[dict, str]:
     """(text config dict, architecture) from config.json, without importing the model's code."""
-    return shards.target_config_json(target_dir)
+    return target_config_json(target_dir)
 
 
 def write_capture_drafter(target_dir, aux_layer_ids, out_dir, dtype=torch.bfloat16) -> Path:
@@ -238,7 +239,7 @@ def decode_hidden_states(item: dict, n_tokens: int, width: int) -> torch.Tensor:
 
 
 class SGLangCapture:
-    """The sglang backend for extract.extract_with (interface: extract.HFCapture)."""
+    """The sglang backend for shards.extract_with (a shards.Capture)."""
 
     name = "sglang"
 
@@ -518,36 +519,17 @@ def _compare_main(a):
         log_dir=out,
         concurrency=a.concurrency,
     )
-    r_sg = shards.extract_with(
-        cap,
-        tokens,
-        aux_ids,
-        str(out / "sglang"),
-        contract,
-        batch_tokens=a.batch_tokens,
-        shard_max_tokens=a.shard_max_tokens,
-        store_dtype=store,
-        progress=False,
-    )
+    kw = dict(batch_tokens=a.batch_tokens, shard_max_tokens=a.shard_max_tokens, store_dtype=store, progress=False)
+    r_sg = shards.extract_with(cap, tokens, aux_ids, str(out / "sglang"), contract, **kw)
     # The plain forward first: its warm-up also warms the capture (CUDA context, kernels), which a cold
     # capture of a few batches would otherwise pay alone (seen: 0.036 of the forward's rate, cold).
-    hf_prefill = shards.measure_forward_tokens_per_s(
-        model, list(shards.iter_batches(tokens, a.batch_tokens, a.shard_max_tokens))[:5]
+    hf_prefill = hf.measure_forward_tokens_per_s(
+        model, list(hf.iter_batches(tokens, a.batch_tokens, a.shard_max_tokens))[:5]
     )
-    r_hf = shards.extract(
-        model,
-        tokens,
-        aux_ids,
-        str(out / "hf"),
-        contract,
-        batch_tokens=a.batch_tokens,
-        shard_max_tokens=a.shard_max_tokens,
-        store_dtype=store,
-        progress=False,
-    )
+    r_hf = hf.extract(model, tokens, aux_ids, str(out / "hf"), contract, **kw)
     head = model.lm_head.weight.detach()
-    report["agreement"] = shards.compare_shard_sets(str(out / "sglang"), str(out / "hf"), lm_head=head)
-    report["layer_probe"] = shards.layer_probe(model, str(out / "sglang"), aux_ids, max_sequences=8)
+    report["agreement"] = compare.compare_shard_sets(str(out / "sglang"), str(out / "hf"), lm_head=head)
+    report["layer_probe"] = compare.layer_probe(model, str(out / "sglang"), aux_ids, max_sequences=8)
     keep = (
         "tokens_per_s",
         "seconds",
@@ -602,7 +584,7 @@ def main(argv=None):
     if a.save_tokens:
         return _save_tokens_main(a)
     if not a.compare:
-        ap.error("nothing to do: pass --compare (the stage runs this backend through extract.extract_with)")
+        ap.error("nothing to do: pass --compare (the stage runs this backend through shards.extract_with)")
     return _compare_main(a)
 
 

@@ -1,4 +1,4 @@
-"""Stage 01_extract: capture the target's hidden states and write them as shards.
+"""The hidden-state shards of 01_extract: their format, and the one writer every backend goes through.
 
 Input is the prepare stage's flat token arrays: `input_ids` int32 [N], `loss_mask`
 uint8 [N], `seq_starts` int64 [S+1] (sequence s is input_ids[seq_starts[s]:seq_starts[s+1]]).
@@ -14,9 +14,14 @@ and batch_tokens, so a run killed at any point and restarted computes exactly th
 batches the uninterrupted run would have and ends with byte-identical shards.
 Every file is written to a temp name, fsynced and renamed; a shard counts once the
 manifest lists it.
+
+The states come from a backend behind the Capture protocol (hf.HFCapture, vllm.VLLMCapture,
+sglang.SGLangCapture); extract_with writes what any of them captures. compare.py compares two
+extractions of the same tokens.
 """
 
-import contextlib
+from __future__ import annotations
+
 import hashlib
 import json
 import math
@@ -25,6 +30,8 @@ import shutil
 import struct
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager
+from typing import Protocol, runtime_checkable
 
 import torch
 from tqdm.auto import tqdm
@@ -39,64 +46,38 @@ class ShardError(RuntimeError):
     """A shard file is missing, corrupt, truncated or inconsistent."""
 
 
-# ---------------------------------------------------------------------------
-# capture
+@runtime_checkable
+class Capture(Protocol):
+    """A backend of extract_with: hf.HFCapture (the reference), vllm.VLLMCapture, sglang.SGLangCapture.
 
-
-def _base_model(model):
-    base = getattr(model, "model", None)
-    if base is None or not hasattr(base, "layers") or not hasattr(base, "norm"):
-        raise TypeError(
-            f"expected a Hugging Face causal LM with model.model.layers and model.model.norm "
-            f"(Llama-like), found {type(model).__name__}; load the target with target.py"
-        )
-    return base
-
-
-@torch.inference_mode()
-def capture_hidden_states(model, input_ids, attention_mask, aux_layer_ids):
-    """One forward of the target's base model, keeping only what EAGLE-3 needs.
-
-    Ids use Hugging Face `hidden_states` indexing: id i is the residual stream after
-    i decoder layers (0 = embeddings), i.e. the input of decoder layer i; it is taken
-    with a pre-hook on layers[i], so no other layer's states are kept. Returns
-    aux [B, T, len(ids)*H] (concatenated in id order) and final [B, T, H], the final
-    norm's output, so that model.lm_head(final) are the target's logits. The lm_head
-    itself is not computed.
+    name, hidden_size, vocab_size       what the shards and the input check need
+    with capture: ...                   an engine that can stays up across the extract_with calls inside
+    session(tok, lengths, plan, out_dir)
+                                        context manager around all shards of one call (engines start there)
+    shard(tok, lengths, first, end, store_dtype, bar)
+                                        -> (aux [n, k*H], final [n, H]) in store_dtype, in token order;
+                                        new tensors each call (the writer thread still holds the last ones)
+    stats()                             this call's backend figures (engine start, plain prefill, ...); its
+                                        `excluded_s` is session time that is not capture (start-up, checks)
     """
-    base = _base_model(model)
-    n_layers = len(base.layers)
-    for i in aux_layer_ids:
-        if not 0 <= int(i) < n_layers:
-            raise ValueError(
-                f"aux layer id {i} out of range: expected 0 <= id < {n_layers} (the target's "
-                f"decoder layers, HF hidden_states indexing; id {n_layers} is the final norm "
-                f"output, which is stored as final_hidden anyway); fix aux_layer_ids"
-            )
-    captured = {}
 
-    def keep(k):
-        def hook(module, args, kwargs):
-            captured[k] = args[0] if args else kwargs["hidden_states"]
+    name: str
+    hidden_size: int
+    vocab_size: int
 
-        return hook
+    def __enter__(self): ...
 
-    handles = [
-        base.layers[int(i)].register_forward_pre_hook(keep(k), with_kwargs=True) for k, i in enumerate(aux_layer_ids)
-    ]
-    device = base.embed_tokens.weight.device
-    try:
-        out = base(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device), use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    final = out.last_hidden_state
-    aux = torch.cat([captured[k].to(final.device) for k in range(len(aux_layer_ids))], dim=-1)
-    return aux, final
+    def __exit__(self, *exc): ...
+
+    def session(self, tok: dict, lengths: list[int], plan: list, out_dir) -> AbstractContextManager: ...
+
+    def shard(self, tok: dict, lengths: list[int], first: int, end: int, store_dtype, bar) -> tuple: ...
+
+    def stats(self) -> dict: ...
 
 
 # ---------------------------------------------------------------------------
-# inputs, shard plan, batches
+# inputs and the shard plan
 
 
 def as_token_tensors(tokens):
@@ -158,31 +139,6 @@ def plan_batches(lengths, seq_ids, batch_tokens):
     return batches
 
 
-def make_batch(tok, seq_ids):
-    """Right-padded input_ids [B, T] (pad id 0) and attention_mask [B, T] for these sequences."""
-    spans = [(int(tok["seq_starts"][s]), int(tok["seq_starts"][s + 1])) for s in seq_ids]
-    T = max(b - a for a, b in spans)
-    ids = torch.zeros(len(seq_ids), T, dtype=torch.long)
-    mask = torch.zeros(len(seq_ids), T, dtype=torch.long)
-    for row, (a, b) in enumerate(spans):
-        ids[row, : b - a] = tok["input_ids"][a:b]
-        mask[row, : b - a] = 1
-    return ids, mask
-
-
-def _range_batches(tok, lengths, first, end, batch_tokens):
-    for seq_ids in plan_batches(lengths, range(first, end), batch_tokens):
-        yield (seq_ids, *make_batch(tok, seq_ids))
-
-
-def iter_batches(tokens, batch_tokens, shard_max_tokens):
-    """The (seq_ids, input_ids, attention_mask) batches a full extraction runs, in its order."""
-    tok = as_token_tensors(tokens)
-    lengths = (tok["seq_starts"][1:] - tok["seq_starts"][:-1]).tolist()
-    for first, end in plan_shards(lengths, 0, len(lengths), shard_max_tokens):
-        yield from _range_batches(tok, lengths, first, end, batch_tokens)
-
-
 def bytes_per_token(hidden_size, store_dtype, n_aux=3):
     return 4 + 1 + (n_aux + 1) * hidden_size * store_dtype.itemsize
 
@@ -190,30 +146,6 @@ def bytes_per_token(hidden_size, store_dtype, n_aux=3):
 def default_shard_max_tokens(hidden_size, store_dtype, n_aux=3):
     """About 1 GiB per shard."""
     return max(1, 2**30 // bytes_per_token(hidden_size, store_dtype, n_aux))
-
-
-@torch.inference_mode()
-def measure_forward_tokens_per_s(model, batches, warmup=1):
-    """Real tokens/s of the target's plain forward (model.model, no hooks, no writes) on these
-    (seq_ids, input_ids, attention_mask) batches; the first `warmup` batches are run untimed."""
-    base = _base_model(model)
-    batches = list(batches)
-    device = base.embed_tokens.weight.device
-    for _, ids, mask in batches[:warmup]:
-        base(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
-    timed = batches[warmup:] or batches
-    _sync(device)
-    t0, tokens = time.perf_counter(), 0
-    for _, ids, mask in timed:
-        base(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=False)
-        tokens += int(mask.sum())
-    _sync(device)
-    return tokens / (time.perf_counter() - t0)
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ---------------------------------------------------------------------------
@@ -254,14 +186,20 @@ def shard_name(first_sequence):
     return f"shard_{first_sequence:09d}.safetensors"
 
 
-_ST_DTYPES = {
-    torch.int32: "I32",
-    torch.uint8: "U8",
-    torch.int64: "I64",
-    torch.bfloat16: "BF16",
-    torch.float16: "F16",
-    torch.float32: "F32",
+# safetensors' dtype names (the shards use six of them)
+_SAFETENSORS_DTYPES = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
 }
+_ST_DTYPES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
 
 
 def _safetensors_chunks(tensors, metadata):
@@ -369,20 +307,6 @@ def read_shard(path, expected_sha256=None):
     return t
 
 
-_SAFETENSORS_DTYPES = {
-    "BF16": torch.bfloat16,
-    "F16": torch.float16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-}
-
-
 def _tensor_views(data: bytearray, base: int, header: dict) -> dict:
     """The tensors of a safetensors file held in `data`, as views of it (safetensors' load(bytes) copies each
     tensor again; a shard is up to GBs and the trainer reads one every few steps)."""
@@ -459,7 +383,7 @@ def verify_and_repair(out_dir, check_sha256=True):
 
 
 # ---------------------------------------------------------------------------
-# extract
+# the writer
 
 
 def _check_contract(out_dir, contract):
@@ -514,23 +438,6 @@ def _start_manifest(out_dir, tok, aux_layer_ids, hidden_size, store_dtype, shard
     return manifest
 
 
-def _extract_shard(model, tok, lengths, first, end, aux_layer_ids, batch_tokens, store_dtype, hidden_size, bar):
-    """The hf backend's states for sequences [first, end): aux [n, k*H] and final [n, H] in store_dtype."""
-    starts = tok["seq_starts"]
-    base, n = int(starts[first]), int(starts[end] - starts[first])
-    aux_buf = torch.empty(n, len(aux_layer_ids) * hidden_size, dtype=store_dtype)
-    final_buf = torch.empty(n, hidden_size, dtype=store_dtype)
-    for seq_ids, ids, mask in _range_batches(tok, lengths, first, end, batch_tokens):
-        aux, final = capture_hidden_states(model, ids, mask, aux_layer_ids)
-        aux, final = aux.to(store_dtype).cpu(), final.to(store_dtype).cpu()
-        for b, s in enumerate(seq_ids):
-            a, m = int(starts[s]) - base, lengths[s]
-            aux_buf[a : a + m] = aux[b, :m]
-            final_buf[a : a + m] = final[b, :m]
-        bar.update(int(mask.sum()))
-    return aux_buf, final_buf
-
-
 def shard_tensors(tok, first, end, aux, final):
     """The tensors of the shard holding sequences [first, end), given their states in token order."""
     starts = tok["seq_starts"]
@@ -549,100 +456,8 @@ def shard_tensors(tok, first, end, aux, final):
     }
 
 
-def target_config_json(target_dir):
-    """(the text model's config dict, architecture) read from target_dir/config.json as JSON, without
-    importing the model's code (engines load the target in their own processes)."""
-    path = os.path.join(str(target_dir), "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"{path} not found: an engine backend needs the target as a local Hugging Face "
-            f"folder (the embedded target resolves to its cache folder)"
-        )
-    with open(path) as f:
-        cfg = json.load(f)
-    return (cfg.get("text_config") or cfg), (cfg.get("architectures") or ["?"])[0]
-
-
-class HFCapture:
-    """The hf backend (the default and the reference): one forward of the Hugging Face model per
-    batch, hooks on the aux layers (capture_hidden_states). The engine backends (extract_vllm,
-    extract_sglang) have the same interface, so every backend writes shards through extract_with.
-
-        name, hidden_size, vocab_size   what the shards and the input check need
-        with capture: ...               an engine that can stays up across the extract_with calls inside
-        session(tok, lengths, plan, out_dir)
-                                        context manager around all shards of one call (engines start there)
-        shard(tok, lengths, first, end, store_dtype, bar)
-                                        -> (aux [n, k*H], final [n, H]) in store_dtype, in token order
-        stats()                         this call's backend figures (engine start, plain prefill, ...); its
-                                        `excluded_s` is session time that is not capture (start-up, checks)
-    """
-
-    name = "hf"
-
-    def __init__(self, model, aux_layer_ids, batch_tokens=4096):
-        self.model, self.aux_layer_ids, self.batch_tokens = model, [int(i) for i in aux_layer_ids], batch_tokens
-        self.vocab_size, self.hidden_size = _base_model(model).embed_tokens.weight.shape
-
-    def __enter__(self):  # engines keep one engine running across the calls inside `with capture:`
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def session(self, tok, lengths, plan, out_dir):
-        return contextlib.nullcontext()
-
-    def shard(self, tok, lengths, first, end, store_dtype, bar):
-        return _extract_shard(
-            self.model,
-            tok,
-            lengths,
-            first,
-            end,
-            self.aux_layer_ids,
-            self.batch_tokens,
-            store_dtype,
-            self.hidden_size,
-            bar,
-        )
-
-    def stats(self):
-        return {}
-
-
-def extract(
-    model,
-    tokens,
-    aux_layer_ids,
-    out_dir,
-    contract,
-    batch_tokens=4096,
-    shard_max_tokens=None,
-    store_dtype=torch.bfloat16,
-    progress=True,
-    free_bytes=None,
-    verify_existing=True,
-):
-    """Capture aux + final hidden states for every sequence with the Hugging Face model (the hf
-    backend) and write them as shards in out_dir; see extract_with."""
-    return extract_with(
-        HFCapture(model, aux_layer_ids, batch_tokens),
-        tokens,
-        aux_layer_ids,
-        out_dir,
-        contract,
-        batch_tokens=batch_tokens,
-        shard_max_tokens=shard_max_tokens,
-        store_dtype=store_dtype,
-        progress=progress,
-        free_bytes=free_bytes,
-        verify_existing=verify_existing,
-    )
-
-
 def extract_with(
-    capture,
+    capture: Capture,
     tokens,
     aux_layer_ids,
     out_dir,
@@ -654,8 +469,8 @@ def extract_with(
     free_bytes=None,
     verify_existing=True,
 ):
-    """Capture aux + final hidden states for every sequence through `capture` (a backend:
-    HFCapture, extract_vllm.VLLMCapture, extract_sglang.SGLangCapture) and write them as shards.
+    """Capture aux + final hidden states for every sequence through `capture` (a backend, see Capture)
+    and write them as shards.
 
     Resumes where an earlier call stopped (killed or not): shards the manifest lists and that
     verify are kept, bad or unlisted ones are redone. A complete extraction is not redone.
@@ -777,7 +592,7 @@ class ShardSet:
         self.verify = verify
         self.manifest = load_manifest(out_dir)
         if self.manifest is None:
-            raise FileNotFoundError(f"{out_dir}: no {MANIFEST}; expected the output folder of extract()")
+            raise FileNotFoundError(f"{out_dir}: no {MANIFEST}; expected the output folder of extract_with()")
         path = os.path.join(out_dir, CONTRACT)
         self.contract = None
         if os.path.exists(path):
@@ -833,110 +648,3 @@ class ShardSet:
     def verify_all(self) -> int:
         """Read every shard once (sha256 and shape checks); returns the number of sequences."""
         return sum(self.load(i)["seq_starts"].numel() - 1 for i in range(len(self.shards)))
-
-
-# ---------------------------------------------------------------------------
-# comparing backends
-
-
-def _tolerance(dtype):
-    return {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}.get(dtype, 5e-2)
-
-
-def compare_shard_sets(engine_dir, reference_dir, lm_head=None, rel_tol=None, chunk=2048):
-    """Per-layer agreement of two extractions of the same tokens (an engine backend against hf).
-
-    For each aux slot (our id) and the final state: max_abs (largest |a-b|), max_ref (largest |b|),
-    max_rel = max_abs / max_ref, rel_rms = ||a-b|| / ||b||, min_cos (the worst token's cosine).
-    With lm_head [V, H]: argmax_agree, the share of tokens whose lm_head(final) argmax is equal.
-    ok: same tokens, every rel_rms <= rel_tol (default by dtype: fp32 1e-4, fp16 1e-2, bf16 5e-2).
-    """
-    a_set, b_set = ShardSet(engine_dir), ShardSet(reference_dir)
-    ids = a_set.manifest["aux_layer_ids"]
-    if ids != b_set.manifest["aux_layer_ids"]:
-        raise ValueError(f"aux ids differ: {engine_dir} has {ids}, {reference_dir} {b_set.manifest['aux_layer_ids']}")
-    names = [f"aux_{i}" for i in ids] + ["final"]
-    acc = {n: {"max_abs": 0.0, "max_ref": 0.0, "sq_diff": 0.0, "sq_ref": 0.0, "min_cos": 1.0} for n in names}
-    agree = total = 0
-    seqs = 0
-    for (ia, ma, aa, fa), (ib, mb, ab, fb) in zip(a_set, b_set):
-        if not (torch.equal(ia, ib) and torch.equal(ma, mb)):
-            raise ValueError(
-                f"sequence {seqs}: the two extractions hold different tokens; compare extractions of the same inputs"
-            )
-        seqs += 1
-        H = fa.shape[1]
-        parts = [(aa[:, k * H : (k + 1) * H], ab[:, k * H : (k + 1) * H]) for k in range(len(ids))] + [(fa, fb)]
-        for n, (x, y) in zip(names, parts):
-            x, y = x.double(), y.double()
-            d = x - y
-            r = acc[n]
-            r["max_abs"] = max(r["max_abs"], float(d.abs().max()))
-            r["max_ref"] = max(r["max_ref"], float(y.abs().max()))
-            r["sq_diff"] += float((d * d).sum())
-            r["sq_ref"] += float((y * y).sum())
-            r["min_cos"] = min(r["min_cos"], float(torch.nn.functional.cosine_similarity(x, y, dim=-1).min()))
-        if lm_head is not None:
-            w = lm_head.float()
-            for s in range(0, fa.shape[0], chunk):
-                la = fa[s : s + chunk].to(w.device, torch.float32) @ w.T
-                lb = fb[s : s + chunk].to(w.device, torch.float32) @ w.T
-                agree += int((la.argmax(-1) == lb.argmax(-1)).sum())
-                total += la.shape[0]
-    if seqs != len(b_set) or seqs != len(a_set):
-        raise ValueError(f"{engine_dir} holds {len(a_set)} sequences, {reference_dir} {len(b_set)}; expected the same")
-    dtype = next(iter(a_set))[2].dtype if len(a_set) else torch.float32
-    tol = _tolerance(dtype) if rel_tol is None else rel_tol
-    layers = {}
-    for n in names:
-        r = acc[n]
-        layers[n] = {
-            "max_abs": r["max_abs"],
-            "max_ref": r["max_ref"],
-            "max_rel": r["max_abs"] / max(r["max_ref"], 1e-30),
-            "rel_rms": (r["sq_diff"] / max(r["sq_ref"], 1e-300)) ** 0.5,
-            "min_cos": r["min_cos"],
-        }
-    out = {
-        "sequences": seqs,
-        "tokens": a_set.num_tokens,
-        "dtype": str(dtype).removeprefix("torch."),
-        "rel_tol": tol,
-        "layers": layers,
-        "ok": all(v["rel_rms"] <= tol for v in layers.values()),
-    }
-    if lm_head is not None:
-        out["argmax_agree"] = agree / max(1, total)
-    return out
-
-
-@torch.inference_mode()
-def layer_probe(model, engine_dir, aux_layer_ids, max_sequences=8):
-    """Which HF layer each of an engine's aux slots really holds: rel_rms of slot k against HF
-    hidden_states[i-1], [i], [i+1] (i = the id it should hold) on the first sequences. An
-    off-by-one id translation shows as a best match at i-1 or i+1."""
-    base = _base_model(model)
-    n_layers = len(base.layers)
-    cands = sorted({j for i in aux_layer_ids for j in (i - 1, i, i + 1) if 0 <= j < n_layers})
-    sq = {(k, j): [0.0, 0.0] for k in range(len(aux_layer_ids)) for j in cands}
-    device = base.embed_tokens.weight.device
-    for s, (ids, _, aux, _) in enumerate(ShardSet(engine_dir)):
-        if s >= max_sequences:
-            break
-        ref, _ = capture_hidden_states(
-            model, ids.long()[None].to(device), torch.ones(1, len(ids), dtype=torch.long, device=device), cands
-        )
-        ref = ref[0].double().cpu()
-        H = ref.shape[1] // len(cands)
-        for k in range(len(aux_layer_ids)):
-            x = aux[:, k * H : (k + 1) * H].double()
-            for c, j in enumerate(cands):
-                y = ref[:, c * H : (c + 1) * H]
-                sq[(k, j)][0] += float(((x - y) ** 2).sum())
-                sq[(k, j)][1] += float((y * y).sum())
-    slots = []
-    for k, i in enumerate(aux_layer_ids):
-        errs = {j: (sq[(k, j)][0] / max(sq[(k, j)][1], 1e-300)) ** 0.5 for j in cands if abs(j - i) <= 1}
-        best = min(errs, key=errs.get)
-        slots.append({"want": int(i), "best": int(best), "rel_rms": {str(j): e for j, e in errs.items()}})
-    return {"slots": slots, "ok": all(x["want"] == x["best"] for x in slots)}

@@ -5,7 +5,7 @@ with it (pass --tensor-parallel-size in engine.extra_args on GPUs). vLLM runs in
 (engine.python, default .venv-vllm), so the capture runs there as a subprocess, eagle3lib/engines/inside/vllm_capture.py,
 one per extraction call: it starts vllm.LLM once and then captures shard after shard on request (one JSON
 line each way; token ids in and hidden states out through files in the stage's folder). The shards are
-written here by extract.extract_with, the same writer, manifest, contract and resume as the hf backend.
+written here by shards.extract_with, the same writer, manifest, contract and resume as the hf backend.
 
 What vLLM 0.32.0 returns and how it maps to ours (read in its source):
 - `speculative_config={"method": "extract_hidden_states", "num_speculative_tokens": 1,
@@ -47,7 +47,8 @@ from safetensors.torch import load_file, save_file
 
 from eagle3lib.engines.interpreter import INSIDE, engine_env, engine_python
 from eagle3lib.engines.server import GUARD, alive_in_group, log_tail
-from eagle3lib.extract import shards
+from eagle3lib.extract.backends import target_config_json
+from eagle3lib.extract.shards import plan_batches
 
 SCRIPT = INSIDE / "vllm_capture.py"
 PREFIX = "@@eagle3lib "
@@ -139,7 +140,7 @@ class _Worker:
 
 
 class VLLMCapture:
-    """The vllm backend for extract.extract_with (interface: extract.HFCapture)."""
+    """The vllm backend for shards.extract_with (a shards.Capture)."""
 
     name = "vllm"
 
@@ -157,7 +158,7 @@ class VLLMCapture:
         timeout_s=1800,
     ):
         self.target_dir, self.aux_layer_ids = str(target_dir), [int(i) for i in aux_layer_ids]
-        text, self.architecture = shards.target_config_json(target_dir)
+        text, self.architecture = target_config_json(target_dir)
         self.hidden_size, self.vocab_size = int(text["hidden_size"]), int(text["vocab_size"])
         self.num_layers = int(text["num_hidden_layers"])
         self.eps = float(text.get("rms_norm_eps", 1e-6))
@@ -219,7 +220,7 @@ class VLLMCapture:
         stats = {}
         if self.prefill_benchmark_batches:
             lengths = (tok["seq_starts"][1:] - tok["seq_starts"][:-1]).tolist()
-            batches = shards.plan_batches(lengths, [s for a, b in plan for s in range(a, b)], self.batch_tokens)
+            batches = plan_batches(lengths, [s for a, b in plan for s in range(a, b)], self.batch_tokens)
             batches = batches[: self.prefill_benchmark_batches + 1]
             if len(batches) >= 2:
                 r = self.measure_plain_prefill(tok, [s for b in batches for s in b], len(batches[0]), log_dir)

@@ -104,7 +104,7 @@ def shard_sequences(shards, seed: int, epoch: int, shuffle: bool = True, prefetc
 
 def online_sequences(model, tokens: dict, aux_layer_ids, seed: int, epoch: int, shuffle: bool = True):
     """Sequences with the target's states computed now (train.source: online), one forward each."""
-    from eagle3lib.extract.shards import capture_hidden_states
+    from eagle3lib.extract.hf import capture_hidden_states
 
     starts = tokens["seq_starts"].tolist()
     order = epoch_order(len(starts) - 1, seed, epoch) if shuffle else range(len(starts) - 1)
