@@ -49,6 +49,17 @@ def test_accuracy_explorer_follows_the_slider():
     assert all(s in static for s in ("0.011", "0.612", "0.733", "est. len @5"))
 
 
+def test_one_validation_per_position_and_per_depth():
+    ev = evals()[2]["eval"]  # trained 3 steps ahead, estimated to depth 16
+    rows = widgets.per_position_rows(ev)
+    assert [r["position"] for r in rows] == [1, 2, 3] and rows[1]["cond_acc"] == 0.6
+    assert rows[2]["joint_acc"] == pytest.approx(0.733 * 0.6 * 0.5)
+    at = widgets.est_accept_len_at(ev)
+    assert list(at) == ["depth 1", "depth 3"] + [f"depth {d} (extrapolated)" for d in (5, 7, 10, 16)]
+    assert at["depth 1"] == pytest.approx(1.733) and at["depth 3"] == ev["est_accept_len"]["3"]
+    assert widgets.est_accept_len_at(ev, depths=(2, 40)) == {"depth 2": ev["est_accept_len"]["2"]}
+
+
 def prov():
     """A provenance record as replay_prompts writes it: two prompts, depths 2 and 5."""
 

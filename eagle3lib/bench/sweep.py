@@ -128,6 +128,14 @@ def compare_outputs(outputs: list[dict], baseline: list[dict]) -> dict:
     return {"lossless_frac": 1 - len(diffs) / len(outputs), "differences": diffs}
 
 
+def preflight(engine_params, target_dir, draft_dir, depths) -> None:
+    """Before any launch: SGLang's own ServerArgs resolution of the launch flags at each depth (EngineError
+    lists the problems); vLLM's flags need no resolving ahead."""
+    if engine_params.name == "sglang":
+        for d in depths:
+            engines.sglang.preflight(target_dir, draft_dir, d, engines.python_for(engine_params))
+
+
 def benchmark(
     engine_params,
     bench_params,
@@ -201,6 +209,13 @@ def benchmark(
         "lossless_reference": f"baseline (no speculation) at the same concurrency, dtype {dtype or 'engine default (bf16 on CPU)'}",
         "seconds": round(time.time() - started, 1),
     }
+
+
+def lowest_concurrency_baseline(swept: dict) -> list[dict]:
+    """benchmark()'s no-speculation outputs at the lowest concurrency: what a replay of the same prompts,
+    greedy and one at a time, must reproduce."""
+    outputs = swept["baseline_outputs"]
+    return outputs[min(outputs, key=int)]
 
 
 # ------------------------------------------------------------------------------ report ----

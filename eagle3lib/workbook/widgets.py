@@ -70,10 +70,9 @@ def training_evals(log_path, initial: dict | None = None) -> list[dict]:
     return out
 
 
-def accuracy_html(ev: dict, title: str = "") -> str:
-    """One validation: the accuracy-versus-depth figure, the per-position table and the estimated
-    acceptance length per depth (extrapolated depths marked)."""
-    per_pos = [
+def per_position_rows(ev: dict) -> list[dict]:
+    """One validation's accuracy per draft position, a row per position."""
+    return [
         {
             "position": k + 1,
             "step_acc": ev["step_acc"][k],
@@ -82,6 +81,20 @@ def accuracy_html(ev: dict, title: str = "") -> str:
         }
         for k in range(len(ev["step_acc"]))
     ]
+
+
+def est_accept_len_at(ev: dict, depths=(1, 3, 5, 7, 10, 16)) -> dict:
+    """{"depth d": estimated acceptance length} at those of `depths` the validation has; depths beyond the
+    trained steps are marked extrapolated."""
+    extra = set(ev.get("extrapolated_depths", []))
+    shown = sorted({int(d) for d in ev["est_accept_len"]} & set(depths))
+    return {f"depth {d}" + (" (extrapolated)" if d in extra else ""): ev["est_accept_len"][str(d)] for d in shown}
+
+
+def accuracy_html(ev: dict, title: str = "") -> str:
+    """One validation: the accuracy-versus-depth figure, the per-position table and the estimated
+    acceptance length per depth (extrapolated depths marked)."""
+    per_pos = per_position_rows(ev)
     extra = set(ev.get("extrapolated_depths", []))
     est = [
         {"depth": int(d), "est. acceptance length": v, "": "extrapolated" if int(d) in extra else ""}

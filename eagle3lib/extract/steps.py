@@ -1,0 +1,86 @@
+"""The 01_extract notebook's steps that are more than one call: the tokens' check against the target, every
+split through one capture, the overhead against a plain prefill, the read-back and the stage's result."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eagle3lib import target
+from eagle3lib.extract import backends, shards
+from eagle3lib.prepare import conversations
+
+
+def check_tokens_match(contract: dict, prep_dir: Path) -> None:
+    """The tokens were made with this target's tokenizer and chat template (00_prepare's eagle3.json);
+    refuse anything else."""
+    prep_dir = Path(prep_dir)
+    target.check_contract(
+        {k: contract[k] for k in ("target_fingerprint", "chat_template_hash", "vocab_size")},
+        target.read_contract(prep_dir),
+        str(prep_dir / target.CONTRACT_FILE),
+    )
+
+
+def extract_splits(p, setup: dict, capture, prep_dir: Path, out: Path) -> dict:
+    """extract.splits' tokens (prep_dir/<split>.safetensors) through `capture` into out/<split>/ shards, one
+    after the other with the capture open once (an engine that can stays up for all splits); {split: result}."""
+    results = {}
+    with capture:
+        for split in p.extract.splits:
+            results[split] = shards.extract_with(
+                capture,
+                conversations.load_tokens(Path(prep_dir) / f"{split}.safetensors"),
+                setup["aux_ids"],
+                Path(out) / split,
+                setup["contract"],
+                batch_tokens=p.extract.batch_tokens,
+                shard_max_tokens=p.extract.shard_max_tokens,
+                store_dtype=target.torch_dtype(p.extract.store_dtype),
+            )
+    return results
+
+
+def capture_over_plain_prefill(p, setup: dict, capture, prep_dir: Path, results: dict, log_dir=None):
+    """(plain prefill tokens/s, extraction / plain prefill) on the train split's first batches: hf, the target's
+    plain forward; vllm / sglang, the same engine's plain prefill. Both go into results["train"] too."""
+    tokens = conversations.load_tokens(Path(prep_dir) / "train.safetensors")
+    train = results.get("train", {})
+    plain = backends.plain_prefill_tokens_per_s(p, setup, capture, tokens, train, log_dir=log_dir)
+    ratio = train.get("tokens_per_s") / plain if plain and train.get("tokens_per_s") else None
+    train.update(plain_prefill_tokens_per_s=plain, capture_over_plain_prefill=ratio)
+    return plain, ratio
+
+
+def verify(out: Path, results: dict) -> None:
+    """Read every split's shards back once (checksums and shapes); each must hold all its sequences."""
+    for split, r in results.items():
+        found = shards.ShardSet(Path(out) / split).verify_all()
+        if found != r["total_sequences"]:
+            raise shards.ShardError(f"{split}: {found} sequences read back, expected {r['total_sequences']}")
+
+
+def result(results: dict, plain_tokens_per_s, ratio, aux_ids: list[int], store_dtype: str) -> dict:
+    """The stage's result for Stage.save: figures, the index's headline, the artifacts that must exist."""
+    train = results.get("train", {})
+    total = {
+        "sequences": sum(r["total_sequences"] for r in results.values()),
+        "tokens": sum(r["total_tokens"] for r in results.values()),
+        "bytes": sum(r["bytes"] for r in results.values()),
+    }
+    figures = {
+        "splits": results,
+        "forward_tokens_per_s": plain_tokens_per_s,
+        "capture_over_forward": ratio,
+        "aux_layer_ids": aux_ids,
+        "store_dtype": store_dtype,
+        **total,
+        "bytes_per_token": train.get("bytes_per_token"),
+        "tokens_per_s": train.get("tokens_per_s"),
+    }
+    headline = {
+        "tokens": total["tokens"],
+        "tokens/s": train.get("tokens_per_s"),
+        "vs forward": None if ratio is None else round(ratio, 2),
+        "MB": round(total["bytes"] / 1e6, 1),
+    }
+    return {"figures": figures, "headline": headline, "artifacts": [f"{s}/manifest.json" for s in results]}
