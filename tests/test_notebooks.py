@@ -1,5 +1,8 @@
-"""Stage notebooks: committed without outputs, thin, with a papermill parameters cell."""
+"""Stage notebooks: committed without outputs, thin (one import cell, calls, tables and plots), with a papermill
+parameters cell."""
 
+import ast
+import re
 from pathlib import Path
 
 import nbformat
@@ -31,10 +34,19 @@ def test_parameters_cell(path):
     assert nb.metadata["kernelspec"]["name"] == "python3"
 
 
+# Statements that are logic, not calls, tables and plots (a `with` that stops a server is a call's scope).
+LOGIC = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.For, ast.AsyncFor, ast.While, ast.If, ast.Try)
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_thin(path):
-    """Logic lives in eagle3lib: no function or class definitions in notebooks."""
+    """Logic lives in eagle3lib: no definitions, loops or conditionals in notebooks; one cell imports, and
+    it opens the stage (eagle3lib, imported by it, sets OMP_WAIT_POLICY before anything imports torch)."""
     nb = nbformat.read(path, as_version=4)
-    for cell in nb.cells:
-        if cell.cell_type == "code":
-            assert "\ndef " not in "\n" + cell.source and "\nclass " not in "\n" + cell.source, path.name
+    code = [c.source for c in nb.cells if c.cell_type == "code" and "parameters" not in c.metadata.get("tags", [])]
+    for source in code:
+        logic = [type(n).__name__ for n in ast.walk(ast.parse(source)) if isinstance(n, LOGIC)]
+        assert not logic, f"{path.name}: {logic} in a cell; move it into eagle3lib:\n{source}"
+    importing = [s for s in code if any(isinstance(n, (ast.Import, ast.ImportFrom)) for n in ast.walk(ast.parse(s)))]
+    assert len(importing) == 1 and f'open_stage("{path.stem}", params_file, run_dir, overrides)' in importing[0]
+    assert not re.search(r"^(from|import) (torch|transformers)\b", importing[0], re.M), path.name
