@@ -85,13 +85,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _export_command(args) -> int:
-    from eagle3lib.convert import layouts
+    from eagle3lib.convert import gate, layouts
 
     try:
         if args.command == "convert":
             print(layouts.export(args.checkpoint, args.to, args.out, target=args.target))
             return 0
-        report = layouts.verify(args.folder, args.engine, target=args.target, python=args.python)
+        report = gate.verify(args.folder, args.engine, target=args.target, python=args.python)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

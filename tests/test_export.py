@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3lib.__main__ import main as cli
+from eagle3lib.convert import gate
 from eagle3lib.convert import layouts as ex
 from eagle3lib.drafter import Drafter, DrafterConfig
 from eagle3lib.engines.interpreter import engine_python, run_inside
@@ -155,7 +156,7 @@ def test_export_refuses_another_target(ckpt, tmp_path):
 
 
 def test_sglang_gate_passes_export(exports):
-    report = ex.check_sglang(exports["sglang"])
+    report = gate.check_sglang(exports["sglang"])
     assert report["ok"], report["problems"]
     assert report["counts"] == {"expected": 14, "loaded": 14, "skipped": 0, "missing": 0, "extra": 0}
 
@@ -183,7 +184,7 @@ BROKEN = {
 def test_sglang_gate_rejects_broken(exports, tmp_path, case):
     config, tensors, words = BROKEN[case]
     bad = edited(exports["sglang"], tmp_path / "bad", config=config, tensors=tensors)
-    report = ex.check_sglang(bad)
+    report = gate.check_sglang(bad)
     assert not report["ok"]
     assert any(words in p for p in report["problems"]), report["problems"]
 
@@ -203,13 +204,13 @@ def test_sglang_ids_follow_the_targets_rule(ckpt, tmp_path):
         15,
         27,
     ]
-    assert ex.check_sglang(out)["ok"]
+    assert gate.check_sglang(out)["ok"]
     llama_ids = edited(
         out,
         tmp_path / "llama-ids",
         config=lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[2, 14, 26]),
     )
-    report = ex.check_sglang(llama_ids)
+    report = gate.check_sglang(llama_ids)
     assert not report["ok"] and any("[2, 14, 26]" in p for p in report["problems"]), report["problems"]
 
 
@@ -236,7 +237,7 @@ def need(engine):
 @pytest.mark.parametrize("engine", ["vllm", "speculators"])
 def test_vllm_loads_export(ckpt, exports, engine):
     need("vllm")
-    report = ex.verify(exports[engine], "vllm", cache_dir=ckpt[1])
+    report = gate.verify(exports[engine], "vllm", cache_dir=ckpt[1])
     assert report["ok"], report["problems"]
     assert report["model_class"] == "Eagle3LlamaForCausalLM" and report["captured_hf_layers"] == AUX
     assert report["counts"] == {"expected": 11, "loaded": 11, "skipped": 0, "missing": 0, "extra": 0}
@@ -249,16 +250,16 @@ def test_vllm_rejects_broken(ckpt, exports, tmp_path):
         tmp_path / "renamed",
         tensors=lambda t: {k.replace("mlp.down_proj", "mlp.out_proj"): v for k, v in t.items()},
     )
-    report = ex.verify(bad, "vllm", cache_dir=ckpt[1])
+    report = gate.verify(bad, "vllm", cache_dir=ckpt[1])
     assert not report["ok"] and any("out_proj" in p for p in report["problems"]), report["problems"]
     nbr = edited(exports["speculators"], tmp_path / "nbr", config=lambda c: c.pop("norm_before_residual"))
-    report = ex.verify(nbr, "vllm", cache_dir=ckpt[1])
+    report = gate.verify(nbr, "vllm", cache_dir=ckpt[1])
     assert not report["ok"] and any("norm_before_residual" in p for p in report["problems"]), report["problems"]
 
 
 def test_sglang_server_args_resolve(ckpt, exports):
     py = need("sglang")
-    report = ex.verify(exports["sglang"], "sglang", cache_dir=ckpt[1], depth=5)
+    report = gate.verify(exports["sglang"], "sglang", cache_dir=ckpt[1], depth=5)
     assert report["ok"], report["problems"]
     assert report["server_args"]["resolved"]["speculative_num_draft_tokens"] == 6
     assert report["server_args"]["captured_hf_layers"] == AUX

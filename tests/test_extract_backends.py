@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from eagle3lib import params as P
-from eagle3lib.convert.layouts import check_sglang
+from eagle3lib.convert.gate import check_sglang
 from eagle3lib.engines import EngineError
 from eagle3lib.engines.interpreter import engine_env
 from eagle3lib.engines.sglang import SGLang, check_sglang_args, sglang_captured_ids, sglang_config_ids

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from eagle3lib import engines
 from eagle3lib.convert import layouts
+from eagle3lib.convert.gate import verify
 from eagle3lib.params import cache_dir
 
 # What the gate loads back: its name -> (the engine that loads it, the export it loads).
@@ -33,13 +34,13 @@ def export_all(p, checkpoint: Path, out: Path) -> dict[str, Path]:
 
 
 def gate(p, exports: dict) -> tuple[dict, dict]:
-    """Each export loaded back by its engine's own loader (layouts.verify). Returns (reports by gate name,
+    """Each export loaded back by its engine's own loader (convert.gate.verify). Returns (reports by gate name,
     not_checked: {name: why} for an engine not installed here). The engine this run serves with is always
     checked: its absence raises."""
     reports, not_checked = {}, {}
     for name, (engine, layout) in GATE.items():
         try:
-            reports[name] = layouts.verify(
+            reports[name] = verify(
                 exports[layout],
                 engine,
                 target=p.target.name,

