@@ -2,7 +2,7 @@
 
     __main__ (the CLI) -> workbook -> stages -> engines -> base -> engines/inside
 
-Stages are prepare, extract, train, convert, bench; a stage may import the stages before it in the pipeline
+Stages are prepare, extract, train, convert, deploy, bench; a stage may import the stages before it in the pipeline
 (train reads extract's shards), never one after it. The base modules (params, target, drafter, vocab, run_folder,
 the package itself) import no stage, engine or workbook module. engines/inside runs in an engine's own
 interpreter: the standard library, torch, safetensors and the engine it serves only, nothing of eagle3lib.
@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "eagle3lib"
-STAGES = ("prepare", "extract", "train", "convert", "bench")  # pipeline order
+STAGES = ("prepare", "extract", "train", "convert", "deploy", "bench")  # pipeline order
 BASE = ("__init__", "params", "target", "drafter", "vocab", "run_folder")
 # Known imports against the layers, each with why it is still there; empty when there are none.
 ALLOWED: set[tuple[str, str]] = set()

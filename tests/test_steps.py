@@ -1,5 +1,5 @@
 """The stage notebooks' steps and results in the library (prepare/steps.py, extract/steps.py, convert/steps.py,
-train/stage_result.py, bench/deploy.py, bench/benchmark.py), on small real inputs: the embedded target, a
+train/steps.py, deploy/steps.py, bench/steps.py), on small real inputs: the embedded target, a
 real drafter checkpoint, a real server process."""
 
 import json
@@ -12,9 +12,11 @@ from test_bench import ROWS
 from test_export import ckpt  # noqa: F401  (a real drafter checkpoint for the embedded target)
 
 from eagle3lib import engines, target
-from eagle3lib.bench import benchmark, deploy, sweep
+from eagle3lib.bench import steps as bench_steps
+from eagle3lib.bench import sweep
 from eagle3lib.convert import layouts
 from eagle3lib.convert import steps as convert_steps
+from eagle3lib.deploy import steps as deploy_steps
 from eagle3lib.engines import EngineError
 from eagle3lib.engines.interpreter import engine_python
 from eagle3lib.extract import backends, shards
@@ -22,7 +24,7 @@ from eagle3lib.extract import steps as extract_steps
 from eagle3lib.params import EngineParams, load_params
 from eagle3lib.prepare import conversations, regenerate
 from eagle3lib.prepare import steps as prepare_steps
-from eagle3lib.train import stage_result
+from eagle3lib.train import steps as train_steps
 from eagle3lib.train.metrics import acceptance_summary
 
 
@@ -145,8 +147,8 @@ def test_train_result_and_overview():
         "drafter_params": 1234,
         "eval": ev,
     }
-    assert stage_result.overview(summary) == {k: v for k, v in summary.items() if k != "eval"}
-    r = stage_result.result(summary)
+    assert train_steps.overview(summary) == {k: v for k, v in summary.items() if k != "eval"}
+    r = train_steps.result(summary)
     assert r["figures"] is summary and r["artifacts"][0] == "drafter/model.safetensors"
     assert r["headline"] == {
         "est. accept len @5": ev["est_accept_len"]["5"],
@@ -228,8 +230,8 @@ def test_deploy_checks_the_group_is_gone_and_records_the_server(tmp_path):
     server = engines.Server([sys.executable, str(script)], tmp_path / "engine-depth3.log", start_timeout_s=60)
     with server:
         with pytest.raises(RuntimeError, match=r"survived stop\(\); expected none. Kill them: kill \d+"):
-            deploy.check_stopped(server)  # still serving
-    assert deploy.check_stopped(server) == []
+            deploy_steps.check_stopped(server)  # still serving
+    assert deploy_steps.check_stopped(server) == []
     smoke = {
         "completion_tokens": 32,
         "tokens_per_s": 12.345,
@@ -239,7 +241,7 @@ def test_deploy_checks_the_group_is_gone_and_records_the_server(tmp_path):
         "drafts": 10,
         "outputs": [{"id": "b0", "text": "One, two"}],
     }
-    r = deploy.result(server, smoke, "vllm", 3, None, [])
+    r = deploy_steps.result(server, smoke, "vllm", 3, None, [])
     assert r["figures"]["log"] == "engine-depth3.log" and r["figures"]["logs"] == ["engine-depth3.log"]
     assert r["figures"]["command"] == server.command and r["figures"]["url"] == server.url
     assert r["figures"]["smoke"] == {k: v for k, v in smoke.items() if k != "outputs"} | {"text": "One, two"}
@@ -274,19 +276,19 @@ def test_benchmark_texts_and_result():
     s = swept(rows)
     rec = sweep.recommend(rows, "/models/t", {"vllm": "/x/vllm", "sglang": "/x/sglang"})
     assert sweep.lowest_concurrency_baseline(s) == s["baseline_outputs"]["1"]
-    text = benchmark.losslessness_text(s)
+    text = bench_steps.losslessness_text(s)
     assert text.splitlines()[:2] == [
         f"reference: {s['lossless_reference']}",
         "baseline agreement across concurrency: 0.5",
     ]
     assert "- a depth 5 concurrency 8: first different token 1\n    baseline:    'ab'\n    speculative: 'aX'" in text
-    assert benchmark.losslessness_text(s | {"differences": []}).endswith("equals the baseline's, token for token")
-    text = benchmark.recommendation_text(rec)
+    assert bench_steps.losslessness_text(s | {"differences": []}).endswith("equals the baseline's, token for token")
+    text = bench_steps.recommendation_text(rec)
     assert text.startswith("concurrency 1: depth5 at 56.0 tokens/s (2.0x the baseline)\n  vLLM:   ")
     assert "concurrency 8: baseline" in text and text.count("SGLang: ") == 2
 
     replayed = {"target_dtype": "float32", "summary": {"5": {"accept_len": 2.3456}}}
-    r = benchmark.result(s, rec, replayed, 4, 32)
+    r = bench_steps.result(s, rec, replayed, 4, 32)
     assert r["headline"] == {
         "best speedup": "2.00x (depth5, concurrency 1)",
         "acceptance length": 2.4,
@@ -298,7 +300,7 @@ def test_benchmark_texts_and_result():
     assert f["sweep_seconds"] == 12.5 and f["prompts"] == 4 and f["max_tokens"] == 32
     assert f["logs"] == ["vllm-baseline.log", "vllm-depth5.log"] and f["replay"] == replayed
     assert r["artifacts"][-1] == "provenance.json"
-    baseline_only = benchmark.result(swept(rows[:1]), {}, replayed, 4, 32)["headline"]
+    baseline_only = bench_steps.result(swept(rows[:1]), {}, replayed, 4, 32)["headline"]
     assert baseline_only["best speedup"] is None and baseline_only["lossless"] == "100%"
 
 
