@@ -159,6 +159,11 @@ def bench_acceptance(rows: list[dict]):
     return fig
 
 
+def _by_position(ax, values, fmt: str, **style) -> None:
+    """One series over draft positions 1..len(values)."""
+    ax.plot(range(1, len(values) + 1), values, fmt, **style)
+
+
 def bench_per_position(rows: list[dict], eval_summary: dict | None = None):
     """Per-position acceptance (engine: accepted at position k / drafts = joint_acc[k]) per depth, against
     training's joint_acc (predicted, extrapolated past the trained steps) and step_acc."""
@@ -166,30 +171,14 @@ def bench_per_position(rows: list[dict], eval_summary: dict | None = None):
     spec = [r for r in rows if r["depth"] and r.get("per_pos")]
     c0 = min((r["concurrency"] for r in spec), default=None)
     for i, r in enumerate(sorted((r for r in spec if r["concurrency"] == c0), key=lambda r: -r["depth"])):
-        ax.plot(
-            range(1, len(r["per_pos"]) + 1),
-            r["per_pos"],
-            "o-",
-            color=f"C{i}",
-            ms=4,
-            label=f"measured, depth {r['depth']} (concurrency {c0})",
+        _by_position(
+            ax, r["per_pos"], "o-", color=f"C{i}", ms=4, label=f"measured, depth {r['depth']} (concurrency {c0})"
         )
     longest = max((r for r in rows if r.get("predicted_per_pos")), key=lambda r: r["depth"], default=None)
     if longest:
-        ax.plot(
-            range(1, len(longest["predicted_per_pos"]) + 1),
-            longest["predicted_per_pos"],
-            "k--",
-            label="predicted joint_acc (training)",
-        )
+        _by_position(ax, longest["predicted_per_pos"], "k--", label="predicted joint_acc (training)")
     if eval_summary:
-        ax.plot(
-            range(1, len(eval_summary["step_acc"]) + 1),
-            eval_summary["step_acc"],
-            "s:",
-            color="grey",
-            label="training step_acc",
-        )
+        _by_position(ax, eval_summary["step_acc"], "s:", color="grey", label="training step_acc")
     ax.set_xlabel("draft position")
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_ylabel("acceptance (share of drafts)")
