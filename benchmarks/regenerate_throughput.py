@@ -7,7 +7,7 @@ Both modes send the same conversations to the same running server with the same 
 allowed in flight (--window), after a warm-up. waves: what hf does, a wave of turns at a time, the next wave after the
 wave's longest reply; window: data.regenerate's engine mode, each conversation on to its next turn as soon
 as its reply is back. Prints generated tokens/s of each, their ratio, and whether their records are identical
-(with --dtype float32 they must be; bf16 kernels round differently by batch shape, DESIGN.md §3).
+(with --dtype float32 they must be; bf16 kernels round differently by batch shape, docs/design.md §3).
 """
 
 import argparse

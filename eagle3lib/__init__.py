@@ -3,7 +3,7 @@
 import os
 
 # torch's default OpenMP spinning is 5-19x slower on a loaded 2-core machine
-# (DESIGN.md §3); it must be set before torch is first imported.
+# (docs/design.md §3); it must be set before torch is first imported.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 __version__ = "0.1.0"

@@ -42,7 +42,7 @@ class DrafterConfig:
     vocab_size: int  # the target's
     draft_vocab_size: int
     target_hidden_size: int
-    aux_layer_ids: list[int]  # HF hidden_states indexing (DESIGN.md §4)
+    aux_layer_ids: list[int]  # HF hidden_states indexing (docs/design.md §4)
     rms_norm_eps: float = 1e-5
     hidden_act: str = "silu"
     max_position_embeddings: int = 8192

@@ -1,6 +1,6 @@
 """The target model: load it (HF folder, hub id, or the embedded SmolLM2), aux-layer ids, the target contract.
 
-Aux layer ids use Hugging Face `hidden_states` indexing (DESIGN.md §4): id i is the residual
+Aux layer ids use Hugging Face `hidden_states` indexing (docs/design.md §4): id i is the residual
 stream after i decoder layers, 0 is the embeddings, L (the last one) the final pre-norm state.
 
 The contract (`eagle3.json`) is written beside every shard set and checkpoint; later stages

@@ -1,7 +1,7 @@
 import os
 from pathlib import Path
 
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported (DESIGN.md §3)
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # before torch is imported (docs/design.md §3)
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Draft vocabulary and the acceptance metrics (DESIGN.md §5)."""
+"""Draft vocabulary and the acceptance metrics (docs/design.md §5)."""
 
 import pytest
 import torch

@@ -13,7 +13,7 @@ Hugging Face target, one sequence at a time:
 The output is therefore the target's greedy decoding, token for token (tests/test_provenance.py checks it
 against one-token-at-a-time decoding and `generate`). Each token carries a source: k in 1..depth = the draft
 token accepted at chain position k; 0 (TARGET) = the target's own token (prefill or verification).
-Acceptance length = 1 + accepted drafts / verify steps, which is what vLLM reports (DESIGN.md §5), and
+Acceptance length = 1 + accepted drafts / verify steps, which is what vLLM reports (docs/design.md §5), and
 per_pos[k] = verify steps whose first k+1 drafts were accepted / verify steps (= joint_acc[k]).
 """
 
@@ -70,7 +70,7 @@ def target_forward(model, ids: list[int], cache, aux_layer_ids: list[int] | None
     """Run the target's decoder on `ids` after what `cache` (a transformers DynamicCache) holds, appending to it.
     Returns (final hidden states [len(ids), H] after the final norm: the lm_head of row i gives the logits at
     i, see `greedy_at`; aux states [1, len(ids), 3H] or None). Aux ids use HF hidden_states indexing: id i =
-    the input of decoder layer i (DESIGN.md §4)."""
+    the input of decoder layer i (docs/design.md §4)."""
     base = _base(model)
     captured, handles = {}, []
 

@@ -1,4 +1,4 @@
-"""Depth sweeps against a no-speculation baseline (issue 5, DESIGN.md §5).
+"""Depth sweeps against a no-speculation baseline (issue 5, docs/design.md §5).
 
 Configurations: the baseline (no speculation), then each depth in bench.depths in order. A depth is a
 launch flag, so each configuration gets its own server (restarted); inside one server every
@@ -9,7 +9,7 @@ Prompts: the prepare stage's held-out bench split up to its first reply, rendere
 chat template and sent as token ids (every engine sees the same tokens); greedy, ignore_eos,
 fixed max_tokens. Losslessness: the share of prompts whose output tokens equal the baseline's at the
 same concurrency (in bf16 the kernels of a batch of 1 and of a verify step round differently, so
-run with bench.dtype float32 to check it token for token; DESIGN.md §3).
+run with bench.dtype float32 to check it token for token; docs/design.md §3).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def prompt_ids(tokenizer, bench: list[dict], n: int) -> list[dict]:
 
 
 def predicted(eval_summary: dict, depth: int) -> dict:
-    """Acceptance a chain of `depth` should get from the training eval's cond_acc (DESIGN.md §5):
+    """Acceptance a chain of `depth` should get from the training eval's cond_acc (docs/design.md §5):
     per_pos[k] = joint_acc[k] = Π_{j≤k} cond_acc[j] (positions past the trained steps reuse the last
     cond_acc), accept_len = 1 + Σ per_pos."""
     cond = list(eval_summary["cond_acc"])

@@ -1,7 +1,7 @@
 """Canonical drafter checkpoint -> SGLang / vLLM / speculators layouts, and imports back (the load-back
 gate, which checks an export with the engine's own code, is gate.py).
 
-Layouts (DESIGN.md §4), all with the same tensors and values, only names and config differ:
+Layouts (docs/design.md §4), all with the same tensors and values, only names and config differ:
     canonical    layers.0.*, fc, norm, lm_head, d2t, t2d; config.json with our aux ids (HF hidden_states)
     sglang       layers.0. -> midlayer. (every SGLang release binds midlayer.*; releases before the
                  layers.0 rename drop layers.0.* without a word: acceptance length 1.0);

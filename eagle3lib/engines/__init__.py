@@ -1,4 +1,4 @@
-"""Engine servers behind one small interface (DESIGN.md §2).
+"""Engine servers behind one small interface (docs/design.md §2).
 
     server = engines.make(p.engine, target_dir, draft_dir, depth, log_dir)   # not started
     with server:                        # start(): free port (or engine.port), health wait, log file

@@ -65,7 +65,7 @@ def sglang_captured_ids(config_ids, architecture: str | None, num_layers: int) -
 
 
 def sglang_launch_args(draft_dir, depth: int) -> list[str]:
-    """SGLang flags for a chain of `depth` drafted tokens with top-k 1 (DESIGN.md §5)."""
+    """SGLang flags for a chain of `depth` drafted tokens with top-k 1 (docs/design.md §5)."""
     return [
         "--speculative-algorithm",
         "EAGLE3",
@@ -168,7 +168,7 @@ def preflight(
 
 
 def aggregate_meta(metas: list[dict]) -> dict:
-    """Acceptance over requests from SGLang's per-request meta_info (DESIGN.md §5):
+    """Acceptance over requests from SGLang's per-request meta_info (docs/design.md §5):
     accept_len = Σ completion_tokens / Σ spec_verify_ct; per_pos[k] = share of verify steps that
     accepted more than k drafts (from spec_correct_drafts_histogram: entry n = steps with n correct)."""
     tokens = sum(m.get("completion_tokens", 0) for m in metas)

@@ -32,7 +32,7 @@ _POSITION = re.compile(r'position="(\d+)"')
 
 
 def vllm_launch_args(draft_dir, depth: int) -> list[str]:
-    """vLLM flags for `depth` speculative tokens (DESIGN.md §5)."""
+    """vLLM flags for `depth` speculative tokens (docs/design.md §5)."""
     spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": int(depth)}
     return ["--speculative-config", json.dumps(spec)]
 
@@ -57,7 +57,7 @@ def parse_metrics(text: str) -> dict:
 
 
 def stats_diff(before: dict, after: dict) -> dict:
-    """Counters accumulated between two readings, with the acceptance figures of DESIGN.md §5:
+    """Counters accumulated between two readings, with the acceptance figures of docs/design.md §5:
     accept_len = 1 + accepted / drafts; per_pos[k] = accepted at position k / drafts (= joint_acc[k])."""
     d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
     pos = [a - (before["per_pos"][i] if i < len(before["per_pos"]) else 0.0) for i, a in enumerate(after["per_pos"])]

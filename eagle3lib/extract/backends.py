@@ -10,7 +10,7 @@ hf loads the target here (the reference); the engine backends never do: a Kimi-s
 one process, so they read its config and tokenizer only and the engine loads the weights. The engine
 section of the params (python, extra_args, env, host, port, start_timeout_s) applies to the extraction
 engine when engine.name is the same engine; otherwise that engine's defaults are used (.venv-<engine>).
-Whatever the backend: the same shards, manifest, contract and HF hidden_states ids (DESIGN.md §4).
+Whatever the backend: the same shards, manifest, contract and HF hidden_states ids (docs/design.md §4).
 """
 
 from __future__ import annotations

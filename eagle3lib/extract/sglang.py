@@ -28,7 +28,7 @@ Both servers run with --disable-radix-cache (a cached prefix would not be recomp
 would be missing) and --chunked-prefill-size -1 (SGLang drops the hidden states of a prompt's
 middle chunks); a response whose row count differs from the prompt's length is refused.
 
-Layer ids (DESIGN.md §4): ours are HF hidden_states indices. SGLang 0.5.17 turns config ids j into
+Layer ids (docs/design.md §4): ours are HF hidden_states indices. SGLang 0.5.17 turns config ids j into
 captured HF indices in `set_eagle3_layers_to_capture`: Llama-like models j+1 always; DeepSeek-V2/V3
 (Kimi-K2.5) and GLM-4-MoE-Lite j+1 only when j[0] == 1, else j as given. engines/sglang.py holds that
 rule: sglang_config_ids inverts it per architecture, sglang_captured_ids replays it (tests check one

@@ -2,7 +2,7 @@
 
 Input is the prepare stage's flat token arrays: `input_ids` int32 [N], `loss_mask`
 uint8 [N], `seq_starts` int64 [S+1] (sequence s is input_ids[seq_starts[s]:seq_starts[s+1]]).
-Output, in one folder (DESIGN.md §4):
+Output, in one folder (docs/design.md §4):
 
     eagle3.json                 the target contract, written once, checked on resume
     manifest.json               shards in order: file, sha256, first_sequence, sequences, tokens, bytes

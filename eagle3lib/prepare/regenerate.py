@@ -234,7 +234,7 @@ def _in_window(job: _Job, engine, window: int):
     while conversations 0 .. i - window have spent less than the budget: a rule of the replies alone, not of
     timing. Records are written in input order. The replies themselves are the same in a rerun where the
     engine's kernels do not depend on batch shape (vLLM's CPU build in fp32; bf16 rounds by batch shape,
-    DESIGN.md §3). Returns (stopped_at, this_run)."""
+    docs/design.md §3). Returns (stopped_at, this_run)."""
     tokenizer, conversations, done = job.tokenizer, job.conversations, job.done
     lock = threading.Lock()
     reply = engine_reply(engine, tokenizer, job.max_new_tokens, job.eos_ids, lock)

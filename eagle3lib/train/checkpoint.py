@@ -21,7 +21,7 @@ OPTIMIZER_FILE = "optimizer.pt"
 
 
 def drafter_state(drafter: Drafter) -> dict:
-    """Canonical tensor names (DESIGN.md §4): layers.0.*, fc, norm, lm_head, d2t, t2d."""
+    """Canonical tensor names (docs/design.md §4): layers.0.*, fc, norm, lm_head, d2t, t2d."""
     return {k: v.detach().contiguous().cpu() for k, v in drafter.state_dict().items()}
 
 

@@ -1,4 +1,4 @@
-"""Draft quality, named once (DESIGN.md §5).
+"""Draft quality, named once (docs/design.md §5).
 
 step_acc[k]  share of valid positions whose step-k draft (fed its own earlier outputs)
              equals the target's argmax k+1 tokens ahead
