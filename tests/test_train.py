@@ -99,9 +99,8 @@ def small_target(embedded_cache):
         tie_word_embeddings=False,
     )
     model = LlamaForCausalLM(cfg).eval()
-    with (
-        torch.no_grad()
-    ):  # a sharp next-token distribution, as trained models have, gives the drafter something to learn
+    # a sharp next-token distribution, as trained models have, gives the drafter something to learn
+    with torch.no_grad():
         model.lm_head.weight.mul_(40)
     tokenizer = AutoTokenizer.from_pretrained(embedded_cache[1])  # only its chat template enters the contract
     return model, tokenizer
@@ -163,6 +162,28 @@ def test_resume_after_kill_ends_where_an_uninterrupted_run_does(tmp_path, small_
         assert torch.allclose(ref[k].float(), resumed[k].float(), atol=1e-6, rtol=0), k
     entries = [json.loads(line) for line in (run_dir / "02_train" / "log.jsonl").read_text().splitlines()]
     assert [e["step"] for e in entries if "eval" not in e] == list(range(1, 17))
+
+
+def test_rerun_with_other_params_trains_anew_and_sets_the_old_run_aside(tmp_path, small_target, capsys):
+    """A finished run rerun with another train.lr (or draft vocabulary) must not hand back the old drafter
+    from its final checkpoint: it trains from step 0, and the old checkpoints are kept aside."""
+    run_dir = make_run(tmp_path, *small_target, {})
+    drafter = run_dir / "02_train" / "drafter" / "model.safetensors"
+    trainer.run_stage(params_file(tmp_path), str(run_dir))
+    first = drafter.read_bytes()
+    trainer.run_stage(params_file(tmp_path), str(run_dir))  # same params: resumes at the end, same weights
+    assert drafter.read_bytes() == first and "resumed from" in capsys.readouterr().out
+    summary = trainer.run_stage(params_file(tmp_path), str(run_dir), {"train.lr": 0.0031})
+    out = capsys.readouterr().out
+    assert "not resuming" in out and "train.lr: 0.003 -> 0.0031" in out
+    assert drafter.read_bytes() != first and summary["steps"] == 12
+    entries = [json.loads(line) for line in (run_dir / "02_train" / "log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in entries if "eval" not in e] == list(range(1, 13))
+    assert latest_checkpoint(run_dir / "02_train" / "checkpoints.previous") is not None
+    # A shape change trains anew too, instead of failing inside load_state_dict.
+    trainer.run_stage(params_file(tmp_path), str(run_dir), {"train.lr": 0.0031, "train.draft_vocab_size": 64})
+    assert "train.draft_vocab_size: 96 -> 64" in capsys.readouterr().out
+    assert load_drafter(run_dir / "02_train" / "drafter").cfg.draft_vocab_size == 64
 
 
 def test_torchrun_two_processes_equal_one_with_the_same_global_batch(tmp_path, small_target):

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 from pathlib import Path
 
@@ -16,8 +17,11 @@ from safetensors.torch import load_file, save_file
 from eagle3lib.drafter import Drafter, DrafterConfig
 
 CHECKPOINTS = "checkpoints"
+SET_ASIDE = "checkpoints.previous"  # a run of other params or inputs, kept when a fresh one starts
 STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
+CHECKPOINT_NAME = re.compile(r"step_(\d+)")  # whole name: step_N.tmp / step_N.old are writes a kill cut short
+CHECKPOINT_FILES = ("config.json", "model.safetensors", "eagle3.json", OPTIMIZER_FILE, STATE_FILE)
 
 
 def drafter_state(drafter: Drafter) -> dict:
@@ -34,7 +38,8 @@ def save_drafter(drafter: Drafter, out_dir: Path, contract: dict, extra: dict | 
     save_file(drafter_state(drafter), str(tmp / "model.safetensors"), metadata={"format": "pt"})
     (tmp / "config.json").write_text(json.dumps(drafter.cfg.to_hf_dict(), indent=2) + "\n")
     (tmp / "eagle3.json").write_text(json.dumps(contract, indent=2) + "\n")
-    for name, obj in (extra or {}).items():
+    # the state file last: a folder that has it has everything (a kill between two writes leaves no state)
+    for name, obj in sorted((extra or {}).items(), key=lambda item: not item[0].endswith(".pt")):
         if name.endswith(".pt"):
             torch.save(obj, tmp / name)
         else:
@@ -62,11 +67,19 @@ def load_drafter(folder: Path, device="cpu") -> Drafter:
     return drafter.to(device)
 
 
+def checkpoints(ckpt_root: Path) -> list[Path]:
+    """The whole training checkpoints under ckpt_root, oldest first: folders named step_N holding every file
+    a resume reads. Leftovers of a cut-short write (step_N.tmp, step_N.old, a folder without its state) are not."""
+    found = []
+    for path in Path(ckpt_root).glob("step_*"):
+        match = CHECKPOINT_NAME.fullmatch(path.name)
+        if match and all((path / name).is_file() for name in CHECKPOINT_FILES):
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
 def latest_checkpoint(ckpt_root: Path) -> Path | None:
-    done = sorted(
-        (p for p in Path(ckpt_root).glob("step_*") if (p / STATE_FILE).is_file()),
-        key=lambda p: int(p.name.split("_")[1]),
-    )
+    done = checkpoints(ckpt_root)
     return done[-1] if done else None
 
 
@@ -78,9 +91,29 @@ def save_checkpoint(drafter: Drafter, optimizer: torch.optim.Optimizer, state: d
         contract,
         extra={STATE_FILE: state, OPTIMIZER_FILE: optimizer.state_dict()},
     )
-    for old in sorted(ckpt_root.glob("step_*"))[:-2]:  # keep the last two
-        shutil.rmtree(old, ignore_errors=True)
+    kept = checkpoints(ckpt_root)[-2:]  # the last two; anything else (older ones, cut-short writes) goes
+    for old in ckpt_root.glob("step_*"):
+        if old not in kept:
+            shutil.rmtree(old, ignore_errors=True)
     return path
+
+
+def run_key_differences(saved: dict | None, current: dict) -> list[str]:
+    """What differs between the run a checkpoint was made for and this one, as 'key: saved -> now' lines."""
+    if saved is None:
+        return ["the checkpoint records no params (written by an older version)"]
+    out = []
+    for section in sorted(set(saved) | set(current)):
+        old, new = saved.get(section), current.get(section)
+        if isinstance(old, dict) and isinstance(new, dict):
+            out += [
+                f"{section}.{k}: {old.get(k)!r} -> {new.get(k)!r}"
+                for k in sorted(set(old) | set(new))
+                if old.get(k) != new.get(k)
+            ]
+        elif old != new:
+            out.append(f"{section}: {old!r} -> {new!r}")
+    return out
 
 
 def resume(
@@ -89,23 +122,41 @@ def resume(
     ckpt_root: Path,
     log_path: Path,
     device,
+    run_key: dict,
     enabled: bool = True,
     rank: int = 0,
     log=print,
 ) -> dict:
-    """The loop's state to start from. With a checkpoint under ckpt_root (and `enabled`): its state, its
-    weights and optimizer state loaded in place, and the log's lines of later steps dropped. Else a fresh
+    """The loop's state to start from. With a checkpoint under ckpt_root made for the same run_key (the params
+    and inputs that shape the result) and `enabled`: its state, its weights and optimizer state loaded in place,
+    and the log's lines of later steps dropped. A checkpoint of another run_key is not resumed: rank 0 moves the
+    checkpoints and log to SET_ASIDE beside them (replacing an earlier one) and says what differs. Else a fresh
     state, and rank 0 removes the older checkpoints and log (a fresh run must not mix with them)."""
+    fresh = {"step": 0, "epoch": 0, "micro_in_epoch": 0, "tokens": 0, "train_seconds": 0.0, "run_key": run_key}
     latest = latest_checkpoint(ckpt_root) if enabled else None
+    if latest is not None:
+        state = json.loads((latest / STATE_FILE).read_text())
+        differences = run_key_differences(state.get("run_key"), run_key)
+        if differences:
+            aside = ckpt_root.with_name(SET_ASIDE)
+            log(
+                f"not resuming {latest}: it was made for other params or inputs ({'; '.join(differences)}); "
+                f"training starts from step 0 and the earlier checkpoints are kept in {aside}"
+            )
+            if rank == 0:
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(ckpt_root, aside)
+                if log_path.exists():
+                    os.replace(log_path, aside / log_path.name)
+            return fresh
     if latest is None:
         if rank == 0 and ckpt_root.exists():
             shutil.rmtree(ckpt_root)
             log_path.unlink(missing_ok=True)
-        return {"step": 0, "epoch": 0, "micro_in_epoch": 0, "tokens": 0, "train_seconds": 0.0}
+        return fresh
     resumed = load_drafter(latest, device)
     drafter.load_state_dict(resumed.state_dict())
     optimizer.load_state_dict(torch.load(latest / OPTIMIZER_FILE, map_location=device, weights_only=True))
-    state = json.loads((latest / STATE_FILE).read_text())
     if rank == 0 and log_path.exists():  # drop log lines of steps the checkpoint does not hold
         lines = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] <= state["step"]]
         log_path.write_text("".join(line + "\n" for line in lines))

@@ -15,11 +15,12 @@ so N processes take exactly the step one process takes with the same global batc
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -132,6 +133,37 @@ class TrainSetup:
     val_rows: list[dict]  # packed validation rows, each a batch of one
     contract: dict
     out_dir: Path
+    inputs: dict = field(default_factory=dict)  # what identifies the training data, for resume (see run_key)
+
+
+# Train params a checkpoint resumes across: those that do not change the weights, and the budgets, so that a
+# larger train.max_tokens or max_minutes continues the run (the cosine schedule stretches to the new total).
+RESUME_FREE = (
+    "resume",
+    "max_tokens",
+    "max_minutes",
+    "checkpoint_every",
+    "eval_every",
+    "eval_max_tokens",
+    "prefetch_shards",
+    "batch_prefetch",
+    "compile_layer",
+)
+
+
+def run_key(setup: TrainSetup, train_params, seed: int) -> dict:
+    """The params and inputs that shape a run's result: a checkpoint resumes only a run with the same key."""
+    params = {k: v for k, v in train_params.model_dump().items() if k not in RESUME_FREE}
+    key = {"train": params, "run": {"seed": seed}, "contract": setup.contract, "inputs": setup.inputs}
+    return json.loads(json.dumps(key))  # as trainer_state.json will hold it
+
+
+def tokens_sha256(tokens: dict) -> str:
+    """sha256 of a token split's arrays (ids, loss mask, sequence starts)."""
+    h = hashlib.sha256()
+    for name in ("input_ids", "loss_mask", "seq_starts"):
+        h.update(tokens[name].contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def evaluate(setup: TrainSetup, steps: int, max_depth: int, device) -> dict:
@@ -230,7 +262,8 @@ def train(setup: TrainSetup, train_params, seed: int = 0, device="cpu", max_dept
     total_steps = max(1, math.ceil(train_params.max_tokens / (rows_per_step * train_params.max_seq_len)))
     ckpt_root = setup.out_dir / CHECKPOINTS
     log_path = setup.out_dir / "log.jsonl"
-    state = resume(drafter, opt, ckpt_root, log_path, device, train_params.resume, rank, log)
+    key = run_key(setup, train_params, seed)
+    state = resume(drafter, opt, ckpt_root, log_path, device, key, train_params.resume, rank, log)
 
     def checkpoint():
         return save_checkpoint(drafter, opt, state, ckpt_root, setup.contract) if rank == 0 else None
@@ -423,6 +456,7 @@ def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
         val_rows=val_rows,
         contract=contract,
         out_dir=out_dir,
+        inputs={"source": train_params.source, "train_tokens_sha256": tokens_sha256(train_tokens)},
     )
     vocab_stats["val_tokens"] = val_tokens_used
     return setup, vocab_stats
