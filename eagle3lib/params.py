@@ -23,6 +23,8 @@ EMBEDDED_DATA = "embedded:sharegpt"
 EMBEDDED_TARGET_LAYERS = 30
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+# Compute dtypes may be 'auto': load_params resolves it to this machine's fast dtype (eagle3lib/hardware.py).
+ComputeDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
 
 class Section(BaseModel):
@@ -41,7 +43,7 @@ class RunParams(Section):
 
 class TargetParams(Section):
     name: str = EMBEDDED_TARGET
-    dtype: Dtype = "bfloat16"
+    dtype: ComputeDtype = Field("bfloat16", description="auto = bf16 where the device computes it natively, else fp32")
     device: str = "cpu"
     trust_remote_code: bool = False
     num_layers: int | None = Field(
@@ -163,7 +165,7 @@ class TrainParams(Section):
     resume: bool = True
     nproc_per_node: int = Field(1, gt=0)
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto", description="compute dtype: auto = bf16 autocast on GPU, fp32 on CPU; bfloat16 autocasts on CPU too"
+        "auto", description="compute dtype: auto = bf16 autocast where the device has native bf16, else fp32"
     )
     activation_checkpointing: bool = Field(
         False, description="recompute each TTT step in the backward pass: long rows fit, ~25% slower"
@@ -211,9 +213,10 @@ class BenchParams(Section):
         description="prompts whose speculative decoding is replayed with the HF "
         "target to colour each token by its origin (~10 s per prompt and depth on 2 cores)",
     )
-    dtype: Dtype | None = Field(
+    dtype: ComputeDtype | None = Field(
         None,
-        description="engine --dtype for the benchmark; null = the engine's default (bf16 on CPU). float32 "
+        description="engine --dtype for the benchmark; null = the engine's default (bf16 on CPU), auto = "
+        "the machine's fast dtype. float32 "
         "checks losslessness token for token (bf16 kernels round differently per batch shape)",
     )
 
@@ -235,6 +238,9 @@ class Params(Section):
     bench: BenchParams = BenchParams()
 
     file: str | None = Field(None, exclude=True, description="the params file this came from")
+    dtype_choices: dict = Field(
+        {}, exclude=True, description="'section.dtype' -> {auto, picked, why} for each dtype given as auto"
+    )
 
     def section_dict(self, *names: str) -> dict:
         return {n: getattr(self, n).model_dump(mode="json") for n in names}
@@ -321,7 +327,22 @@ def load_params(path: str | Path, overrides: dict | None = None) -> Params:
         raise ParamsError(_format_errors(e, str(path))) from None
     p.file = str(path.resolve())
     _resolve_paths(p, path.resolve().parent)
+    _resolve_auto_dtypes(p)
     return p
+
+
+def _resolve_auto_dtypes(p: Params) -> None:
+    """'auto' -> the dtype that is fast on this machine, before anything hashes or runs the params, so the
+    stages, their hashes and the run folder's params all say what actually ran."""
+    from eagle3lib import hardware
+
+    device = "cuda" if p.target.device.startswith("cuda") else "cpu"
+    for section in ("target", "train", "bench"):
+        params = getattr(p, section)
+        if params.dtype == "auto":
+            picked, why = hardware.auto_dtype(device)
+            params.dtype = picked
+            p.dtype_choices[f"{section}.dtype"] = {"auto": True, "picked": picked, "why": why}
 
 
 def parse_override(text: str) -> tuple[str, Any]:

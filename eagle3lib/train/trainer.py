@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from eagle3lib import hardware
 from eagle3lib.drafter import Drafter, DrafterConfig
 from eagle3lib.train import TrainingError
 from eagle3lib.train.batches import make_batch, micro_batches, online_sequences, pack_rows, shard_sequences
@@ -200,7 +201,7 @@ class TrainStep:
             [train_params.step_weight_decay**k for k in range(train_params.ttt_steps)], device=device
         )
         self.device_type = torch.device(device).type
-        self.bf16 = train_params.dtype == "bfloat16" or (train_params.dtype == "auto" and self.device_type == "cuda")
+        self.bf16 = hardware.resolve(train_params.dtype, self.device_type) == "bfloat16"
 
     def __call__(self, group: list[tuple[int, int, dict]], lr: float) -> tuple[torch.Tensor, torch.Tensor | None]:
         """(loss, gradient norm) of the step at learning rate lr; a non-finite loss leaves the weights as they

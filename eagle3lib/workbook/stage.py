@@ -48,7 +48,12 @@ class Stage:
         return run_folder.load_result(self.run_dir, stage)
 
     def save(self, figures: dict, headline: dict | None = None, artifacts: list[str] | None = None) -> dict:
-        """This stage's result.json (run_folder.save_result): what it measured, its headline, what it made."""
+        """This stage's result.json (run_folder.save_result): what it measured, its headline, what it made.
+        Dtypes the params gave as auto are recorded with the reason for the pick."""
+        if self.p.dtype_choices:
+            figures = {**figures, "dtype_auto": self.p.dtype_choices}
+            picks = sorted({c["picked"] for c in self.p.dtype_choices.values()})
+            headline = {**(headline or {}), "dtype (auto)": ", ".join(picks)}
         return run_folder.save_result(self.run_dir, self.name, figures, headline, artifacts)
 
 
@@ -60,4 +65,6 @@ def open_stage(name: str, params_file: str | Path, run_dir: str | Path | None = 
     run_dir = Path(run_dir) if run_dir else params.run_dir(p)
     stage = Stage(name, p, run_dir, run_folder.stage_dir(run_dir, name), overrides)
     print("stage folder:", stage.out)
+    for key, choice in p.dtype_choices.items():
+        print(f"{key}: auto -> {choice['picked']}: {choice['why']}")
     return stage
