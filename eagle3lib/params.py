@@ -203,7 +203,19 @@ class EngineParams(Section):
 
 
 class BenchParams(Section):
-    depths: list[int] = [16, 10, 5]
+    depths: list[int] = Field([16, 10, 5], description="depths always measured (the user's questions)")
+    pick_depth: bool = Field(
+        True,
+        description="also measure the depth the cost model predicts fastest at each concurrency and its "
+        "neighbours (needs the training eval's acceptance; bench/cost.py)",
+    )
+    max_depth: int = Field(16, ge=1, description="the deepest chain the cost model considers")
+    quick_below: float = Field(
+        0.75,
+        ge=0,
+        description="a depth predicted below this speedup at every concurrency runs quick_prompts prompts only",
+    )
+    quick_prompts: int = Field(8, gt=0, description="prompts for a depth predicted to lose by a wide margin")
     concurrency: list[int] = [1, 8]
     num_prompts: int = Field(16, gt=0)
     max_tokens: int = Field(128, gt=0)

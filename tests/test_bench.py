@@ -101,6 +101,7 @@ def test_recommendation_table_and_plots(tmp_path):
 
     for fig in (
         plots.bench_throughput(ROWS),
+        plots.bench_speedup_model(None, ROWS),
         plots.bench_acceptance(ROWS),
         plots.bench_per_position(ROWS, {"step_acc": [0.7, 0.5, 0.4]}),
     ):

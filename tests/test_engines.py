@@ -164,7 +164,8 @@ def test_sglang_meta_info_aggregation():
 
 def test_vllm_metrics_parsing():
     before = engines.vllm.parse_metrics('# HELP x\nvllm:num_requests_running{engine="0"} 0.0\n')
-    assert before == {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "per_pos": []}
+    zeros = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0, "prefill_s": 0.0, "decode_s": 0.0}
+    assert before == zeros | {"per_pos": []}
     text = textwrap.dedent("""\
         vllm:spec_decode_num_drafts_total{engine="0",model_name="m"} 10.0
         vllm:spec_decode_num_draft_tokens_total{engine="0",model_name="m"} 30.0
@@ -173,11 +174,15 @@ def test_vllm_metrics_parsing():
         vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="0"} 7.0
         vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="2"} 1.0
         vllm:spec_decode_num_drafts_created{engine="0",model_name="m"} 1.7e9
+        vllm:request_prefill_time_seconds_sum{engine="0",model_name="m"} 1.5
+        vllm:request_prefill_time_seconds_count{engine="0",model_name="m"} 3.0
+        vllm:request_decode_time_seconds_sum{engine="0",model_name="m"} 4.5
         """)
     after = engines.vllm.parse_metrics(text)
     assert after["per_pos"] == [7.0, 4.0, 1.0]
     d = engines.vllm.stats_diff(before, after)
     assert d["accept_len"] == 1 + 12 / 10 and d["per_pos"] == [0.7, 0.4, 0.1]
+    assert (d["prefill_s"], d["decode_s"]) == (1.5, 4.5)  # sums only, not the histograms' counts
 
 
 # ------------------------------------------------------------------ real vLLM server ----

@@ -293,7 +293,7 @@ def test_benchmark_texts_and_result():
         "best speedup": "2.00x (depth5, concurrency 1)",
         "acceptance length": 2.4,
         "replay acceptance": 2.35,
-        "lossless": "75%",
+        "lossless": "75% (fp32, token for token)",
     }
     f = r["figures"]
     assert f["rows"] is rows and f["recommendation"] is rec and f["differences"] == s["differences"]
@@ -301,7 +301,11 @@ def test_benchmark_texts_and_result():
     assert f["logs"] == ["vllm-baseline.log", "vllm-depth5.log"] and f["replay"] == replayed
     assert r["artifacts"][-1] == "provenance.json"
     baseline_only = bench_steps.result(swept(rows[:1]), {}, replayed, 4, 32)["headline"]
-    assert baseline_only["best speedup"] is None and baseline_only["lossless"] == "100%"
+    assert baseline_only["best speedup"] is None and baseline_only["lossless"] == "100% (fp32, token for token)"
+    # in bf16 the bar is the baseline's own agreement across batch sizes, and the headline says so
+    bf16 = bench_steps.lossless_headline(s | {"dtype": "bfloat16", "baseline_agreement_across_concurrency": 0.42})
+    assert bf16 == "75%, as exact as the baseline across batch sizes (42%); fp32 checks it token for token"
+    assert bench_steps.losslessness_text(s).splitlines()[2] == "headline: 75% (fp32, token for token)"
 
 
 def test_preflight_resolves_sglangs_flags_only(ckpt, params, tmp_path):  # noqa: F811

@@ -1,9 +1,17 @@
 """The 05_benchmark stage's texts and result, from the sweep (sweep.benchmark), its recommendation
-(sweep.recommend) and the replay (replay.replay_prompts)."""
+(sweep.recommend) and the replay (replay.replay_prompts); the cost model's in-process probe."""
 
 from __future__ import annotations
 
-ARTIFACTS = ["throughput_vs_depth.png", "acceptance_vs_depth.png", "per_position.png", "provenance.json"]
+import torch
+
+ARTIFACTS = [
+    "speedup_vs_depth.png",
+    "throughput_vs_depth.png",
+    "acceptance_vs_depth.png",
+    "per_position.png",
+    "provenance.json",
+]
 SWEEP_FIGURES = (
     "differences",
     "lossless_reference",
@@ -13,11 +21,61 @@ SWEEP_FIGURES = (
 )
 
 
+def cost_probe(p, target_name_or_dir: str, cache_dir, drafter_dir, prompts: list[dict]):
+    """The callable sweep.benchmark runs after the baseline: the target and the trained drafter loaded here in
+    the engine's dtype and timed by bench.cost.forward_costs over the token counts the cost model reads (c
+    sequences verifying 1..max_depth+1 tokens), after a context of the bench's typical length; then freed."""
+
+    def measure():
+        from eagle3lib import target
+        from eagle3lib.bench import cost
+        from eagle3lib.train import checkpoint
+
+        dtype = p.bench.dtype or p.target.dtype
+        model, _ = target.load_target(
+            target_name_or_dir,
+            cache_dir,
+            dtype=dtype,
+            device=p.target.device,
+            trust_remote_code=p.target.trust_remote_code,
+        )
+        drafter = checkpoint.load_drafter(drafter_dir, device=p.target.device).to(target.torch_dtype(dtype)).eval()
+        context = sum(len(x["prompt_ids"]) for x in prompts) // len(prompts) + p.bench.max_tokens // 2
+        chain = [k for k in (1, 2, 3, 4, 6, 9, 17) if k <= p.bench.max_depth + 1] + [p.bench.max_depth + 1]
+        tokens = sorted({c * k for c in p.bench.concurrency for k in chain} | {1})
+        try:
+            return cost.forward_costs(model, drafter, context, tokens)
+        finally:
+            del model, drafter
+            torch.cuda.empty_cache() if torch.cuda.is_available() else None
+
+    return measure
+
+
+def replay_depths(swept: dict, bench_params) -> list[int]:
+    """The depths to replay: the user's (bench.depths) and the cost model's picks."""
+    picks = (swept.get("cost_model") or {}).get("picks", {})
+    return sorted(set(bench_params.depths) | set(picks.values()))
+
+
+def lossless_headline(swept: dict) -> str:
+    """The worst share of speculative outputs equal to the baseline's at the same concurrency, set beside the
+    share on which the baseline agrees with itself across concurrency when the engine ran in bf16: there a
+    batch's kernels round differently, so the baseline is the bar, not 100%."""
+    rows = [r for r in swept["rows"] if r["depth"]]
+    worst = min((r["lossless_frac"] for r in rows), default=1.0)
+    agree = swept.get("baseline_agreement_across_concurrency")
+    if swept.get("dtype") == "float32" or agree is None or agree == 1.0 or worst == 1.0:
+        return f"{worst:.0%}" + (" (fp32, token for token)" if swept.get("dtype") == "float32" else "")
+    return f"{worst:.0%}, as exact as the baseline across batch sizes ({agree:.0%}); fp32 checks it token for token"
+
+
 def losslessness_text(swept: dict) -> str:
     """What the speculative outputs were compared with and every difference from it, none hidden."""
     lines = [
         f"reference: {swept['lossless_reference']}",
         f"baseline agreement across concurrency: {swept['baseline_agreement_across_concurrency']}",
+        f"headline: {lossless_headline(swept)}",
     ]
     for d in swept["differences"]:
         lines.append(
@@ -61,12 +119,16 @@ def result(swept: dict, recommendation: dict, replayed: dict, prompts: int, max_
         "max_tokens": max_tokens,
         "logs": sorted({r["log"] for r in rows}),
         "replay": {"target_dtype": replayed["target_dtype"], "summary": replayed["summary"]},
+        "cost_model": swept.get("cost_model"),
     }
     best = best_speculative(rows)
     headline = {
         "best speedup": best and f"{best['speedup']:.2f}x ({best['config']}, concurrency {best['concurrency']})",
         "acceptance length": best and _round(best["accept_len"], 2),
         "replay acceptance": best and _round(replayed["summary"][str(best["depth"])]["accept_len"], 2),
-        "lossless": f"{min(r['lossless_frac'] for r in rows):.0%}",
+        "lossless": lossless_headline(swept),
     }
+    if swept.get("cost_model"):
+        picks = swept["cost_model"]["picks"]
+        headline["cost model picks"] = ", ".join(f"{d} at concurrency {c}" for c, d in picks.items())
     return {"figures": figures, "headline": headline, "artifacts": ARTIFACTS}

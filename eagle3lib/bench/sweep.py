@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from tqdm.auto import tqdm
 
 from eagle3lib import engines
+from eagle3lib.bench import cost
 
 # ------------------------------------------------------------------------------ inputs ----
 
@@ -83,6 +84,9 @@ def measure(server, prompts: list[dict], max_tokens: int, concurrency: int) -> d
         "accept_len": spec.get("accept_len"),
         "per_pos": spec.get("per_pos", []),
         "drafts": spec.get("drafts", 0),
+        # the engine's own request timings where it reports them (vLLM): the cost model's prefill share
+        "prefill_s": spec.get("prefill_s"),
+        "decode_s": spec.get("decode_s"),
         "outputs": [{"id": p["id"], "token_ids": o["token_ids"], "text": o["text"]} for p, o in zip(prompts, outputs)],
     }
 
@@ -145,32 +149,37 @@ def benchmark(
     log_dir,
     eval_summary: dict | None = None,
     progress=print,
+    measure_costs=None,
 ) -> dict:
-    """The sweep: baseline, then bench.depths in order, at each concurrency. Returns {rows, differences,
-    recommendation, ...}; rows carry the fields of issue 5 plus tpot_ms, drafts, efficiency, ready_s, log;
-    baseline_outputs holds the no-speculation outputs per concurrency. progress: a callable for status lines
-    (a tqdm.auto bar counts the configurations too), or None for quiet."""
+    """The sweep: the baseline, then the depths worth measuring, at each concurrency (docs/design.md §5).
+
+    With the training eval's acceptance (eval_summary) and measure_costs (a callable, run after the baseline
+    server stops, returning the in-process (forward_ms, draft_ms) of bench.cost.forward_costs), the cost model
+    predicts every depth 1..bench.max_depth; the depth it picks at the lowest concurrency is measured first and
+    calibrates it (bench.cost.calibrate), then the pick at each concurrency, the lowest one's neighbours and
+    bench.depths follow, fastest predicted first. Depths predicted below bench.quick_below at every concurrency
+    run bench.quick_prompts prompts. Without them, bench.depths in order.
+
+    Returns {rows, differences, recommendation, cost_model, ...}; rows carry the fields of issue 5 plus
+    tpot_ms, drafts, efficiency, predicted_speedup, prompts, ready_s, log; baseline_outputs holds the
+    no-speculation outputs per concurrency. progress: a callable for status lines (a tqdm.auto bar counts the
+    configurations too), or None for quiet."""
     dtype = bench_params.dtype
     started = time.time()
     rows, outputs, differences = [], {}, []
-    configs = [None] + list(bench_params.depths)
     say = progress or (lambda _line: None)
-    bar = tqdm(total=len(configs), desc="sweep", unit="config", disable=progress is None)
-    for depth in configs:
-        say(f"[bench] {engines.config_name(depth, dtype)}: starting {engine_params.name}")
+    bar = tqdm(total=1 + len(bench_params.depths), desc="sweep", unit="config", disable=progress is None)
+
+    def run(depth: int | None, used: list[dict], prediction=None, note: str = "", calibration=False) -> list[dict]:
+        say(f"[bench] {engines.config_name(depth, dtype)}: starting {engine_params.name} ({len(used)} prompts{note})")
         bar.set_postfix_str(engines.config_name(depth, dtype))
+        measured = []
         for r in run_config(
-            engine_params,
-            target_dir,
-            draft_dir,
-            depth,
-            prompts,
-            bench_params.max_tokens,
-            bench_params.concurrency,
-            log_dir,
-            dtype,
-        ):
+            engine_params, target_dir, draft_dir, depth, used, bench_params.max_tokens,
+            bench_params.concurrency, log_dir, dtype,
+        ):  # fmt: skip
             outs = r.pop("outputs")
+            r["prompts"] = len(used)
             if depth is None:
                 outputs[r["concurrency"]] = outs
                 base = r
@@ -178,7 +187,7 @@ def benchmark(
                 base = next(x for x in rows if x["depth"] == 0 and x["concurrency"] == r["concurrency"])
                 cmp = compare_outputs(outs, outputs[r["concurrency"]])
                 r["lossless_frac"] = cmp["lossless_frac"]
-                differences += [d | {"depth": depth, "concurrency": r["concurrency"]} for d in cmp["differences"]]
+                differences.extend(d | {"depth": depth, "concurrency": r["concurrency"]} for d in cmp["differences"])
             r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
             r.setdefault("lossless_frac", 1.0)
             if depth is None:
@@ -186,14 +195,29 @@ def benchmark(
             elif eval_summary is not None:
                 pred = predicted(eval_summary, depth)
                 r.update(predicted_accept_len=pred["accept_len"], predicted_per_pos=pred["per_pos"])
+            if prediction is not None:
+                r["predicted_speedup"] = prediction[(depth, r["concurrency"])]["speedup"]
+                r["calibration"] = calibration
             # issue 5's goal: tokens/s >= 0.8 x acceptance length x baseline tokens/s, i.e. efficiency >= 0.8
             r["efficiency"] = r["speedup"] / r["accept_len"] if r.get("accept_len") else None
             rows.append(r)
+            measured.append(r)
             say(
                 f"[bench]   concurrency {r['concurrency']}: {r['tokens_per_s']:.1f} tokens/s, speedup "
-                f"{r['speedup']:.2f}, acceptance {_fmt(r.get('accept_len'))}, lossless {r['lossless_frac']:.2f}"
+                f"{r['speedup']:.2f}"
+                + (f" (predicted {r['predicted_speedup']:.2f})" if r.get("predicted_speedup") else "")
+                + f", acceptance {_fmt(r.get('accept_len'))}, lossless {r['lossless_frac']:.2f}"
             )
         bar.update(1)
+        return measured
+
+    run(None, prompts)
+    model = None
+    if bench_params.pick_depth and eval_summary is not None and measure_costs is not None:
+        model = choose_and_measure(bench_params, eval_summary, measure_costs, rows, prompts, run, bar, say)
+    else:
+        for depth in bench_params.depths:
+            run(depth, prompts)
     bar.close()
     baseline_agree = None
     if len(outputs) > 1:  # the baseline against itself across concurrency: batching's own rounding
@@ -207,7 +231,53 @@ def benchmark(
         "dtype": dtype or "engine default",
         "restart_per_configuration": True,
         "lossless_reference": f"baseline (no speculation) at the same concurrency, dtype {dtype or 'engine default (bf16 on CPU)'}",
+        "cost_model": model,
         "seconds": round(time.time() - started, 1),
+    }
+
+
+def choose_and_measure(bench_params, eval_summary, measure_costs, rows, prompts, run, bar, say) -> dict:
+    """The cost model's part of the sweep (see benchmark): costs from the baseline rows and measure_costs,
+    the first pick measured and used to calibrate, then the rest of the plan. Returns the model's record:
+    its costs, the predictions before and after calibration, and the plan."""
+    conc = list(bench_params.concurrency)
+    depths = list(range(1, bench_params.max_depth + 1))
+    cond = list(eval_summary["cond_acc"])
+    decode, share = cost.decode_costs([r for r in rows if r["depth"] == 0])
+    forward, draft = measure_costs()
+    costs = cost.Costs(decode, forward, draft, share)
+    before = cost.predict(costs, cond, depths, conc)
+    first = cost.best_depth(before, min(conc))["depth"]
+    say(f"[bench] cost model: depth {first} predicted fastest at concurrency {min(conc)}; measuring it first")
+    bar.total += 1
+    measured = run(first, prompts, {(r["depth"], r["concurrency"]): r for r in before}, ", calibrates", True)
+    costs = cost.calibrate(costs, cond, first, measured)
+    after = cost.predict(costs, cond, depths, conc)
+    by_key = {(r["depth"], r["concurrency"]): r for r in after}
+    picks = {c: cost.best_depth(after, c)["depth"] for c in conc}
+    low = picks[min(conc)]
+    plan = sorted(
+        {*picks.values(), *(d for d in (low - 1, low + 1) if 1 <= d <= bench_params.max_depth)} - {first},
+        key=lambda d: -max(by_key[(d, c)]["speedup"] for c in conc),
+    )
+    plan += [d for d in bench_params.depths if d not in plan and d != first]
+    bar.total += len(plan) - len(bench_params.depths)
+    quick = []
+    for d in plan:
+        best_predicted = max(by_key.get((d, c), cost.predict(costs, cond, [d], [c])[0])["speedup"] for c in conc)
+        if best_predicted < bench_params.quick_below:
+            quick.append(d)
+        n = min(len(prompts), max(bench_params.quick_prompts, max(conc))) if d in quick else len(prompts)
+        extra = {(d, c): cost.predict(costs, cond, [d], [c])[0] for c in conc}
+        run(d, prompts[:n], extra, f", predicted {best_predicted:.2f}x" + (": quick" if d in quick else ""))
+    return {
+        "costs": costs.as_dict(),
+        "predicted_before_calibration": before,
+        "predicted": after,
+        "picks": {str(c): d for c, d in picks.items()},
+        "calibrated_on": first,
+        "plan": [first, *plan],
+        "quick": quick,
     }
 
 
@@ -222,11 +292,16 @@ def lowest_concurrency_baseline(swept: dict) -> list[dict]:
 
 
 def recommend(rows: list[dict], target_dir, drafts: dict) -> dict:
-    """{concurrency: {config, depth, tokens_per_s, speedup, vllm, sglang}}: the fastest configuration per
-    concurrency with ready-to-paste launch commands (drafts: engine -> its export folder)."""
+    """{concurrency: {config, depth, tokens_per_s, speedup, vllm, sglang}}: the fastest measured configuration
+    per concurrency (the baseline included, so a depth that measured slower is never picked; depths run on
+    fewer prompts than the baseline are left out) with ready-to-paste launch commands (drafts: engine -> its
+    export folder)."""
     out = {}
+    full = max((r.get("prompts", 0) for r in rows), default=0)
     for c in sorted({r["concurrency"] for r in rows}):
-        best = max((r for r in rows if r["concurrency"] == c), key=lambda r: r["tokens_per_s"])
+        best = max(
+            (r for r in rows if r["concurrency"] == c and r.get("prompts", 0) == full), key=lambda r: r["tokens_per_s"]
+        )
         d = best["depth"] or None
         out[str(c)] = {
             "config": best["config"],
@@ -256,6 +331,8 @@ def table(rows: list[dict]) -> list[dict]:
             "tokens/s": round(r["tokens_per_s"], 1),
             "ms/token": round(r["tpot_ms"], 1),
             "speedup": round(r["speedup"], 2),
+            "predicted speedup": _fmt(r.get("predicted_speedup")) + (" (calibrates)" if r.get("calibration") else ""),
+            "prompts": r.get("prompts", "–"),
             "accept len": _fmt(r.get("accept_len")),
             "predicted": _fmt(r.get("predicted_accept_len")),
             "per position": " ".join(f"{x:.2f}" for x in r.get("per_pos") or []),

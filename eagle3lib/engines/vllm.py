@@ -25,6 +25,9 @@ COUNTERS = {
     "vllm:spec_decode_num_drafts_total": "drafts",
     "vllm:spec_decode_num_draft_tokens_total": "draft_tokens",
     "vllm:spec_decode_num_accepted_tokens_total": "accepted",
+    # the engine's own request timings (histogram sums, seconds): the cost model's prefill share
+    "vllm:request_prefill_time_seconds_sum": "prefill_s",
+    "vllm:request_decode_time_seconds_sum": "decode_s",
 }
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
@@ -38,9 +41,9 @@ def vllm_launch_args(draft_dir, depth: int) -> list[str]:
 
 
 def parse_metrics(text: str) -> dict:
-    """{drafts, draft_tokens, accepted, per_pos: [accepted at position 0, 1, ...]} from /metrics text.
-    All zeros (per_pos empty) when the server runs without speculation."""
-    out = {"drafts": 0.0, "draft_tokens": 0.0, "accepted": 0.0}
+    """{drafts, draft_tokens, accepted, prefill_s, decode_s, per_pos: [accepted at position 0, 1, ...]} from
+    /metrics text. The speculative counters are zeros (per_pos empty) when the server runs without speculation."""
+    out = dict.fromkeys(COUNTERS.values(), 0.0)
     per_pos: dict[int, float] = {}
     for line in text.splitlines():
         m = _LINE.match(line)
@@ -59,7 +62,7 @@ def parse_metrics(text: str) -> dict:
 def stats_diff(before: dict, after: dict) -> dict:
     """Counters accumulated between two readings, with the acceptance figures of docs/design.md §5:
     accept_len = 1 + accepted / drafts; per_pos[k] = accepted at position k / drafts (= joint_acc[k])."""
-    d = {k: after[k] - before[k] for k in ("drafts", "draft_tokens", "accepted")}
+    d = {k: after[k] - before[k] for k in COUNTERS.values()}
     pos = [a - (before["per_pos"][i] if i < len(before["per_pos"]) else 0.0) for i, a in enumerate(after["per_pos"])]
     d["accepted_per_pos"] = pos
     drafts = d["drafts"]

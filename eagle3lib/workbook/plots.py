@@ -133,6 +133,48 @@ def bench_throughput(rows: list[dict]):
     return fig
 
 
+def bench_speedup_model(cost_model: dict | None, rows: list[dict]):
+    """The measured speedups over depth per concurrency as points (hollow: fewer prompts), no speculation at 1.0,
+    and, when the sweep ran the cost model, its predicted curves (calibrated: solid; before calibration: dotted)."""
+    cost_model = cost_model or {"predicted": [], "predicted_before_calibration": []}
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    full = max(r.get("prompts", 0) for r in rows)
+    for i, c in enumerate(sorted({r["concurrency"] for r in rows})):
+        color = f"C{i}"
+        for key, style, label in (
+            ("predicted", "-", "predicted"),
+            ("predicted_before_calibration", ":", "before calibration"),
+        ):
+            curve = sorted((r for r in cost_model[key] if r["concurrency"] == c), key=lambda r: r["depth"])
+            ax.plot(
+                [r["depth"] for r in curve],
+                [r["speedup"] for r in curve],
+                style,
+                color=color,
+                lw=1.5 - 0.5 * (style == ":"),
+                label=f"{label}, concurrency {c}",
+            )
+        spec = [r for r in rows if r["concurrency"] == c and r["depth"]]
+        for quick in (False, True):
+            pts = [r for r in spec if (r.get("prompts", full) < full) == quick]
+            ax.plot(
+                [r["depth"] for r in pts],
+                [r["speedup"] for r in pts],
+                "o",
+                color=color,
+                mfc="none" if quick else color,
+                label=f"measured, concurrency {c}" + (" (fewer prompts)" if quick else "") if pts else None,
+            )
+    ax.axhline(1.0, color="k", ls="--", lw=1, label="no speculation")
+    ax.set_xlabel("speculative depth (draft tokens per step)")
+    ax.set_ylabel("speedup over no speculation")
+    ax.set_ylim(0, 1.15 * max([1.0] + [r["speedup"] for r in rows] + [r["speedup"] for r in cost_model["predicted"]]))
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    return fig
+
+
 def bench_acceptance(rows: list[dict]):
     """Acceptance length versus depth: measured per concurrency and predicted from training."""
     fig, ax = plt.subplots(figsize=(7, 3.8))

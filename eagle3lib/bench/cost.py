@@ -1,0 +1,194 @@
+"""Which depth pays: tokens/s predicted for every depth from measured costs and acceptance (docs/design.md §5).
+
+One speculative step at depth k verifies k+1 tokens per sequence and runs k drafter steps, so at concurrency c
+
+    step_ms(k, c) = decode_ms[c] * (F(c*(k+1)) + k*G(c)) / F(c) + overhead_ms[c]
+
+- decode_ms[c]: the engine's own no-speculation step, from the baseline measured in the same run;
+- F(m): the target's forward over m new tokens after a cached context, G(c): the drafter's step over c tokens,
+  both timed in this process on the same CPU; only their ratios are used, scaled to the engine's decode step;
+- overhead_ms[c]: what the engine adds per speculative step (proposer bookkeeping, rejection), 0 until a
+  measured depth calibrates it (`calibrate`).
+
+A request spends `prefill_share` of its baseline time in prefill, which speculation does not shorten, so
+
+    speedup(k, c) = 1 / (prefill_share + (1 - prefill_share) * step_ms(k, c) / (accept_len(k) * decode_ms[c]))
+
+accept_len(k) = 1 + Σ_{i<k} Π_{j≤i} cond[j], from the training eval's conditional acceptance (sweep.predicted),
+scaled by what the engine measured where it has measured (`calibrate`).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from eagle3lib.bench.replay import _truncate, target_forward
+
+
+@dataclass
+class Costs:
+    decode_ms: dict[int, float]  # concurrency -> the engine's no-speculation step
+    forward_ms: dict[int, float]  # new tokens m -> the target's forward over them (in process)
+    draft_ms: dict[int, float]  # tokens c -> the drafter's step over them (in process)
+    prefill_share: dict[int, float] = field(default_factory=dict)  # concurrency -> share of time in prefill
+    overhead_ms: dict[int, float] = field(default_factory=dict)  # concurrency -> per speculative step
+    acceptance_scale: float = 1.0  # engine-measured / training-predicted conditional acceptance
+    calibrated_on: dict | None = None  # {depth, concurrency...} the overhead and scale came from
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def interpolate(points: dict[int, float], x: float) -> float:
+    """Piecewise-linear through the measured points, extended linearly past the last two."""
+    xs = sorted(points)
+    ys = [points[k] for k in xs]
+    if x <= xs[-1] or len(xs) == 1:
+        return float(np.interp(x, xs, ys))
+    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+    return ys[-1] + slope * (x - xs[-1])
+
+
+def acceptance(cond_acc: list[float], depth: int, scale: float = 1.0) -> dict:
+    """{accept_len, per_pos} of a chain of `depth` drafts from conditional acceptance per position (positions
+    past the trained ones reuse the last), each scaled by `scale` and capped at 1."""
+    cond = [min(1.0, c * scale) for c in cond_acc]
+    cond += [cond[-1]] * max(0, depth - len(cond))
+    per_pos, run = [], 1.0
+    for c in cond[:depth]:
+        run *= c
+        per_pos.append(run)
+    return {"accept_len": 1 + sum(per_pos), "per_pos": per_pos}
+
+
+def step_ms(costs: Costs, depth: int, concurrency: int) -> float:
+    """Predicted engine time of one speculative step at `depth` and `concurrency` (the module docstring)."""
+    f1 = interpolate(costs.forward_ms, concurrency)
+    verify = interpolate(costs.forward_ms, concurrency * (depth + 1))
+    draft = depth * interpolate(costs.draft_ms, concurrency)
+    return costs.decode_ms[concurrency] * (verify + draft) / f1 + costs.overhead_ms.get(concurrency, 0.0)
+
+
+def speedup(costs: Costs, concurrency: int, accept_len: float, spec_step_ms: float) -> float:
+    share = costs.prefill_share.get(concurrency, 0.0)
+    return 1 / (share + (1 - share) * spec_step_ms / (accept_len * costs.decode_ms[concurrency]))
+
+
+def predict(costs: Costs, cond_acc: list[float], depths, concurrencies) -> list[dict]:
+    """[{depth, concurrency, accept_len, step_ms, speedup}] for every depth and concurrency."""
+    rows = []
+    for c in concurrencies:
+        for d in depths:
+            acc = acceptance(cond_acc, d, costs.acceptance_scale)
+            ms = step_ms(costs, d, c)
+            rows.append(
+                {
+                    "depth": d,
+                    "concurrency": c,
+                    "accept_len": acc["accept_len"],
+                    "step_ms": ms,
+                    "speedup": speedup(costs, c, acc["accept_len"], ms),
+                }
+            )
+    return rows
+
+
+def best_depth(predicted: list[dict], concurrency: int) -> dict:
+    """The predicted row with the highest speedup at `concurrency`."""
+    return max((r for r in predicted if r["concurrency"] == concurrency), key=lambda r: r["speedup"])
+
+
+def calibrate(costs: Costs, cond_acc: list[float], depth: int, measured: list[dict]) -> Costs:
+    """Costs with the engine's per-step overhead (per concurrency) and the acceptance scale fitted to the rows
+    measured at one depth ({concurrency, speedup, accept_len, per_pos}). The overhead is what makes the model's
+    step time give the measured speedup at the measured acceptance; the scale is the engine's acceptance at
+    position 1 against the training eval's."""
+    overhead = dict(costs.overhead_ms)
+    for r in measured:
+        c, x, al = r["concurrency"], r["speedup"], r["accept_len"]
+        if not al or x <= 0:
+            continue
+        share = costs.prefill_share.get(c, 0.0)
+        measured_step = (1 / x - share) / (1 - share) * al * costs.decode_ms[c]
+        model_step = step_ms(Costs(costs.decode_ms, costs.forward_ms, costs.draft_ms), depth, c)
+        overhead[c] = measured_step - model_step
+    first = [r["per_pos"][0] for r in measured if r.get("per_pos")]
+    scale = float(np.mean(first)) / cond_acc[0] if first and cond_acc[0] > 0 else costs.acceptance_scale
+    return Costs(
+        costs.decode_ms,
+        costs.forward_ms,
+        costs.draft_ms,
+        costs.prefill_share,
+        overhead,
+        scale,
+        {"depth": depth, "concurrency": sorted(r["concurrency"] for r in measured)},
+    )
+
+
+# ------------------------------------------------------------------------- measurement ----
+
+
+def decode_costs(baseline_rows: list[dict]) -> tuple[dict[int, float], dict[int, float]]:
+    """(decode_ms, prefill_share) per concurrency from the baseline's rows: the step time is the wall time
+    per token of each in-flight sequence, c * 1000 / tokens_per_s, less the prefill share the engine's own
+    counters report (rows' prefill_s and decode_s, where the engine has them)."""
+    decode, share = {}, {}
+    for r in baseline_rows:
+        c = r["concurrency"]
+        s = 0.0
+        if r.get("prefill_s") and r.get("decode_s"):
+            s = r["prefill_s"] / (r["prefill_s"] + r["decode_s"])
+        share[c] = s
+        decode[c] = (1 - s) * c * 1000 / r["tokens_per_s"]
+    return decode, share
+
+
+def _best_ms(fn, repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return 1000 * best
+
+
+@torch.inference_mode()
+def forward_costs(model, drafter, context: int, tokens: list[int], repeats: int = 5) -> tuple[dict, dict]:
+    """(forward_ms, draft_ms): the target's forward over m new tokens after `context` cached ones, and the
+    drafter's step over m tokens after as many, for each m in `tokens`; best of `repeats`. m tokens of one
+    sequence cost what one token each of m sequences costs (the same matmuls; each attends to a context)."""
+    from transformers import DynamicCache
+
+    from eagle3lib.drafter import DraftCache
+
+    device = model.get_input_embeddings().weight.device
+    vocab = model.get_input_embeddings().weight.shape[0]
+    ids = torch.randint(0, vocab, (context + max(tokens),)).tolist()
+    cache = DynamicCache()
+    target_forward(model, ids[:context], cache)
+    dtype = drafter.fc.weight.dtype
+    hidden = drafter.cfg.hidden_size
+
+    def target(m):
+        target_forward(model, ids[context : context + m], cache)
+        _truncate(cache, context)
+
+    def draft_step(m):
+        """A chain step (the draft's own hidden state in, no fc) over m tokens after `context` cached ones."""
+        draft_cache = DraftCache()
+        for start, n in ((0, context), (context, m)):
+            embeds = torch.randn(1, n, hidden, dtype=dtype, device=device)
+            state = torch.randn(1, n, hidden, dtype=dtype, device=device)
+            pos = torch.arange(start, start + n, device=device)[None]
+            t0 = time.perf_counter()
+            drafter.step(draft_cache, embeds, state, pos, from_target=False)
+        return time.perf_counter() - t0
+
+    forward = {m: _best_ms(lambda m=m: target(m), repeats) for m in tokens}
+    draft = {m: 1000 * min(draft_step(m) for _ in range(repeats)) for m in tokens}
+    return forward, draft

@@ -1,0 +1,180 @@
+"""The cost model predicts tokens/s per depth from measured costs; checked on synthetic timings."""
+
+import pytest
+
+from eagle3lib.bench import cost
+
+
+def synthetic(prefill_share=0.0, overhead=0.0):
+    # A target whose forward costs 10 ms + 1 ms per token, a drafter step of 0.5 ms per token.
+    forward = {m: 10.0 + m for m in (1, 2, 4, 8, 16, 32, 64, 136)}
+    draft = {m: 0.5 * m for m in (1, 2, 4, 8, 16, 32, 64, 136)}
+    decode = {1: 22.0, 8: 36.0}  # the engine's step: 2x the in-process forward
+    return cost.Costs(decode, forward, draft, {1: prefill_share, 8: prefill_share}, {1: overhead, 8: overhead})
+
+
+def test_interpolation_is_linear_between_points_and_past_the_last():
+    pts = {1: 11.0, 4: 14.0, 8: 18.0}
+    assert cost.interpolate(pts, 2) == pytest.approx(12.0)
+    assert cost.interpolate(pts, 16) == pytest.approx(26.0)
+
+
+def test_acceptance_is_the_product_of_conditional_rates():
+    a = cost.acceptance([0.5, 0.5], 3)
+    assert a["per_pos"] == pytest.approx([0.5, 0.25, 0.125])
+    assert a["accept_len"] == pytest.approx(1.875)
+    assert cost.acceptance([0.8], 1, scale=2.0)["per_pos"] == [1.0]  # capped
+
+
+def test_step_time_and_speedup_by_hand():
+    c = synthetic()
+    # depth 2 at concurrency 1: verify 3 tokens (13 ms) + 2 draft steps (1 ms) over a 1-token forward (11 ms)
+    assert cost.step_ms(c, 2, 1) == pytest.approx(22.0 * 14.0 / 11.0)
+    rows = cost.predict(c, [0.6, 0.5], [2], [1])
+    al = 1 + 0.6 + 0.3
+    assert rows[0]["accept_len"] == pytest.approx(al)
+    assert rows[0]["speedup"] == pytest.approx(al * 22.0 / (22.0 * 14.0 / 11.0))
+
+
+def test_prefill_share_caps_the_speedup():
+    free = cost.predict(synthetic(), [0.9], [3], [1])[0]["speedup"]
+    half = cost.predict(synthetic(prefill_share=0.5), [0.9], [3], [1])[0]["speedup"]
+    assert half == pytest.approx(1 / (0.5 + 0.5 / free))
+
+
+def test_best_depth_falls_as_acceptance_falls_and_costs_rise():
+    depths = range(1, 17)
+    strong = cost.best_depth(cost.predict(synthetic(), [0.9] * 5, depths, [1, 8]), 1)
+    weak = cost.best_depth(cost.predict(synthetic(), [0.3] * 5, depths, [1, 8]), 1)
+    assert strong["depth"] > weak["depth"] >= 1
+    slow_drafter = synthetic()
+    slow_drafter.draft_ms = {m: 10 * v for m, v in slow_drafter.draft_ms.items()}
+    assert cost.best_depth(cost.predict(slow_drafter, [0.9] * 5, depths, [1]), 1)["depth"] < strong["depth"]
+    # a fixed cost per speculative step is shared by more tokens in a longer chain
+    fixed = cost.best_depth(cost.predict(synthetic(overhead=20.0), [0.9] * 5, depths, [1]), 1)
+    assert fixed["depth"] >= strong["depth"]
+    # at concurrency 8 each verified token is 8 tokens of work: deeper chains cost more
+    assert cost.best_depth(cost.predict(synthetic(), [0.9] * 5, depths, [8]), 8)["depth"] <= strong["depth"]
+
+
+def test_calibration_recovers_a_hidden_overhead_and_acceptance_scale():
+    truth = synthetic(prefill_share=0.2, overhead=7.0)
+    truth.acceptance_scale = 0.8
+    train_cond = [0.7, 0.6, 0.6]
+    measured_rows = []
+    for r in cost.predict(truth, train_cond, [3], [1, 8]):
+        per_pos = cost.acceptance(train_cond, 3, 0.8)["per_pos"]
+        measured_rows.append({**r, "per_pos": per_pos})
+    fitted = cost.calibrate(synthetic(prefill_share=0.2), train_cond, 3, measured_rows)
+    assert fitted.overhead_ms == pytest.approx({1: 7.0, 8: 7.0})
+    assert fitted.acceptance_scale == pytest.approx(0.8)
+    for want, got in zip(
+        cost.predict(truth, train_cond, range(1, 17), [1, 8]), cost.predict(fitted, train_cond, range(1, 17), [1, 8])
+    ):
+        assert got["speedup"] == pytest.approx(want["speedup"])
+
+
+def test_decode_costs_from_baseline_rows():
+    rows = [
+        {"concurrency": 1, "tokens_per_s": 40.0, "prefill_s": 1.0, "decode_s": 3.0},
+        {"concurrency": 8, "tokens_per_s": 160.0},
+    ]
+    decode, share = cost.decode_costs(rows)
+    assert share == {1: 0.25, 8: 0.0}
+    assert decode == pytest.approx({1: 0.75 * 25.0, 8: 50.0})
+
+
+class SyntheticEngine:
+    """An engine whose speed follows known costs: run(depth, prompts, ...) returns the rows benchmark's
+    run() would, computed from `truth` (a Costs) and an acceptance the engine measures."""
+
+    def __init__(self, truth, engine_cond, concurrency):
+        self.truth, self.cond, self.concurrency, self.runs, self.rows = truth, engine_cond, concurrency, [], []
+
+    def __call__(self, depth, used, prediction=None, note="", calibration=False):
+        self.runs.append((depth, len(used), calibration))
+        out = []
+        for c in self.concurrency:
+            if depth is None:
+                share = self.truth.prefill_share[c]  # as the engine's counters report it
+                tps = (1 - share) * c * 1000 / self.truth.decode_ms[c]
+                r = {"depth": 0, "concurrency": c, "tokens_per_s": tps, "speedup": 1.0}
+                r |= {"prefill_s": share, "decode_s": 1 - share}
+            else:
+                acc = cost.acceptance(self.cond, depth)
+                x = cost.speedup(self.truth, c, acc["accept_len"], cost.step_ms(self.truth, depth, c))
+                base = next(b for b in self.rows if b["depth"] == 0 and b["concurrency"] == c)
+                r = {"depth": depth, "concurrency": c, "tokens_per_s": x * base["tokens_per_s"], "speedup": x}
+                r |= {"accept_len": acc["accept_len"], "per_pos": acc["per_pos"]}
+            r |= {"prompts": len(used), "config": f"depth{depth}" if depth else "baseline", "lossless_frac": 1.0}
+            if prediction is not None:
+                r["predicted_speedup"] = prediction[(depth, c)]["speedup"]
+            self.rows.append(r)
+            out.append(r)
+        return out
+
+
+class Bar:
+    total = 0
+
+    def set_postfix_str(self, _):
+        pass
+
+    def update(self, _):
+        pass
+
+
+def test_the_sweep_measures_the_true_best_depth_and_recommends_only_what_beat_the_baseline():
+    from eagle3lib.bench import sweep
+    from eagle3lib.params import BenchParams
+
+    truth = synthetic(prefill_share=0.1, overhead=6.0)
+    train_cond = [0.75, 0.7, 0.7, 0.65, 0.6]
+    engine_cond = [0.6, 0.56, 0.56, 0.52, 0.48]  # the engine accepts less than training predicted (scale 0.8)
+    bench = BenchParams(depths=[16, 10, 5], concurrency=[1, 8], quick_below=0.75, quick_prompts=8)
+    engine = SyntheticEngine(truth, engine_cond, bench.concurrency)
+    prompts = [{"id": str(i), "prompt_ids": [1]} for i in range(12)]
+    engine(None, prompts)
+    clean = synthetic(prefill_share=0.1)  # what the in-process probe sees: no engine overhead
+    model = sweep.choose_and_measure(
+        bench,
+        {"cond_acc": train_cond},
+        lambda: (clean.forward_ms, clean.draft_ms),
+        engine.rows,
+        prompts,
+        engine,
+        Bar(),
+        lambda _line: None,
+    )
+    measured = {d for d, _, _ in engine.runs if d}
+    assert engine.runs[1][2] and engine.runs[1][0] == model["calibrated_on"]  # the first pick calibrates
+    true_best = {c: cost.best_depth(cost.predict(truth, engine_cond, range(1, 17), [c]), c)["depth"] for c in (1, 8)}
+    assert set(true_best.values()) <= measured and {16, 10, 5} <= measured
+    assert model["picks"] == {str(c): d for c, d in true_best.items()}
+    for r in engine.rows:  # after calibration the model predicts every other depth exactly
+        if r["depth"] and r["depth"] != model["calibrated_on"]:
+            assert r["predicted_speedup"] == pytest.approx(r["speedup"], rel=1e-6)
+    quick = {d for d, n, _ in engine.runs if d and n < len(prompts)}
+    assert quick == set(model["quick"]) and quick
+    for d in quick:
+        assert all(r["speedup"] < 0.75 for r in engine.rows if r["depth"] == d)
+    rec = sweep.recommend(engine.rows, "/models/t", {})
+    for c, chosen in rec.items():
+        base = next(r for r in engine.rows if r["depth"] == 0 and r["concurrency"] == int(c))
+        assert chosen["tokens_per_s"] >= base["tokens_per_s"] and chosen["depth"] not in quick
+
+
+def test_the_speedup_plot_draws_predictions_and_measurements(tmp_path):
+    from eagle3lib.workbook import plots
+
+    rows = [
+        {"depth": 0, "concurrency": 1, "speedup": 1.0, "prompts": 12},
+        {"depth": 2, "concurrency": 1, "speedup": 1.3, "prompts": 12},
+        {"depth": 16, "concurrency": 1, "speedup": 0.5, "prompts": 8},
+    ]
+    predicted = cost.predict(synthetic(), [0.6], range(1, 17), [1])
+    fig = plots.bench_speedup_model({"predicted": predicted, "predicted_before_calibration": predicted}, rows)
+    fig.savefig(tmp_path / "s.png")
+    curves, _before, full, quick, _baseline = fig.axes[0].lines
+    assert list(curves.get_xdata()) == list(range(1, 17))
+    assert (list(full.get_xdata()), list(quick.get_xdata())) == ([2], [16]) and quick.get_markerfacecolor() == "none"
