@@ -236,6 +236,45 @@ class Drafter(nn.Module):
     def rope(self, x, position_ids):
         return self.rotary(x, position_ids)
 
+    @torch.no_grad()
+    def init_from_target_layer(self, layer: dict, top_aux: int = -1) -> None:
+        """Start as the target's layer `layer` ({name within the layer: tensor}, target.load_layer_tensors)
+        applied to one aux state: fc passes aux state `top_aux` through unchanged, q/k/v read only the hidden
+        half (the embedding half starts at zero), and the norms, o_proj and MLP are the target's. So before
+        training the drafter is an early exit from the target's top aux layer through its last layer."""
+        mine = self.layer
+        h = mine.hidden_norm.weight.shape[0]
+        wanted = {
+            "self_attn.q_proj.weight": mine.self_attn.q_proj.weight,
+            "self_attn.k_proj.weight": mine.self_attn.k_proj.weight,
+            "self_attn.v_proj.weight": mine.self_attn.v_proj.weight,
+            "self_attn.o_proj.weight": mine.self_attn.o_proj.weight,
+            "mlp.gate_proj.weight": mine.mlp.gate_proj.weight,
+            "mlp.up_proj.weight": mine.mlp.up_proj.weight,
+            "mlp.down_proj.weight": mine.mlp.down_proj.weight,
+            "input_layernorm.weight": mine.hidden_norm.weight,
+            "post_attention_layernorm.weight": mine.post_attention_layernorm.weight,
+        }
+        for name, param in wanted.items():
+            theirs = layer.get(name)
+            half = param[:, h:] if name.split(".")[-2] in ("q_proj", "k_proj", "v_proj") else param
+            if theirs is None or theirs.shape != half.shape:
+                got = "missing" if theirs is None else tuple(theirs.shape)
+                raise ValueError(
+                    f"cannot start the drafter from the target's layer: {name} is {got}, the drafter's is "
+                    f"{tuple(half.shape)}; this needs a Llama-shaped target layer (set train.init_layer_from_target "
+                    "false for other architectures)"
+                )
+            if half is not param:
+                param[:, :h].zero_()
+            half.copy_(theirs)
+        n_aux = len(self.cfg.aux_layer_ids)
+        top = top_aux % n_aux
+        if self.cfg.target_hidden_size != self.cfg.hidden_size:
+            raise ValueError("fc passes an aux state through only when the drafter's hidden size is the target's")
+        self.fc.weight.zero_()
+        self.fc.weight[:, top * h : (top + 1) * h] = torch.eye(h)
+
     # ---------------------------------------------------------- training ----
     def ttt_forward(self, aux, embeds, position_ids, doc_ids, attention: str = "auto", checkpoint: bool = False):
         """Training-time test over K chain steps.

@@ -162,6 +162,11 @@ class TrainParams(Section):
     init_lm_head_from_target: bool = Field(
         True, description="start lm_head/norm from the target's rows of the draft vocab"
     )
+    init_layer_from_target: bool = Field(
+        False,
+        description="start the decoder layer as the target's last layer and fc as the top aux state passed "
+        "through: an early exit before any training (Llama-shaped targets)",
+    )
     resume: bool = True
     nproc_per_node: int = Field(1, gt=0)
     dtype: Literal["auto", "float32", "bfloat16"] = Field(

@@ -411,6 +411,24 @@ def _pick(names, wanted: list[str], suffix: str):
     return found[0] if found else None
 
 
+def load_layer_tensors(name_or_path: str, layer: int) -> dict:
+    """{name within the layer: tensor} of decoder layer `layer` (e.g. 'self_attn.q_proj.weight'), read from the
+    target's safetensors without loading the model."""
+    folder = _local_folder(name_or_path)
+    weight_map = _weight_map(folder)
+    marker = f".layers.{layer}."
+    names = [n for n in weight_map if marker in n and "visual" not in n and "vision" not in n]
+    if not names:
+        raise KeyError(f"{folder}: no tensors of decoder layer {layer} (looked for names containing {marker!r})")
+    from safetensors import safe_open
+
+    out = {}
+    for name in names:
+        with safe_open(str(folder / weight_map[name]), "pt") as f:
+            out[name.split(marker, 1)[1]] = f.get_tensor(name)
+    return out
+
+
 def load_head_tensors(name_or_path: str) -> dict:
     """{'embed': [V,H], 'lm_head': [V,H], 'norm': [H]} read from the target's safetensors without
     loading the model (a Kimi-sized target does not fit one process)."""

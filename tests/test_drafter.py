@@ -360,3 +360,39 @@ def test_block_masks_built_per_block_equal_the_ones_flex_builds_pair_by_pair():
         assert torch.equal(ours[k].kv_num_blocks, ref.kv_num_blocks)
         assert torch.equal(ours[k].full_kv_num_blocks, ref.full_kv_num_blocks)
         assert torch.equal(ours[k].to_dense(), ref.to_dense())
+
+
+def test_starting_from_the_targets_last_layer_is_an_exact_early_exit(embedded_target, tmp_path):
+    """train.init_layer_from_target: with the top aux state at the last layer's input, the untrained drafter's
+    step 0 is the target's last layer, final norm and head, so its logits are the target's own."""
+    from safetensors.torch import save_file
+
+    from eagle3lib.target import load_layer_tensors
+
+    model, tokenizer = embedded_target
+    last = num_layers(model.config) - 1
+    ids = tokenizer("The Danube, the Rhine and the Volga are rivers.", return_tensors="pt").input_ids
+    aux_ids = [2, 15, last]  # hidden_states[last] = the last layer's input
+    aux, _ = capture_hidden_states(model, ids, torch.ones_like(ids), aux_ids)
+    vocab = model.config.vocab_size
+    drafter = Drafter(DrafterConfig.from_target(model.config, vocab, aux_ids)).float().eval()
+    drafter.set_vocab(torch.zeros(vocab, dtype=torch.int64), torch.ones(vocab, dtype=torch.bool))
+    state = {k: v.clone().contiguous() for k, v in model.state_dict().items() if ".layers." in k}
+    save_file(state, tmp_path / "model.safetensors")
+    layer = load_layer_tensors(str(tmp_path), last)
+    assert set(layer) >= {"self_attn.q_proj.weight", "mlp.down_proj.weight", "input_layernorm.weight"}
+    drafter.init_from_target_layer(layer)
+    with torch.no_grad():
+        drafter.lm_head.weight.copy_(model.get_output_embeddings().weight)
+        drafter.norm.weight.copy_(model.model.norm.weight)
+        n = ids.shape[1]
+        pos = torch.arange(n)[None]
+        embeds = model.get_input_embeddings().weight[ids[:, 1:]].float()
+        embeds = torch.cat([embeds, embeds[:, -1:]], 1)  # step 0 reads token t+1; the last one is padding
+        hidden = drafter.ttt_forward(aux.float(), embeds, pos, torch.zeros_like(pos))
+        ours = drafter.logits(hidden[0])[0]
+        theirs = model(ids).logits[0]
+    assert torch.equal(ours.argmax(-1), theirs.argmax(-1))
+    assert (ours - theirs).abs().max().item() <= 1e-3 * theirs.abs().max().item()
+    with pytest.raises(ValueError, match="Llama-shaped"):
+        drafter.init_from_target_layer({k: v[:1] for k, v in layer.items()})

@@ -441,6 +441,9 @@ def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
         with torch.no_grad():
             drafter.lm_head.weight.copy_(tensors["lm_head"][t2d])
             drafter.norm.weight.copy_(tensors["norm"])
+    if train_params.init_layer_from_target:
+        layers = (getattr(tcfg, "text_config", None) or tcfg).num_hidden_layers
+        drafter.init_from_target_layer(target.load_layer_tensors(target_path, layers - 1))
     if train_params.freeze_lm_head:
         if not train_params.init_lm_head_from_target:
             raise TrainingError(

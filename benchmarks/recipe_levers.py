@@ -1,0 +1,89 @@
+"""Acceptance per CPU-minute: 02_train on one run's data and budget, once per lever, side by side.
+
+Each lever is a set of params overrides; every lever trains from scratch on the same run folder's shards
+(00_prepare and 01_extract must have finished) with the same time budget, into a scratch folder, and prints the
+tokens it trained on and the validation's estimated acceptance length per depth (docs/design.md §5).
+
+    python benchmarks/recipe_levers.py --run-dir outputs/tiny --minutes 4 \
+        --lever default \
+        --lever 'ttt3:train.ttt_steps=3' \
+        --lever 'lr2e-3:train.lr=2e-3'
+
+Figures go to stdout and, one JSON line per lever, to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from eagle3lib.params import load_params  # noqa: E402
+from eagle3lib.train import trainer  # noqa: E402
+
+
+def parse_lever(text: str) -> tuple[str, dict]:
+    """'name:key=value,key=value' (values read as YAML) -> (name, overrides); 'name' alone = no overrides."""
+    name, _, rest = text.partition(":")
+    overrides = {}
+    for part in filter(None, rest.split(",")):
+        key, _, value = part.partition("=")
+        overrides[key.strip()] = yaml.safe_load(value)
+    return name, overrides
+
+
+def run_lever(params_file: str, run_dir: Path, minutes: float, name: str, overrides: dict, seed: int) -> dict:
+    p = load_params(params_file, {**overrides, "train.max_minutes": minutes, "train.resume": False})
+    setup, vocab_stats = trainer.build_setup(p, run_dir)
+    with tempfile.TemporaryDirectory() as scratch:
+        setup.out_dir = Path(scratch)
+        t0 = time.time()
+        summary = trainer.train(setup, p.train, seed=seed, log=lambda *_: None)
+    ev = summary["eval"]
+    return {
+        "lever": name,
+        "overrides": overrides,
+        "minutes": minutes,
+        "tokens": summary["tokens"],
+        "train_tokens_per_s": summary["train_tokens_per_s"],
+        "wall_s": round(time.time() - t0, 1),
+        "val_coverage": vocab_stats["val_coverage"],
+        "cond_acc": [round(x, 4) for x in ev["cond_acc"]],
+        "est_accept_len": {d: ev["est_accept_len"][d] for d in ("1", "2", "3", "5")},
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--params", default=str(ROOT / "params" / "tiny.yaml"))
+    ap.add_argument("--run-dir", required=True, help="a run folder whose 00_prepare and 01_extract finished")
+    ap.add_argument("--minutes", type=float, default=4.0, help="training budget per lever")
+    ap.add_argument("--lever", action="append", required=True, help="name:key=value,... (repeatable)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", help="append one JSON line per lever here")
+    a = ap.parse_args()
+    print(f"{'lever':<24} {'tokens':>8} {'tok/s':>6} {'AL@1':>5} {'AL@2':>5} {'AL@3':>5} {'AL@5':>5}  cond_acc")
+    for text in a.lever:
+        name, overrides = parse_lever(text)
+        r = run_lever(a.params, Path(a.run_dir), a.minutes, name, overrides, a.seed)
+        al = r["est_accept_len"]
+        print(
+            f"{name:<24} {r['tokens']:>8} {r['train_tokens_per_s']:>6.0f} {al['1']:>5.2f} {al['2']:>5.2f} "
+            f"{al['3']:>5.2f} {al['5']:>5.2f}  {' '.join(f'{c:.2f}' for c in r['cond_acc'])}",
+            flush=True,
+        )
+        if a.out:
+            with open(a.out, "a") as f:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()
