@@ -89,12 +89,20 @@ def test_deploy_served_the_drafter_and_left_no_process(ci_run):
 
 def test_benchmark_is_lossless_in_fp32_and_measures_acceptance(ci_run):
     r = result(ci_run[0], "05_benchmark")["figures"]
-    configs = {(row["config"], row["concurrency"]) for row in r["rows"]}
-    assert configs == {("baseline-float32", 1), ("depth5-float32", 1)}
-    spec = next(row for row in r["rows"] if row["config"] == "depth5-float32")
-    assert spec["drafts"] > 0 and spec["accept_len"] >= 1.0 and len(spec["per_pos"]) == 5
-    assert spec["lossless_frac"] == 1.0, r["differences"]
-    assert r["recommendation"]["1"]
+    model = r["cost_model"]
+    plan = model["plan"]  # the cost model's pick first (it calibrates), its neighbours, then bench.depths
+    assert plan[0] == model["calibrated_on"] == model["picks"]["1"] and 5 in plan and len(set(plan)) == len(plan)
+    assert [(row["config"], row["concurrency"]) for row in r["rows"]] == [("baseline-float32", 1)] + [
+        (f"depth{d}-float32", 1) for d in plan
+    ]
+    assert len(model["predicted"]) == 5 and all(x["speedup"] > 0 for x in model["predicted"])
+    for row in r["rows"][1:]:
+        assert row["drafts"] > 0 and row["accept_len"] >= 1.0 and len(row["per_pos"]) == row["depth"]
+        assert row["lossless_frac"] == 1.0, r["differences"]
+        assert row["predicted_speedup"] > 0 and row["calibration"] == (row["depth"] == plan[0])
+    base = r["rows"][0]["tokens_per_s"]
+    assert r["recommendation"]["1"]["tokens_per_s"] >= round(base, 1)  # never a depth slower than no speculation
+    assert (ci_run[0] / "05_benchmark" / "speedup_vs_depth.png").is_file()
 
 
 def test_benchmark_replay_matches_the_engine(ci_run):
@@ -103,7 +111,9 @@ def test_benchmark_replay_matches_the_engine(ci_run):
     run_dir = ci_run[0]
     rows = result(run_dir, "05_benchmark")["figures"]["rows"]
     prov = replay.load(run_dir / "05_benchmark" / "provenance.json")
-    assert prov["depths"] == [5] and prov["target_dtype"] == "float32" and len(prov["prompts"]) == 4
+    picks = result(run_dir, "05_benchmark")["figures"]["cost_model"]["picks"]
+    assert prov["depths"] == sorted({5, *picks.values()}) and prov["target_dtype"] == "float32"
+    assert len(prov["prompts"]) == 4
     for rec in prov["prompts"]:
         at5 = rec["replays"]["5"]
         assert at5["equals_baseline"], rec["id"]

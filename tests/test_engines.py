@@ -248,12 +248,14 @@ def test_regeneration_through_the_engine_equals_hf_greedy(embedded_cache, embedd
         tokenizer,
         convs,
         out,
-        engine_params=EngineParams(extra_args=["--dtype", "float32"]),
+        engine_params=EngineParams(),
         target_dir=embedded_cache[1],
         progress=False,
+        dtype="float32",  # the target's dtype reaches the engine
     )
     assert engine["backend"] == "engine:vllm" and engine["engine_start_s"] > 0
-    assert (out.parent / engine["engine_log"]).read_text().startswith("$ ")
+    log = (out.parent / engine["engine_log"]).read_text()
+    assert log.startswith("$ ") and "--dtype float32" in log.splitlines()[0]
     for key in ("regenerated", "turns_regenerated", "tokens_generated", "stops"):
         assert engine[key] == hf[key], key
     assert regenerate.read_regenerated(out) == regenerate.read_regenerated(tmp_path / "hf" / "regenerated.jsonl")

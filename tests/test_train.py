@@ -22,6 +22,7 @@ from eagle3lib.train.batches import Sequence, in_background, make_batch, pack_ro
 from eagle3lib.train.checkpoint import STATE_FILE, latest_checkpoint, load_drafter
 
 AUX = [1, 3, 5]
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def random_tokens(n, vocab, seed):
@@ -325,3 +326,37 @@ def test_in_background_keeps_order_raises_where_the_source_did_and_stops_on_clos
     assert [next(stream) for _ in range(10)] == list(range(10))
     stream.close()
     assert closed == [True]  # the source was closed in its thread, and that thread has ended
+
+
+def test_init_layer_from_target_and_the_recipe_levers_script(tmp_path, small_target):
+    """train.init_layer_from_target reaches the drafter through build_setup; benchmarks/recipe_levers.py trains
+    each lever from scratch on the same run and reports its tokens and acceptance, leaving the run untouched."""
+    import importlib.util
+
+    run_dir = make_run(tmp_path, *small_target, {"max_tokens": 128 * 4, "eval_every": 4})
+    model = small_target[0]
+    p = load_params(params_file(tmp_path), {"train.init_layer_from_target": True})
+    setup, _ = trainer.build_setup(p, run_dir)
+    last = model.model.layers[-1]
+    h = model.config.hidden_size
+    assert torch.equal(setup.drafter.layer.mlp.down_proj.weight, last.mlp.down_proj.weight)
+    assert torch.equal(setup.drafter.layer.self_attn.q_proj.weight[:, h:], last.self_attn.q_proj.weight)
+    assert not setup.drafter.layer.self_attn.q_proj.weight[:, :h].any()
+    assert torch.equal(setup.drafter.fc.weight[:, 2 * h :], torch.eye(h))
+
+    spec = importlib.util.spec_from_file_location("recipe_levers", ROOT / "benchmarks" / "recipe_levers.py")
+    levers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(levers)
+    assert levers.parse_lever("ttt3:train.ttt_steps=3,train.lr=2e-3") == (
+        "ttt3",
+        {"train.ttt_steps": 3, "train.lr": 2e-3},
+    )
+    rows = [
+        levers.run_lever(params_file(tmp_path), run_dir, 1.0, name, overrides, seed=0)
+        for name, overrides in (("default", {}), ("init", {"train.init_layer_from_target": True}))
+    ]
+    for r in rows:
+        assert r["tokens"] == 128 * 4 and set(r["est_accept_len"]) == {"1", "2", "3", "5"}
+        assert 1.0 <= r["est_accept_len"]["3"] <= 4.0
+    assert rows[0]["cond_acc"] != rows[1]["cond_acc"]
+    assert not (run_dir / "02_train" / "drafter").exists()  # levers train in scratch folders

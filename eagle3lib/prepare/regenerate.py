@@ -366,11 +366,20 @@ def regenerate_responses(
 
 
 def regenerate(
-    rg, model, tokenizer, conversations, out_path: Path, engine_params=None, target_dir=None, progress: bool = True
+    rg,
+    model,
+    tokenizer,
+    conversations,
+    out_path: Path,
+    engine_params=None,
+    target_dir=None,
+    progress: bool = True,
+    dtype: str | None = None,
 ) -> dict:
     """regenerate_responses as params' data.regenerate section (rg) asks: backend "hf" generates
-    with `model` here; "engine" starts the run's serving engine (engine_params, no drafter) on
-    target_dir, logs it next to out_path, and stops it when done (also on errors)."""
+    with `model` here; "engine" starts the run's serving engine (engine_params, no drafter, in `dtype`, the
+    target's: None = the engine's default) on target_dir, logs it next to out_path, and stops it when done
+    (also on errors)."""
     kwargs = dict(
         budget_tokens=rg.budget_tokens,
         max_new_tokens=rg.max_new_tokens,
@@ -382,7 +391,7 @@ def regenerate(
         return regenerate_responses(model, tokenizer, conversations, out_path, **kwargs)
     from eagle3lib import engines
 
-    server = engines.make(engine_params, target_dir, None, None, Path(out_path).parent)
+    server = engines.make(engine_params, target_dir, None, None, Path(out_path).parent, dtype)
     with server:
         stats = regenerate_responses(
             model, tokenizer, conversations, out_path, engine=server, backend=f"engine:{engine_params.name}", **kwargs

@@ -51,6 +51,7 @@ def regenerate_splits(p, model, tokenizer, splits: dict, out: Path) -> tuple[dic
         path,
         engine_params=p.engine,
         target_dir=target.resolve_target(p.target.name, cache_dir(p)),
+        dtype=p.target.dtype,
     )
     regenerated = regenerate.read_regenerated(path)
     kept = {
