@@ -43,12 +43,7 @@ def predicted(eval_summary: dict, depth: int) -> dict:
     per_pos[k] = joint_acc[k] = Π_{j≤k} cond_acc[j] (positions past the trained steps reuse the last
     cond_acc), accept_len = 1 + Σ per_pos."""
     cond = list(eval_summary["cond_acc"])
-    cond += [cond[-1]] * max(0, depth - len(cond))
-    joint, run = [], 1.0
-    for c in cond[:depth]:
-        run *= c
-        joint.append(run)
-    return {"accept_len": 1 + sum(joint), "per_pos": joint, "extrapolated_from": len(eval_summary["cond_acc"])}
+    return {**cost.acceptance(cond, depth), "extrapolated_from": len(cond)}
 
 
 # ------------------------------------------------------------------------- measurement ----
