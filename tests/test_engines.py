@@ -338,3 +338,11 @@ def test_sglang_preflight_resolves_flags(drafts):
         EngineError, match=r"SGLang will capture HF hidden_states \[2, 15, 27\].*but \[3, 15, 27\] were asked"
     ):
         engines.sglang.preflight(drafts["target"], drafts["sglang"], 4, py, aux_layer_ids=[3, 15, 27])
+
+
+def test_vllm_cpu_worker_threads_leave_the_reserved_cpus_to_the_api_server():
+    import os
+
+    cpus = len(os.sched_getaffinity(0))
+    assert engines.vllm.cpu_worker_threads({}) == max(1, cpus - 1)
+    assert engines.vllm.cpu_worker_threads({"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}) == cpus

@@ -3,7 +3,11 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
+
+from eagle3lib import engines
 
 ARTIFACTS = [
     "speedup_vs_depth.png",
@@ -43,9 +47,13 @@ def cost_probe(p, target_name_or_dir: str, cache_dir, drafter_dir, prompts: list
         context = sum(len(x["prompt_ids"]) for x in prompts) // len(prompts) + p.bench.max_tokens // 2
         chain = [k for k in (1, 2, 3, 4, 6, 9, 17) if k <= p.bench.max_depth + 1] + [p.bench.max_depth + 1]
         tokens = sorted({c * k for c in p.bench.concurrency for k in chain} | {1})
+        threads = torch.get_num_threads()
+        if p.target.device == "cpu" and p.engine.name == "vllm":
+            torch.set_num_threads(engines.vllm.cpu_worker_threads({**os.environ, **p.engine.env}))  # as the engine
         try:
             return cost.forward_costs(model, drafter, context, tokens)
         finally:
+            torch.set_num_threads(threads)
             del model, drafter
             torch.cuda.empty_cache() if torch.cuda.is_available() else None
 

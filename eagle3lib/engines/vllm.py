@@ -13,6 +13,7 @@ readings around a measurement (stats_diff).
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 
@@ -32,6 +33,14 @@ COUNTERS = {
 PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos_total"
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 _POSITION = re.compile(r'position="(\d+)"')
+
+
+def cpu_worker_threads(env: dict | None = None) -> int:
+    """The threads vLLM's CPU worker computes with: every CPU but the VLLM_CPU_NUM_OF_RESERVED_CPU (default 1) it
+    keeps for the API server, at least one (its log says "reserve_cpu_num=1, core ids=[0]" on 2 cores)."""
+    env = os.environ if env is None else env
+    reserved = int(env.get("VLLM_CPU_NUM_OF_RESERVED_CPU") or 1)
+    return max(1, len(os.sched_getaffinity(0)) - reserved)
 
 
 def vllm_launch_args(draft_dir, depth: int) -> list[str]:
