@@ -111,8 +111,10 @@ def test_benchmark_replay_matches_the_engine(ci_run):
     run_dir = ci_run[0]
     rows = result(run_dir, "05_benchmark")["figures"]["rows"]
     prov = replay.load(run_dir / "05_benchmark" / "provenance.json")
-    picks = result(run_dir, "05_benchmark")["figures"]["cost_model"]["picks"]
-    assert prov["depths"] == sorted({5, *picks.values()}) and prov["target_dtype"] == "float32"
+    figures = result(run_dir, "05_benchmark")["figures"]
+    best = max((r for r in figures["rows"] if r["depth"]), key=lambda r: r["speedup"])["depth"]
+    picks = figures["cost_model"]["picks"].values()
+    assert prov["depths"] == sorted({5, best, *picks}) and prov["target_dtype"] == "float32"
     assert len(prov["prompts"]) == 4
     for rec in prov["prompts"]:
         at5 = rec["replays"]["5"]

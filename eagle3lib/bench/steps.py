@@ -61,9 +61,11 @@ def cost_probe(p, target_name_or_dir: str, cache_dir, drafter_dir, prompts: list
 
 
 def replay_depths(swept: dict, bench_params) -> list[int]:
-    """The depths to replay: the user's (bench.depths) and the cost model's picks."""
+    """The depths to replay: the user's (bench.depths), the cost model's picks and the fastest measured depth
+    (the headline's)."""
     picks = (swept.get("cost_model") or {}).get("picks", {})
-    return sorted(set(bench_params.depths) | set(picks.values()))
+    best = best_speculative(swept["rows"])
+    return sorted(set(bench_params.depths) | set(picks.values()) | ({best["depth"]} if best else set()))
 
 
 def lossless_headline(swept: dict) -> str:
@@ -133,7 +135,7 @@ def result(swept: dict, recommendation: dict, replayed: dict, prompts: int, max_
     headline = {
         "best speedup": best and f"{best['speedup']:.2f}x ({best['config']}, concurrency {best['concurrency']})",
         "acceptance length": best and _round(best["accept_len"], 2),
-        "replay acceptance": best and _round(replayed["summary"][str(best["depth"])]["accept_len"], 2),
+        "replay acceptance": best and _round(replayed["summary"].get(str(best["depth"]), {}).get("accept_len"), 2),
         "lossless": lossless_headline(swept),
     }
     if swept.get("cost_model"):
