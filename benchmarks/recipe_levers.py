@@ -21,23 +21,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import yaml
-
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eagle3lib.params import load_params  # noqa: E402
+from eagle3lib.params import load_params, parse_override  # noqa: E402
 from eagle3lib.train import trainer  # noqa: E402
 
 
 def parse_lever(text: str) -> tuple[str, dict]:
-    """'name:key=value,key=value' (values read as YAML) -> (name, overrides); 'name' alone = no overrides."""
+    """'name:key=value,key=value' (each as a command-line override) -> (name, overrides); 'name' alone = none."""
     name, _, rest = text.partition(":")
-    overrides = {}
-    for part in filter(None, rest.split(",")):
-        key, _, value = part.partition("=")
-        overrides[key.strip()] = yaml.safe_load(value)
-    return name, overrides
+    return name, dict(parse_override(part) for part in filter(None, rest.split(",")))
 
 
 def run_lever(params_file: str, run_dir: Path, minutes: float, name: str, overrides: dict, seed: int) -> dict:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -259,11 +260,32 @@ class Params(Section):
         {}, exclude=True, description="'section.dtype' -> {auto, picked, why} for each dtype given as auto"
     )
 
+    @classmethod
+    def section_names(cls) -> list[str]:
+        """The params file's top-level sections (not the bookkeeping fields file and dtype_choices)."""
+        return [k for k, f in cls.model_fields.items() if not f.exclude]
+
     def section_dict(self, *names: str) -> dict:
         return {n: getattr(self, n).model_dump(mode="json") for n in names}
 
     def resolved(self) -> dict:
         return self.model_dump(mode="json")
+
+
+# The sections each stage reads: a stage's hash covers these (a change elsewhere leaves it current), and its result
+# records the auto dtypes among them. A stage not listed reads every section.
+STAGE_SECTIONS = {
+    "00_prepare": ["target", "data"],
+    "01_extract": ["target", "extract"],
+    "02_train": ["target", "train"],
+    "03_convert": ["target", "train", "engine", "bench"],
+    "04_deploy": ["target", "engine", "bench"],
+    "05_benchmark": ["target", "engine", "bench"],
+}
+
+
+def stage_sections(stage: str) -> list[str]:
+    return STAGE_SECTIONS.get(stage) or Params.section_names()
 
 
 class ParamsError(ValueError):
@@ -276,7 +298,7 @@ def _valid_keys(model: type[BaseModel], loc: tuple) -> list[str]:
         if field is None or not (isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)):
             return []
         model = field.annotation
-    return [k for k in model.model_fields if not (model is Params and k == "file")]
+    return Params.section_names() if model is Params else list(model.model_fields)
 
 
 def _format_errors(err: ValidationError, where: str) -> str:
@@ -363,11 +385,15 @@ def _resolve_auto_dtypes(p: Params) -> None:
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """`key.sub=value` from the command line; the value is read as YAML (numbers, lists, booleans)."""
+    """`key.sub=value` from the command line; the value is read as YAML (numbers, lists, booleans), and 2e-3 is a
+    number (YAML 1.1, which PyYAML reads, wants 2.0e-3)."""
     if "=" not in text:
         raise ParamsError(f"override '{text}': expected KEY=VALUE, e.g. extract.batch_tokens=2048")
     key, value = text.split("=", 1)
-    return key.strip(), yaml.safe_load(value)
+    parsed = yaml.safe_load(value)
+    if isinstance(parsed, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", parsed.strip()):
+        parsed = float(parsed)
+    return key.strip(), parsed
 
 
 def cache_dir(p: Params) -> Path:

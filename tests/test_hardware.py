@@ -62,4 +62,6 @@ def test_params_resolve_auto_before_anything_runs_and_stages_record_why(tmp_path
     assert f"target.dtype: auto -> {picked}: {why}" in capsys.readouterr().out
     saved = stage.save({"n": 1}, {"tokens": 1})
     assert saved["headline"]["dtype (auto)"] == picked
-    assert saved["figures"]["dtype_auto"]["bench.dtype"]["why"] == why
+    assert saved["figures"]["dtype_auto"] == {"target.dtype": p.dtype_choices["target.dtype"]}  # prepare reads no bench
+    bench = open_stage("05_benchmark", f, tmp_path / "run").save({})
+    assert set(bench["figures"]["dtype_auto"]) == {"target.dtype", "bench.dtype"}

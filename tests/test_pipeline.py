@@ -151,16 +151,21 @@ def test_open_stage_reads_params_and_earlier_results_and_saves(tmp_path, capsys)
     run_folder.save_result(stage.run_dir, "00_first", {"n": 3})
     assert stage.result("00_first")["figures"] == {"n": 3} and stage.folder("00_first") == stage.run_dir / "00_first"
     saved = stage.save({"twice": 6}, headline={"twice": 6}, artifacts=["x"])
+    # train.dtype defaults to auto: a stage that reads train records the pick and why
+    auto = stage.p.dtype_choices["train.dtype"]
+    assert auto["picked"] in ("float32", "bfloat16") and auto["why"]
     assert (
         result(stage.run_dir, "01_second")
         == saved
         == {
             "stage": "01_second",
-            "figures": {"twice": 6},
-            "headline": {"twice": 6},
+            "figures": {"twice": 6, "dtype_auto": {"train.dtype": auto}},
+            "headline": {"twice": 6, "dtype (auto)": auto["picked"]},
             "artifacts": ["x"],
         }
     )
+    # 04_deploy reads no train section: train's auto dtype is not its business
+    assert "dtype_auto" not in open_stage("04_deploy", params_file).save({})["figures"]
     run_folder.write_json(stage.run_dir / "00_first" / "result.json", {"status": "failed", "error": "E: boom"})
     with pytest.raises(RuntimeError, match="did not finish .failed: E: boom"):
         stage.result("00_first")

@@ -355,8 +355,9 @@ def test_init_layer_from_target_and_the_recipe_levers_script(tmp_path, small_tar
         levers.run_lever(params_file(tmp_path), run_dir, 1.0, name, overrides, seed=0)
         for name, overrides in (("default", {}), ("init", {"train.init_layer_from_target": True}))
     ]
+    assert 0 < rows[0]["tokens"] == rows[1]["tokens"] <= 128 * 4  # same stream, same steps; rows may be short
     for r in rows:
-        assert r["tokens"] == 128 * 4 and set(r["est_accept_len"]) == {"1", "2", "3", "5"}
+        assert set(r["est_accept_len"]) == {"1", "2", "3", "5"}
         assert 1.0 <= r["est_accept_len"]["3"] <= 4.0
     assert rows[0]["cond_acc"] != rows[1]["cond_acc"]
     assert not (run_dir / "02_train" / "drafter").exists()  # levers train in scratch folders

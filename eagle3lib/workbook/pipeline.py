@@ -20,22 +20,12 @@ from importlib import metadata
 from pathlib import Path
 
 from eagle3lib import run_folder
-from eagle3lib.params import Params, load_params
+from eagle3lib.params import Params, load_params, stage_sections
 from eagle3lib.params import run_dir as params_run_dir
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
 
-# Params sections each stage reads; a stage reruns when these, its notebook or
-# an earlier stage's result change. Stages not listed here read everything.
-STAGE_SECTIONS = {
-    "00_prepare": ["target", "data"],
-    "01_extract": ["target", "extract"],
-    "02_train": ["target", "train"],
-    "03_convert": ["target", "train", "engine", "bench"],
-    "04_deploy": ["target", "engine", "bench"],
-    "05_benchmark": ["target", "engine", "bench"],
-}
 VERSION_PACKAGES = [
     "eagle3-workbook",
     "torch",
@@ -79,7 +69,7 @@ def _sha256_file(path: Path) -> str:
 
 
 def stage_hash(p: Params, stage: str, run_dir: Path, earlier: list[str], notebooks_dir: Path = NOTEBOOKS_DIR) -> str:
-    sections = STAGE_SECTIONS.get(stage) or [k for k in Params.model_fields if k != "file"]
+    sections = stage_sections(stage)
     params = p.section_dict(*sections) | {"seed": p.run.seed}
     if "run" in params:  # how the report shows code changes no result (a skipped stage is re-rendered)
         params["run"] = {k: v for k, v in params["run"].items() if k != "hide_code"}

@@ -49,10 +49,12 @@ class Stage:
 
     def save(self, figures: dict, headline: dict | None = None, artifacts: list[str] | None = None) -> dict:
         """This stage's result.json (run_folder.save_result): what it measured, its headline, what it made.
-        Dtypes the params gave as auto are recorded with the reason for the pick."""
-        if self.p.dtype_choices:
-            figures = {**figures, "dtype_auto": self.p.dtype_choices}
-            picks = sorted({c["picked"] for c in self.p.dtype_choices.values()})
+        Dtypes the params gave as auto, in the sections this stage reads, are recorded with the reason for the pick."""
+        sections = params.stage_sections(self.name)
+        choices = {k: c for k, c in self.p.dtype_choices.items() if k.split(".")[0] in sections}
+        if choices:
+            figures = {**figures, "dtype_auto": choices}
+            picks = sorted({c["picked"] for c in choices.values()})
             headline = {**(headline or {}), "dtype (auto)": ", ".join(picks)}
         return run_folder.save_result(self.run_dir, self.name, figures, headline, artifacts)
 
