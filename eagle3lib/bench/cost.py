@@ -6,9 +6,11 @@ One speculative step at depth k verifies k+1 tokens per sequence and runs k draf
 
 - decode_ms[c]: the engine's own no-speculation step, from the baseline measured in the same run;
 - F(m): the target's forward over m new tokens after a cached context, G(c): the drafter's step over c tokens,
-  both timed in this process on the same CPU; only their ratios are used, scaled to the engine's decode step;
-- overhead_ms[c]: what the engine adds per speculative step (proposer bookkeeping, rejection), 0 until a
-  measured depth calibrates it (`calibrate`).
+  both timed in this process on the same CPU or GPU; only their ratios are used, scaled to the engine's decode
+  step. Each is the least-squares line through its timings (slope >= 0): single timings on a shared 2-core
+  machine jitter by tens of ms, and a line through all of them is monotone where the raw points are not;
+- overhead_ms[c]: what the engine adds per speculative step (proposer bookkeeping, rejection, per-draft-step
+  launches), 0 until measured depths calibrate it (`calibrate`: the mean of what each measured depth left over).
 
 A request spends `prefill_share` of its baseline time in prefill, which speculation does not shorten, so
 
@@ -37,20 +39,10 @@ class Costs:
     prefill_share: dict[int, float] = field(default_factory=dict)  # concurrency -> share of time in prefill
     overhead_ms: dict[int, float] = field(default_factory=dict)  # concurrency -> per speculative step
     acceptance_scale: float = 1.0  # engine-measured / training-predicted conditional acceptance
-    calibrated_on: dict | None = None  # {depth, concurrency...} the overhead and scale came from
+    calibrated_on: dict | None = None  # {depths, concurrency} the overhead and scale came from
 
     def as_dict(self) -> dict:
         return asdict(self)
-
-
-def interpolate(points: dict[int, float], x: float) -> float:
-    """Piecewise-linear through the measured points, extended linearly past the last two."""
-    xs = sorted(points)
-    ys = [points[k] for k in xs]
-    if x <= xs[-1] or len(xs) == 1:
-        return float(np.interp(x, xs, ys))
-    slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-    return ys[-1] + slope * (x - xs[-1])
 
 
 def acceptance(cond_acc: list[float], depth: int, scale: float = 1.0) -> dict:
@@ -65,12 +57,26 @@ def acceptance(cond_acc: list[float], depth: int, scale: float = 1.0) -> dict:
     return {"accept_len": 1 + sum(per_pos), "per_pos": per_pos}
 
 
+def line(points: dict[int, float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through the points, the slope at least 0 (a forward over
+    more tokens never costs less); one point gives a flat line."""
+    xs = np.array(sorted(points), dtype=float)
+    ys = np.array([points[k] for k in sorted(points)], dtype=float)
+    if len(xs) < 2:
+        return float(ys[0]), 0.0
+    slope, intercept = np.polyfit(xs, ys, 1)
+    if slope < 0:
+        return float(ys.mean()), 0.0
+    return float(intercept), float(slope)
+
+
 def step_ms(costs: Costs, depth: int, concurrency: int) -> float:
     """Predicted engine time of one speculative step at `depth` and `concurrency` (the module docstring)."""
-    f1 = interpolate(costs.forward_ms, concurrency)
-    verify = interpolate(costs.forward_ms, concurrency * (depth + 1))
-    draft = depth * interpolate(costs.draft_ms, concurrency)
-    return costs.decode_ms[concurrency] * (verify + draft) / f1 + costs.overhead_ms.get(concurrency, 0.0)
+    (f0, f1), (g0, g1) = line(costs.forward_ms), line(costs.draft_ms)
+    one = f0 + f1 * concurrency
+    verify = f0 + f1 * concurrency * (depth + 1)
+    drafts = depth * (g0 + g1 * concurrency)
+    return costs.decode_ms[concurrency] * (verify + drafts) / one + costs.overhead_ms.get(concurrency, 0.0)
 
 
 def speedup(costs: Costs, concurrency: int, accept_len: float, spec_step_ms: float) -> float:
@@ -102,20 +108,22 @@ def best_depth(predicted: list[dict], concurrency: int) -> dict:
     return max((r for r in predicted if r["concurrency"] == concurrency), key=lambda r: r["speedup"])
 
 
-def calibrate(costs: Costs, cond_acc: list[float], depth: int, measured: list[dict]) -> Costs:
-    """Costs with the engine's per-step overhead (per concurrency) and the acceptance scale fitted to the rows
-    measured at one depth ({concurrency, speedup, accept_len, per_pos}). The overhead is what makes the model's
-    step time give the measured speedup at the measured acceptance; the scale is the engine's acceptance at
-    position 1 against the training eval's."""
-    overhead = dict(costs.overhead_ms)
+def calibrate(costs: Costs, cond_acc: list[float], measured: list[dict]) -> Costs:
+    """Costs with the engine's per-step overhead (per concurrency) and the acceptance scale fitted to every
+    speculative row measured so far ({depth, concurrency, speedup, accept_len, per_pos}). A row's residual is
+    the step time that gives its measured speedup at its measured acceptance, less the model's step time; the
+    overhead is the mean residual per concurrency. The scale is the engine's acceptance at position 1 against
+    the training eval's, averaged over the rows."""
+    bare = Costs(costs.decode_ms, costs.forward_ms, costs.draft_ms)
+    residuals: dict[int, list[float]] = {}
     for r in measured:
-        c, x, al = r["concurrency"], r["speedup"], r["accept_len"]
-        if not al or x <= 0:
+        c, x, al = r["concurrency"], r["speedup"], r.get("accept_len")
+        if not al or x <= 0 or not r.get("depth"):
             continue
         share = costs.prefill_share.get(c, 0.0)
         measured_step = (1 / x - share) / (1 - share) * al * costs.decode_ms[c]
-        model_step = step_ms(Costs(costs.decode_ms, costs.forward_ms, costs.draft_ms), depth, c)
-        overhead[c] = measured_step - model_step
+        residuals.setdefault(c, []).append(measured_step - step_ms(bare, r["depth"], c))
+    overhead = dict(costs.overhead_ms) | {c: float(np.mean(v)) for c, v in residuals.items()}
     first = [r["per_pos"][0] for r in measured if r.get("per_pos")]
     scale = float(np.mean(first)) / cond_acc[0] if first and cond_acc[0] > 0 else costs.acceptance_scale
     return Costs(
@@ -125,7 +133,7 @@ def calibrate(costs: Costs, cond_acc: list[float], depth: int, measured: list[di
         costs.prefill_share,
         overhead,
         scale,
-        {"depth": depth, "concurrency": sorted(r["concurrency"] for r in measured)},
+        {"depths": sorted({r["depth"] for r in measured if r.get("depth")}), "concurrency": sorted(residuals)},
     )
 
 

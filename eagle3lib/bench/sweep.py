@@ -246,7 +246,7 @@ def choose_and_measure(bench_params, eval_summary, measure_costs, rows, prompts,
     say(f"[bench] cost model: depth {first} predicted fastest at concurrency {min(conc)}; measuring it first")
     bar.total += 1
     measured = run(first, prompts, {(r["depth"], r["concurrency"]): r for r in before}, ", calibrates", True)
-    costs = cost.calibrate(costs, cond, first, measured)
+    costs = cost.calibrate(costs, cond, measured)
     after = cost.predict(costs, cond, depths, conc)
     by_key = {(r["depth"], r["concurrency"]): r for r in after}
     picks = {c: cost.best_depth(after, c)["depth"] for c in conc}
@@ -259,17 +259,22 @@ def choose_and_measure(bench_params, eval_summary, measure_costs, rows, prompts,
     bar.total += len(plan) - len(bench_params.depths)
     quick = []
     for d in plan:
-        best_predicted = max(by_key.get((d, c), cost.predict(costs, cond, [d], [c])[0])["speedup"] for c in conc)
+        # each depth's prediction comes from the model calibrated on the depths measured before it
+        ahead = {(d, c): cost.predict(costs, cond, [d], [c])[0] for c in conc}
+        best_predicted = max(r["speedup"] for r in ahead.values())
         if best_predicted < bench_params.quick_below:
             quick.append(d)
         n = min(len(prompts), max(bench_params.quick_prompts, max(conc))) if d in quick else len(prompts)
-        extra = {(d, c): cost.predict(costs, cond, [d], [c])[0] for c in conc}
-        run(d, prompts[:n], extra, f", predicted {best_predicted:.2f}x" + (": quick" if d in quick else ""))
+        measured += run(d, prompts[:n], ahead, f", predicted {best_predicted:.2f}x" + (": quick" if d in quick else ""))
+        costs = cost.calibrate(costs, cond, measured)
+    final = cost.predict(costs, cond, depths, conc)
     return {
         "costs": costs.as_dict(),
         "predicted_before_calibration": before,
-        "predicted": after,
+        "predicted_after_first": after,
+        "predicted": final,
         "picks": {str(c): d for c, d in picks.items()},
+        "final_picks": {str(c): cost.best_depth(final, c)["depth"] for c in conc},
         "calibrated_on": first,
         "plan": [first, *plan],
         "quick": quick,
