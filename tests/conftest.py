@@ -26,6 +26,34 @@ def embedded_target(embedded_cache):
     return load_target(EMBEDDED_TARGET, embedded_cache[0])
 
 
+def need_engine(engine: str) -> str:
+    """The engine's interpreter (.venv-vllm, .venv-sglang). Missing: a skip that says how to build it, or, under
+    CI (CI set, as .ci/run sets it), a failure: CI builds both, so a missing one is a broken set-up."""
+    from eagle3lib.engines.interpreter import engine_python
+
+    py = engine_python(engine)
+    if py is None:
+        message = f"no .venv-{engine}: run `make {engine}-env`"
+        if os.environ.get("CI"):
+            pytest.fail(f"{message} (CI builds it: the set-up failed)")
+        pytest.skip(message)
+    return py
+
+
+# The engines' fast start for tests that judge correctness, not speed: no torch.compile warm-up (~40 s to ready
+# instead of ~150-200 s on 2 cores).
+FAST_START = ["--enforce-eager"]
+
+
+@pytest.fixture(scope="session")
+def learned(embedded_target):
+    """The real target, two chat prompts with their greedy continuations, and a tiny drafter that has learned the
+    first continuation (80 TTT steps on it): served, its drafts are accepted only if it gets the right aux states."""
+    from drafters import learned_drafter
+
+    return learned_drafter(*embedded_target)
+
+
 # ---- end of embedded target fixtures --------------------------------------------------------
 
 

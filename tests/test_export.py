@@ -12,13 +12,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import need_engine
 from safetensors.torch import load_file, save_file
 
 from eagle3lib.__main__ import main as cli
 from eagle3lib.convert import gate
 from eagle3lib.convert import layouts as ex
 from eagle3lib.drafter import Drafter, DrafterConfig
-from eagle3lib.engines.interpreter import engine_python, run_inside
+from eagle3lib.engines.interpreter import run_inside
 from eagle3lib.engines.sglang import sglang_launch_args
 from eagle3lib.target import EMBEDDED_TARGET, make_contract
 from eagle3lib.train.checkpoint import save_drafter
@@ -227,11 +228,7 @@ def test_cli_convert_and_verify(ckpt, tmp_path, capsys, monkeypatch):
 # ------------------------------------------------------------------ engines' own code ----
 
 
-def need(engine):
-    py = engine_python(engine)
-    if py is None:
-        pytest.skip(f"no .venv-{engine}: run `make {engine}-env` to run the {engine} gate against the engine's code")
-    return py
+need = need_engine  # the engine's own code judges the export
 
 
 @pytest.mark.parametrize("engine", ["vllm", "speculators"])

@@ -3,67 +3,18 @@ labels every token with how it came."""
 
 import pytest
 import torch
-import torch.nn.functional as F
+from drafters import MAX_TOKENS, tiny_drafter
 
-from eagle3lib import vocab
 from eagle3lib.bench import replay
-from eagle3lib.drafter import Drafter, DrafterConfig
-from eagle3lib.extract.hf import capture_hidden_states
-from eagle3lib.target import default_aux_layer_ids, num_layers
-
-MAX_TOKENS = 32
-TTT_STEPS = 3
-
-
-def chat_ids(tokenizer, text):
-    ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-
-
-def tiny_drafter(model, counts, seed=0):
-    """A small drafter of the target's interface: 4 heads of 32, MLP 256, a 512-token draft vocabulary."""
-    torch.manual_seed(seed)
-    aux_ids = default_aux_layer_ids(num_layers(model.config))
-    cfg = DrafterConfig.from_target(model.config, 512, aux_ids)
-    cfg.num_attention_heads = cfg.num_key_value_heads = 4
-    cfg.head_dim, cfg.intermediate_size = 32, 256
-    drafter = Drafter(cfg)
-    drafter.set_vocab(*vocab.build_draft_vocab(counts, 512))
-    return drafter.eval()
 
 
 @pytest.fixture(scope="module")
-def setup(embedded_target):
+def setup(embedded_target, learned):
     """The real target, two prompts with their greedy continuations (one token per forward), a random tiny
     drafter, and a tiny drafter that has learned the first continuation (TTT on it, so its drafts get accepted)."""
     model, tokenizer = embedded_target
-    prompts = [
-        chat_ids(tokenizer, "List the days of the week, one per line."),
-        chat_ids(tokenizer, "What is the capital of France? Answer in one sentence."),
-    ]
-    greedy = [replay.greedy_decode(model, ids, MAX_TOKENS) for ids in prompts]
-    seq = torch.tensor([prompts[0] + greedy[0]])
-    counts = torch.bincount(torch.tensor(sum(prompts, []) + sum(greedy, [])), minlength=model.config.vocab_size)
-    random_drafter = tiny_drafter(model, counts)
-    learned = tiny_drafter(model, counts).train()
-    aux, _ = capture_hidden_states(model, seq, torch.ones_like(seq), learned.cfg.aux_layer_ids)
-    aux, embed = aux.float().clone(), model.get_input_embeddings().weight.detach().clone()
-    n = seq.shape[1] - TTT_STEPS - 1
-    pos = torch.arange(n)[None]
-    embeds = embed[seq[:, 1 : n + TTT_STEPS]]  # step k at t: token t+1+k
-    to_draft = torch.cumsum(learned.t2d.long(), 0) - 1  # target id -> draft id
-    start = len(prompts[0]) - 2  # predicting the continuation
-    opt = torch.optim.Adam(learned.parameters(), lr=3e-3)
-    for _ in range(80):
-        hidden = learned.ttt_forward(aux[:, :n], embeds, pos, torch.zeros_like(pos))
-        loss = sum(
-            F.cross_entropy(learned.logits(h)[0, start:], to_draft[seq[0, 2 + k + start : 2 + k + n]])
-            for k, h in enumerate(hidden)
-        )
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return model, tokenizer, prompts, greedy, random_drafter, learned.eval()
+    random_drafter = tiny_drafter(model, learned["counts"])
+    return model, tokenizer, learned["prompts"], learned["greedy"], random_drafter, learned["drafter"]
 
 
 def check_sources(r, depth):

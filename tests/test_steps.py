@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 import torch
+from conftest import need_engine
 from test_bench import ROWS
 from test_export import ckpt  # noqa: F401  (a real drafter checkpoint for the embedded target)
 
@@ -310,8 +311,7 @@ def test_benchmark_texts_and_result():
 
 def test_preflight_resolves_sglangs_flags_only(ckpt, params, tmp_path):  # noqa: F811
     sweep.preflight(EngineParams(name="vllm"), "/no/target", "/no/drafter", [3])  # vLLM: nothing to resolve
-    if engine_python("sglang") is None:
-        pytest.skip("no .venv-sglang: run `make sglang-env`")
+    need_engine("sglang")
     folder, _, target_dir = ckpt
     export = convert_steps.export_all(params(), folder, tmp_path)["sglang"]
     sweep.preflight(EngineParams(name="sglang"), target_dir, export, [2, 4])

@@ -115,9 +115,16 @@ def run_config(
 
 
 def compare_outputs(outputs: list[dict], baseline: list[dict]) -> dict:
-    """{lossless_frac, differences: [{id, first_diff, baseline, speculative}]} by output tokens."""
+    """{lossless_frac, differences: [{id, first_diff, baseline, speculative}]} by output tokens, each output
+    against the baseline's of the same prompt id (an output that is a prefix of the other differs where the
+    shorter ends)."""
     diffs = []
-    for o, b in zip(outputs, baseline):
+    by_id = {b["id"]: b for b in baseline}
+    missing = [o["id"] for o in outputs if o["id"] not in by_id]
+    if missing:
+        raise ValueError(f"no baseline output for prompt(s) {missing}: compare outputs of the same prompts")
+    for o in outputs:
+        b = by_id[o["id"]]
         if o["token_ids"] != b["token_ids"]:
             k = next(
                 (i for i, (x, y) in enumerate(zip(o["token_ids"], b["token_ids"])) if x != y),
