@@ -168,6 +168,11 @@ class TrainParams(Section):
         description="start the decoder layer as the target's last layer and fc as the top aux state passed "
         "through: an early exit before any training (Llama-shaped targets)",
     )
+    init_from: str | None = Field(
+        None,
+        description="start from this drafter (a folder: ours, speculators or EAGLE/SpecForge midlayer.*) for the same "
+        "target, aux layers and draft_vocab_size; its draft vocabulary comes with it. Overrides the init_* options",
+    )
     resume: bool = True
     nproc_per_node: int = Field(1, gt=0)
     dtype: Literal["auto", "float32", "bfloat16"] = Field(

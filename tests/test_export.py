@@ -15,6 +15,7 @@ import torch
 from conftest import need_engine
 from safetensors.torch import load_file, save_file
 
+from eagle3lib import drafter_formats
 from eagle3lib.__main__ import main as cli
 from eagle3lib.convert import gate
 from eagle3lib.convert import layouts as ex
@@ -100,7 +101,7 @@ def test_exports_carry_contract_and_engine_conventions(ckpt, exports):
 def test_round_trip_is_bit_identical(ckpt, exports, engine, tmp_path):
     back = ex.import_checkpoint(exports[engine], tmp_path / "back")
     assert (
-        ex.detect_layout(exports[engine])
+        drafter_formats.detect_layout(exports[engine])
         == {"sglang": "specforge", "vllm": "canonical", "speculators": "speculators"}[engine]
     )
     same_tensors(ckpt[0], back)

@@ -16,7 +16,7 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "eagle3lib"
 STAGES = ("prepare", "extract", "train", "convert", "deploy", "bench")  # pipeline order
-BASE = ("__init__", "params", "target", "drafter", "vocab", "run_folder", "hardware")
+BASE = ("__init__", "params", "target", "drafter", "drafter_formats", "vocab", "run_folder", "hardware")
 # Known imports against the layers, each with why it is still there; empty when there are none.
 ALLOWED: set[tuple[str, str]] = set()
 

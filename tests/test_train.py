@@ -361,3 +361,62 @@ def test_init_layer_from_target_and_the_recipe_levers_script(tmp_path, small_tar
         assert 1.0 <= r["est_accept_len"]["3"] <= 4.0
     assert rows[0]["cond_acc"] != rows[1]["cond_acc"]
     assert not (run_dir / "02_train" / "drafter").exists()  # levers train in scratch folders
+
+
+def test_init_from_warm_starts_from_each_layout_and_refuses_what_does_not_fit(tmp_path, small_target):
+    """train.init_from reads our checkpoint, its speculators export and its SGLang (EAGLE/SpecForge midlayer.*)
+    export back into the run's drafter, vocabulary included; another target, other aux layers or another draft
+    vocabulary size are refused, naming both sides."""
+    from eagle3lib.convert import layouts
+    from eagle3lib.train.checkpoint import save_drafter
+    from eagle3lib.vocab import build_draft_vocab, d2t_sha256
+
+    run_dir = make_run(tmp_path, *small_target, {"max_tokens": 128 * 4, "eval_every": 4})
+    p = load_params(params_file(tmp_path))
+    setup, _ = trainer.build_setup(p, run_dir)
+    donor = setup.drafter
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for param in donor.parameters():
+            param.add_(torch.randn_like(param))
+    donor.set_vocab(*build_draft_vocab(torch.arange(256).flip(0).float(), 96))  # not the run's own vocabulary
+    donor_contract = setup.contract | {"d2t_sha256": d2t_sha256(donor.d2t)}
+    ours = save_drafter(donor, tmp_path / "donor" / "ours", donor_contract)
+    folders = {"ours": ours} | {
+        e: layouts.export(ours, e, tmp_path / "donor" / e, target=str(tmp_path / "target"))
+        for e in ("speculators", "sglang")
+    }
+    want = donor.state_dict()
+    for name, folder in folders.items():
+        warm, stats = trainer.build_setup(load_params(params_file(tmp_path), {"train.init_from": str(folder)}), run_dir)
+        got = warm.drafter.state_dict()
+        assert all(torch.equal(got[k], want[k].to(got[k].dtype)) for k in want), name
+        assert (
+            stats["warm_start"]["layout"]
+            == {"ours": "canonical", "speculators": "speculators", "sglang": "specforge"}[name]
+        )
+        assert warm.contract["d2t_sha256"] != setup.contract["d2t_sha256"]  # the donor's vocabulary came along
+        assert 0 < stats["val_coverage"] <= 1
+
+    def refused(folder, contract_change: dict, match: str, aux=None):
+        import copy
+
+        other = copy.deepcopy(donor)
+        other.cfg.aux_layer_ids = aux or other.cfg.aux_layer_ids
+        save_drafter(other, folder, donor_contract | contract_change | ({"aux_layer_ids": aux} if aux else {}))
+        with pytest.raises(TrainingError, match=match):
+            trainer.build_setup(load_params(params_file(tmp_path), {"train.init_from": str(folder)}), run_dir)
+
+    foreign = {"target": "other/model", "target_fingerprint": "f" * 16}
+    refused(tmp_path / "f1", foreign, r"trained for target 'other/model' .*this run's target is '")
+    refused(
+        tmp_path / "f2",
+        {},
+        r"reads target layers \[1, 2, 3\], this run's hidden states are of layers \[1, 3, 5\]",
+        [1, 2, 3],
+    )
+    small = load_params(params_file(tmp_path), {"train.draft_vocab_size": 64, "train.init_from": str(ours)})
+    with pytest.raises(TrainingError, match=r"lm_head.weight is \(96, 64\) there, \(64, 64\) here"):
+        trainer.build_setup(small, run_dir)
+    with pytest.raises(TrainingError, match="no config.json"):
+        trainer.build_setup(load_params(params_file(tmp_path), {"train.init_from": str(tmp_path)}), run_dir)

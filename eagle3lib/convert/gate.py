@@ -12,8 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3lib.convert.layouts import VARIANT_FLAGS, check_target, read_config, read_tensors
+from eagle3lib.convert.layouts import check_target
 from eagle3lib.drafter import ARCHITECTURE
+from eagle3lib.drafter_formats import VARIANT_FLAGS, read_config, read_tensors
 from eagle3lib.engines.interpreter import engine_python, run_inside
 from eagle3lib.engines.sglang import SGLANG_VERSION, sglang_captured_ids
 from eagle3lib.engines.sglang import preflight as sglang_preflight

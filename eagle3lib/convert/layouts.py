@@ -24,67 +24,21 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3lib.drafter import ARCHITECTURE
+from eagle3lib.drafter_formats import WEIGHTS, llama_fields, to_canonical
 from eagle3lib.engines.sglang import SGLANG_CONVENTION, sglang_config_ids
 from eagle3lib.target import (
-    AUX_LAYER_ID_CONVENTION,
     CONTRACT_FILE,
     default_cache_dir,
-    read_contract,
     target_fingerprint,
 )
 
 ENGINES = ("sglang", "vllm", "speculators")
-LAYOUTS = ("canonical", "speculators", "specforge")
-WEIGHTS = "model.safetensors"
 SPECULATORS_VERSION = "0.3.0"
-
-# Canonical tensor names of a 1-layer EAGLE-3 drafter (drafter.py); layer tensors under "layers.0.".
-LAYER_TENSORS = (
-    "input_layernorm.weight",
-    "hidden_norm.weight",
-    "post_attention_layernorm.weight",
-    "self_attn.q_proj.weight",
-    "self_attn.k_proj.weight",
-    "self_attn.v_proj.weight",
-    "self_attn.o_proj.weight",
-    "mlp.gate_proj.weight",
-    "mlp.up_proj.weight",
-    "mlp.down_proj.weight",
-)
-TOP_TENSORS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
-CANONICAL_TENSORS = tuple("layers.0." + n for n in LAYER_TENSORS) + TOP_TENSORS
-# Config flags of EAGLE-3 variants our drafter does not have; an engine reading one as true would
-# build extra modules (and leave them at their init values) or change the computation.
-VARIANT_FLAGS = ("norm_before_fc", "fc_norm", "use_aux_norm", "norm_output", "norm_before_residual")
 
 
 # ------------------------------------------------------------------------------- files ----
-
-
-def read_tensors(folder) -> dict:
-    """All tensors of folder/model.safetensors (single file; no pickles)."""
-    path = Path(folder) / WEIGHTS
-    if not path.is_file():
-        others = sorted(p.name for p in Path(folder).glob("*") if p.suffix in (".bin", ".pt", ".pth"))
-        raise FileNotFoundError(
-            f"Expected the drafter's weights in {path}, found {'only ' + ', '.join(others) if others else 'no such file'}. "
-            "Only single-file safetensors checkpoints are read; convert pickled weights with the tool that "
-            "wrote them (we never unpickle a file we did not write)."
-        )
-    with safe_open(str(path), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
-
-
-def read_config(folder) -> dict:
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise FileNotFoundError(f"Expected {path}, found no such file: is {folder} a drafter checkpoint folder?")
-    return json.loads(path.read_text())
 
 
 def _write_folder(out_dir, config: dict, tensors: dict, contract: dict) -> Path:
@@ -102,74 +56,7 @@ def _write_folder(out_dir, config: dict, tensors: dict, contract: dict) -> Path:
     return out_dir
 
 
-# ----------------------------------------------------------------------------- layouts ----
-
-
-def detect_layout(folder) -> str:
-    """'canonical' (also our vllm export), 'speculators' or 'specforge' (EAGLE/SpecForge midlayer.*)."""
-    config = read_config(folder)
-    with safe_open(str(Path(folder) / WEIGHTS), "pt") as f:
-        names = list(f.keys())
-    if "speculators_model_type" in config:
-        return "speculators"
-    if any(n.startswith("midlayer.") for n in names):
-        return "specforge"
-    if any(n.startswith("layers.0.") for n in names):
-        return "canonical"
-    raise ValueError(
-        f"{folder}: cannot tell the checkpoint layout. Expected tensors under 'layers.0.' (canonical, vLLM, "
-        f"speculators) or 'midlayer.' (EAGLE/SpecForge, SGLang), found {sorted(names)[:8]}... "
-        "Check that the folder holds a 1-layer EAGLE-3 drafter."
-    )
-
-
-def _aux_ids_from_config(config: dict) -> list[int] | None:
-    """Aux ids in OUR convention from any of the layouts' configs, or None when the config has none."""
-    eagle = config.get("eagle_config") or {}
-    ids = eagle.get("eagle_aux_hidden_state_layer_ids")
-    convention = eagle.get("aux_layer_id_convention")
-    if ids is None:
-        ids = config.get("eagle_aux_hidden_state_layer_ids")
-        convention = convention or AUX_LAYER_ID_CONVENTION  # vLLM / speculators: same meaning as ours
-    if ids is None:
-        return None
-    if convention == AUX_LAYER_ID_CONVENTION:
-        return [int(i) for i in ids]
-    return [int(i) + 1 for i in ids]  # SGLang / SpecForge: output of layer j
-
-
-def _llama_fields(config: dict) -> dict:
-    """The flat Llama part of a drafter config (no EAGLE or speculators keys)."""
-    drop = {
-        "eagle_config",
-        "eagle_aux_hidden_state_layer_ids",
-        "draft_vocab_size",
-        "target_hidden_size",
-        "speculators_model_type",
-        "speculators_config",
-        "speculators_version",
-        "transformer_layer_config",
-        "auto_map",
-        *VARIANT_FLAGS,
-    }
-    return {k: v for k, v in config.items() if k not in drop}
-
-
-def _canonical_config(llama: dict, draft_vocab_size: int, target_hidden_size: int, aux_ids: list[int]) -> dict:
-    d = dict(llama)
-    d.update(
-        architectures=[ARCHITECTURE],
-        model_type="llama",
-        draft_vocab_size=draft_vocab_size,
-        target_hidden_size=target_hidden_size,
-        num_hidden_layers=1,
-        tie_word_embeddings=False,
-        eagle_config={
-            "eagle_aux_hidden_state_layer_ids": list(aux_ids),
-            "aux_layer_id_convention": AUX_LAYER_ID_CONVENTION,
-        },
-    )
-    return d
+# ----------------------------------------------------------------------------- imports ----
 
 
 def import_checkpoint(src_dir, out_dir, contract: dict | None = None) -> Path:
@@ -179,100 +66,6 @@ def import_checkpoint(src_dir, out_dir, contract: dict | None = None) -> Path:
     is dropped). The contract is src/eagle3.json, else `contract` (from the stage that knows the target).
     """
     return _write_folder(out_dir, *to_canonical(src_dir, contract))
-
-
-def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dict]:
-    """(canonical config, canonical tensors, contract) of any layout import_checkpoint reads, in memory."""
-    src_dir = Path(src_dir)
-    layout = detect_layout(src_dir)
-    config, tensors = read_config(src_dir), read_tensors(src_dir)
-    if contract is None:
-        if not (src_dir / CONTRACT_FILE).is_file():
-            raise FileNotFoundError(
-                f"{src_dir} has no {CONTRACT_FILE} (target contract) and none was passed. Pass "
-                "contract=target.make_contract(...) for the target this drafter was trained for."
-            )
-        contract = read_contract(src_dir)
-    contract = dict(contract)
-
-    if layout == "speculators":
-        llama = dict(config.get("transformer_layer_config") or {})
-        draft_vocab = config.get("draft_vocab_size")
-        target_hidden = config.get("target_hidden_size") or llama.get("hidden_size")
-        if config.get("norm_before_residual", True):  # speculators' default when absent is True
-            raise ValueError(
-                f"{src_dir}: norm_before_residual is {config.get('norm_before_residual', '(absent = True)')}: "
-                "the drafter takes its residual after hidden_norm, which our drafter does not model. "
-                "Only norm_before_residual: false checkpoints can be imported."
-            )
-    else:
-        llama = _llama_fields(config)
-        draft_vocab = config.get("draft_vocab_size")
-        target_hidden = config.get("target_hidden_size") or config.get("hidden_size")
-    bad_flags = [f for f in VARIANT_FLAGS if f != "norm_before_residual" and config.get(f)]
-    if bad_flags:
-        raise ValueError(
-            f"{src_dir}: config sets {bad_flags}, an EAGLE-3 variant our drafter does not have; "
-            "expected these flags absent or false."
-        )
-
-    renamed = {}
-    for name, t in tensors.items():
-        name = name.removeprefix("model.")
-        if name.startswith("midlayer."):
-            name = "layers.0." + name.removeprefix("midlayer.")
-        if name == "embed_tokens.weight":
-            continue
-        renamed[name] = t
-    if draft_vocab is None:
-        draft_vocab = renamed["lm_head.weight"].shape[0] if "lm_head.weight" in renamed else llama.get("vocab_size")
-    if "d2t" not in renamed and draft_vocab == llama.get("vocab_size"):
-        renamed["d2t"] = torch.zeros(draft_vocab, dtype=torch.int64)  # full vocab: identity map
-    if "t2d" not in renamed and "d2t" in renamed:
-        t2d = torch.zeros(llama["vocab_size"], dtype=torch.bool)
-        t2d[torch.arange(renamed["d2t"].numel()) + renamed["d2t"]] = True
-        renamed["t2d"] = t2d
-    missing = [n for n in CANONICAL_TENSORS if n not in renamed]
-    extra = sorted(n for n in renamed if n not in CANONICAL_TENSORS)
-    if missing or extra:
-        raise ValueError(
-            f"{src_dir} ({layout} layout): expected the tensors {list(CANONICAL_TENSORS)} after renaming, "
-            f"missing {missing}, unexpected {extra}. It is not a 1-layer EAGLE-3 drafter of the layout we read."
-        )
-
-    aux = _aux_ids_from_config(config)
-    if aux is None:
-        layers = contract.get("num_layers")
-        if not layers:
-            raise ValueError(
-                f"{src_dir}: no aux layer ids in its config and no num_layers in the contract; "
-                "cannot know which target layers it reads. Add eagle_aux_hidden_state_layer_ids."
-            )
-        aux = [2, layers // 2, layers - 3]  # the engines' default, same in every convention
-    if contract.get("aux_layer_ids") not in (None, aux):
-        raise ValueError(
-            f"{src_dir}: its config reads target layers {aux} (HF hidden_states indexing) but the "
-            f"contract says {contract['aux_layer_ids']}; fix the config or the contract."
-        )
-    from eagle3lib.vocab import d2t_sha256
-
-    found = {
-        "draft_vocab_size": int(draft_vocab),
-        "d2t_sha256": d2t_sha256(renamed["d2t"]),
-        "hidden_size": int(target_hidden),
-        "vocab_size": llama.get("vocab_size"),
-    }
-    bad = [
-        f"{k}: contract {contract[k]!r}, checkpoint {v!r}" for k, v in found.items() if contract.get(k) not in (None, v)
-    ]
-    if bad:
-        raise ValueError(
-            f"{src_dir}: the checkpoint does not match its contract ({'; '.join(bad)}). It was changed "
-            "after training or the contract belongs to another drafter; re-export from the trained checkpoint."
-        )
-    contract.update(found, aux_layer_ids=aux, aux_layer_id_convention=AUX_LAYER_ID_CONVENTION)
-    out = {n: renamed[n] for n in CANONICAL_TENSORS}
-    return _canonical_config(llama, int(draft_vocab), int(target_hidden), aux), out, contract
 
 
 # ----------------------------------------------------------------------------- exports ----
@@ -325,7 +118,7 @@ def export(checkpoint_dir, engine: str, out_dir, target=None, cache_dir=None, de
         cfg["eagle_aux_hidden_state_layer_ids"] = list(aux)
         out = dict(tensors)
     else:
-        llama = _llama_fields(config)
+        llama = llama_fields(config)
         llama.pop("architectures", None)
         cfg = {
             "architectures": ["Eagle3Speculator"],

@@ -42,6 +42,7 @@ from eagle3lib.train.distributed import all_reduce_grads, check_same_weights, in
 from eagle3lib.train.loss import compute_dtype, linear_soft_ce, target_probs
 from eagle3lib.train.metrics import AcceptanceCounter
 from eagle3lib.train.speedups import compile_decoder_layer, convert_to_float8
+from eagle3lib.train.warm_start import warm_start
 
 # ------------------------------------------------------------------ loss ----
 
@@ -444,8 +445,16 @@ def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
     if train_params.init_layer_from_target:
         layers = (getattr(tcfg, "text_config", None) or tcfg).num_hidden_layers
         drafter.init_from_target_layer(target.load_layer_tensors(target_path, layers - 1))
+    warm = None
+    if train_params.init_from:
+        warm = warm_start(drafter, train_params.init_from, contract)
+        contract.update(d2t_sha256=vocab.d2t_sha256(drafter.d2t))
+        # the warm start's vocabulary replaces the one built from this run's data: its coverage of this data
+        for split, tokens in (("train", train_tokens), ("val", val_tokens)):
+            counts = vocab.token_counts(tokens["input_ids"], tokens["loss_mask"], vocab_size)
+            vocab_stats[f"{split}_coverage"] = round(vocab.coverage(counts, drafter.t2d), 4)
     if train_params.freeze_lm_head:
-        if not train_params.init_lm_head_from_target:
+        if not (train_params.init_lm_head_from_target or warm):
             raise TrainingError(
                 "train.freeze_lm_head keeps lm_head as initialized, which is random unless "
                 "train.init_lm_head_from_target is true: set it, or unfreeze the head"
@@ -463,6 +472,8 @@ def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
         inputs={"source": train_params.source, "train_tokens_sha256": tokens_sha256(train_tokens)},
     )
     vocab_stats["val_tokens"] = val_tokens_used
+    if warm:
+        vocab_stats["warm_start"] = warm
     return setup, vocab_stats
 
 
