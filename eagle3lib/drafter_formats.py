@@ -54,8 +54,18 @@ def read_tensors(folder) -> dict:
             "Only single-file safetensors checkpoints are read; convert pickled weights with the tool that "
             "wrote them (we never unpickle a file we did not write)."
         )
-    with safe_open(str(path), "pt") as f:
-        return {k: f.get_tensor(k) for k in f.keys()}
+    try:
+        with safe_open(str(path), "pt") as f:
+            return {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as e:  # safetensors' own error type names no file
+        raise _unreadable(path, e) from e
+
+
+def _unreadable(path: Path, error: Exception) -> ValueError:
+    return ValueError(
+        f"{path} is not a readable safetensors file ({type(error).__name__}: {error}): it was cut short or "
+        "changed after it was written. Write it again (for 02_train's drafter: rerun the train stage)."
+    )
 
 
 def read_config(folder) -> dict:
@@ -71,8 +81,14 @@ def read_config(folder) -> dict:
 def detect_layout(folder) -> str:
     """'canonical' (also our vllm export), 'speculators' or 'specforge' (EAGLE/SpecForge midlayer.*)."""
     config = read_config(folder)
-    with safe_open(str(Path(folder) / WEIGHTS), "pt") as f:
-        names = list(f.keys())
+    try:
+        with safe_open(str(Path(folder) / WEIGHTS), "pt") as f:
+            names = list(f.keys())
+    except FileNotFoundError:
+        read_tensors(folder)  # says what it found instead
+        raise
+    except Exception as e:
+        raise _unreadable(Path(folder) / WEIGHTS, e) from e
     if "speculators_model_type" in config:
         return "speculators"
     if any(n.startswith("midlayer.") for n in names):

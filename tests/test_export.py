@@ -154,6 +154,18 @@ def test_export_refuses_another_target(ckpt, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_a_cut_short_checkpoint_is_named_with_what_to_do(ckpt, tmp_path):
+    folder = tmp_path / "cut"
+    shutil.copytree(ckpt[0], folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:4096])
+    with pytest.raises(ValueError, match=r"cut/model.safetensors is not a readable safetensors file .*rerun the train"):
+        ex.export(folder, "vllm", tmp_path / "out")
+    with pytest.raises(ValueError, match="not a readable safetensors file"):
+        drafter_formats.read_tensors(folder)
+    assert not (tmp_path / "out").exists()
+
+
 # ----------------------------------------------------------------- SGLang name/shape gate ----
 
 
