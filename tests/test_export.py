@@ -244,6 +244,50 @@ def test_cli_convert_and_verify(ckpt, tmp_path, capsys, monkeypatch):
 need = need_engine  # the engine's own code judges the export
 
 
+@pytest.mark.slow
+def test_vllm_forward_equals_our_drafter_step(ckpt, exports, embedded_target, tmp_path):
+    """vLLM's own Eagle3LlamaForCausalLM, loaded from our export, against Drafter.step on the same 9 positions of
+    the target's embeddings and random aux states: same pre-norm hidden state, same logits over the target's
+    vocabulary (fc on the aux states, the embeds/hidden order, norms, q/k/v split, rotary, MLP and d2t; the
+    attention kernel is a plain causal softmax on vLLM's side: engines/inside/load_check.py)."""
+    from eagle3lib.drafter import DraftCache
+    from eagle3lib.train.checkpoint import load_drafter
+
+    py = need("vllm")
+    model = embedded_target[0]
+    drafter = load_drafter(ckpt[0]).eval()
+    with torch.no_grad():  # norms near 1, as trained ones are (the fixture's are ~0.02: logits near zero)
+        for norm in (drafter.norm, drafter.layer.input_layernorm, drafter.layer.hidden_norm):
+            norm.weight.add_(1.0)
+        drafter.layer.post_attention_layernorm.weight.add_(1.0)
+    folder = save_drafter(drafter, tmp_path / "drafter", json.loads((ckpt[0] / "eagle3.json").read_text()))
+    export = ex.export(folder, "vllm", tmp_path / "vllm", target=EMBEDDED_TARGET, cache_dir=ckpt[1])
+    torch.manual_seed(1)
+    ids = torch.randint(0, model.config.vocab_size, (9,))
+    embeds = model.get_input_embeddings().weight[ids].detach().float()
+    aux = torch.randn(9, 3 * model.config.hidden_size)
+    positions = torch.arange(9)
+    inputs, out = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file({"input_embeds": embeds.contiguous(), "aux": aux, "positions": positions}, str(inputs))
+    report = run_inside(
+        "load_check.py",
+        ["vllm-forward", str(export), "--target", str(ckpt[2]), "--inputs", str(inputs), "--out", str(out)],
+        py,
+    )
+    assert report["ok"] and report["model_class"] == "Eagle3LlamaForCausalLM", report
+    theirs = load_file(str(out))
+    with torch.no_grad():
+        hidden, logits = drafter.step(DraftCache(), embeds[None], aux[None], positions[None], from_target=True)
+    ours = torch.full((9, model.config.vocab_size), float("-inf"))
+    ours[:, drafter.draft_to_target(torch.arange(drafter.cfg.draft_vocab_size))] = logits[0]
+    assert torch.equal(torch.isfinite(theirs["logits"]), torch.isfinite(ours))  # the same draft vocabulary
+    finite = torch.isfinite(ours)
+    scale = ours[finite].abs().max()
+    assert (theirs["logits"][finite] - ours[finite]).abs().max() <= 1e-4 * scale
+    assert (theirs["prenorm"] - hidden[0]).abs().max() <= 1e-4 * hidden.abs().max()
+    assert torch.equal(theirs["logits"].argmax(-1), ours.argmax(-1))
+
+
 @pytest.mark.parametrize("engine", ["vllm", "speculators"])
 def test_vllm_loads_export(ckpt, exports, engine):
     need("vllm")

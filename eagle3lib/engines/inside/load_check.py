@@ -2,6 +2,7 @@
 
     python eagle3lib/engines/inside/load_check.py vllm DRAFT_DIR --target TARGET_DIR [--depth D]
     python eagle3lib/engines/inside/load_check.py sglang --args '[...launch flags...]'
+    python eagle3lib/engines/inside/load_check.py vllm-forward DRAFT_DIR --target TARGET_DIR --inputs IN --out OUT
 
 Prints one JSON report line. Standalone on purpose (stdlib, torch, safetensors and the engine only):
 the engines pin transformers versions that our .venv does not have, so eagle3lib.engines.interpreter runs this
@@ -14,6 +15,8 @@ vllm: builds the VllmConfig that `vllm serve TARGET --speculative-config {...}` 
 sglang: resolves the launch flags with SGLang's own prepare_server_args (ServerArgs.__post_init__) and, for
     an EAGLE3 launch, reads the aux ids SGLang will hand to the target's set_eagle3_layers_to_capture. The
     deploy, convert and extraction checks all use it; add `--device cpu` to run it without a GPU.
+vllm-forward: the draft's forward in vLLM's own Eagle3LlamaForCausalLM on given inputs (attention over the one
+    sequence by plain causal softmax in place of the engine's kernels), to compare with our Drafter.step.
 """
 
 import argparse
@@ -50,15 +53,14 @@ def _expected_vllm_params(ours):
     return want
 
 
-def check_vllm(draft, target, depth):
+def _vllm_draft(draft, target, depth):
+    """(vllm_config, the draft's model config, its model loaded by vLLM's own loader, problems, skipped)."""
     import torch
-    import vllm
     from vllm.config import set_current_vllm_config
     from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.utils.torch_utils import set_default_torch_dtype
-    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
 
     problems = []
     args = EngineArgs(
@@ -69,8 +71,7 @@ def check_vllm(draft, target, depth):
         speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": depth},
     )
     vllm_config = args.create_engine_config()
-    spec = vllm_config.speculative_config
-    draft_cfg = spec.draft_model_config
+    draft_cfg = vllm_config.speculative_config.draft_model_config
     with set_current_vllm_config(vllm_config):
         init_distributed_environment(
             world_size=1,
@@ -100,6 +101,16 @@ def check_vllm(draft, target, depth):
             skipped = 1
         else:
             skipped = 0
+    return vllm_config, draft_cfg, model, problems, skipped
+
+
+def check_vllm(draft, target, depth):
+    import torch
+    import vllm
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    vllm_config, draft_cfg, model, problems, skipped = _vllm_draft(draft, target, depth)
+    spec = vllm_config.speculative_config
     # The aux layers the target will capture: the model runner's own lookup (vLLM id = HF hidden_states index).
     captured = GPUModelRunner._get_eagle3_aux_layers_from_config(type("R", (), {"speculative_config": spec})())
     try:
@@ -168,6 +179,54 @@ def check_vllm(draft, target, depth):
         },
         "draft_params": {n: list(p.shape) for n, p in params.items()},
     }
+
+
+def _plain_causal_attention(attn):
+    """A stand-in for vLLM's Attention.forward over one sequence (q, k, v after its rotary embedding, [T, heads *
+    head_dim]): causal softmax attention with its scale and GQA. The kernels need the engine's batch metadata;
+    what is compared is the model around them (fc, norms, the embeds/hidden order, q/k/v split, rotary, MLP)."""
+    import torch.nn.functional as F
+
+    heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_size
+
+    def forward(query, key, value, *args, **kwargs):
+        t = query.shape[0]
+        q = query.view(t, heads, head_dim).transpose(0, 1)
+        k = key.view(t, kv_heads, head_dim).transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        v = value.view(t, kv_heads, head_dim).transpose(0, 1).repeat_interleave(heads // kv_heads, 0)
+        out = F.scaled_dot_product_attention(q[None], k[None], v[None], is_causal=True, scale=attn.impl.scale)
+        return out[0].transpose(0, 1).reshape(t, heads * head_dim).to(query.dtype)
+
+    return forward
+
+
+def forward_vllm(draft, target, inputs, out):
+    """vLLM's Eagle3LlamaForCausalLM forward on one sequence: inputs (safetensors) holds input_embeds [T, H] (the
+    target's embeddings of the tokens fed), aux [T, 3 H_t] and positions [T]; out gets its logits over the target
+    vocabulary (compute_logits: draft rows mapped through d2t, -inf elsewhere) and the pre-norm hidden state."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from vllm.config import set_current_vllm_config
+    from vllm.forward_context import set_forward_context
+
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    vllm_config, draft_cfg, model, problems, _ = _vllm_draft(draft, target, 1)
+    if problems:
+        return {"engine": "vllm", "ok": False, "problems": problems}
+    with set_current_vllm_config(vllm_config):  # as the loader finishes a load: the CPU linear kernels' set-up
+        process_weights_after_loading(model, draft_cfg, torch.device("cpu"))
+    x = load_file(inputs)
+    for layer in model.model.layers:
+        layer.self_attn.attn.forward = _plain_causal_attention(layer.self_attn.attn)
+    with torch.inference_mode(), set_current_vllm_config(vllm_config), set_forward_context(None, vllm_config):
+        hidden = model.combine_hidden_states(x["aux"])
+        positions = x["positions"].long()
+        ids = torch.zeros_like(positions)  # unused: the embeddings are given
+        normed, prenorm = model(ids, positions, hidden, x["input_embeds"])
+        logits = model.compute_logits(normed)
+    save_file({"logits": logits.float().contiguous(), "prenorm": prenorm.float().contiguous()}, out)
+    return {"engine": "vllm", "ok": True, "problems": [], "model_class": type(model).__name__, "out": out}
 
 
 # The ServerArgs fields the callers rely on: the deploy chain, and the extraction servers' hidden-state settings.
@@ -254,22 +313,26 @@ def check_sglang(argv):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("engine", choices=["vllm", "sglang"])
+    ap.add_argument("engine", choices=["vllm", "sglang", "vllm-forward"])
     ap.add_argument("draft", nargs="?", help="vllm: the export folder (sglang: the flags name it)")
     ap.add_argument("--target")
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--args", help="JSON list of SGLang launch flags")
+    ap.add_argument("--inputs", help="vllm-forward: safetensors with input_embeds, aux, positions")
+    ap.add_argument("--out", help="vllm-forward: where its logits and pre-norm hidden state go")
     a = ap.parse_args(argv)
     try:
         if a.engine == "vllm":
             report = check_vllm(a.draft, a.target, a.depth)
+        elif a.engine == "vllm-forward":
+            report = forward_vllm(a.draft, a.target, a.inputs, a.out)
         else:
             report = check_sglang(json.loads(a.args))
     except BaseException as e:  # the engine refusing (argparse's SystemExit included) is the verdict, not a crash
         import traceback
 
         traceback.print_exc()
-        verdict = "vllm could not build or load the draft" if a.engine == "vllm" else "SGLang refused the flags"
+        verdict = "SGLang refused the flags" if a.engine == "sglang" else "vllm could not build or load the draft"
         report = {
             "engine": a.engine,
             "ok": False,
