@@ -208,7 +208,6 @@ def forward_vllm(draft, target, inputs, out):
     from safetensors.torch import load_file, save_file
     from vllm.config import set_current_vllm_config
     from vllm.forward_context import set_forward_context
-
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     vllm_config, draft_cfg, model, problems, _ = _vllm_draft(draft, target, 1)
