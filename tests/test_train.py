@@ -206,6 +206,30 @@ def test_torchrun_two_processes_equal_one_with_the_same_global_batch(tmp_path, s
     a, b = state(single / "02_train" / "drafter"), state(ddp / "02_train" / "drafter")
     for k in a:
         assert torch.allclose(a[k].float(), b[k].float(), atol=1e-5, rtol=0), k
+    # Resume under torchrun: both runs continue to 6 steps from their final checkpoint (a larger max_tokens
+    # continues a run); the two ranks load the checkpoint and the data position, and still equal one process.
+    more = {"train.max_tokens": 128 * 2 * 6}
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eagle3lib.train.trainer",
+            params_file(tmp_path / "single"),
+            str(single),
+            json.dumps(more),
+        ],
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+        check=True,
+        capture_output=True,
+    )
+    s2 = trainer.launch(params_file(tmp_path / "ddp"), str(ddp), more, 2)
+    s1 = json.loads((single / "02_train" / "train_summary.json").read_text())
+    assert s1["steps"] == s2["steps"] == 6 and len(set(s2["rank_weight_digests"])) == 1
+    log = [json.loads(line) for line in (ddp / "02_train" / "log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in log if "eval" not in e] == list(range(1, 7))  # steps 4-6 appended, none redone
+    a, b = state(single / "02_train" / "drafter"), state(ddp / "02_train" / "drafter")
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), atol=1e-5, rtol=0), k
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, small_target):
