@@ -187,6 +187,44 @@ def test_flex_block_masks_over_several_blocks_equal_the_dense_path():
         assert (a - b)[real].abs().max() <= 1e-5
 
 
+# Relative error a position's gradient may carry: a few roundings of the compute dtype (TF32 keeps 10 mantissa
+# bits, bf16 7). A mask error at a block edge puts a few positions off by O(1), which a tolerance on the largest
+# gradient over all positions would dilute.
+TF32_EPS, BF16_EPS = 2.0**-10, 2.0**-7
+
+
+def input_gradients(drafter, aux, embeds, pos, docs, **kw) -> dict:
+    """{aux, embeds}: each input position's gradient of a loss over the TTT outputs at real positions."""
+    aux, embeds = aux.detach().clone().requires_grad_(), embeds.detach().clone().requires_grad_()
+    real = (docs >= 0)[..., None]
+    outs = drafter.ttt_forward(aux, embeds, pos, docs, **kw)
+    aux_grad, embeds_grad = torch.autograd.grad(sum(((o.float() * real) ** 2).sum() for o in outs), [aux, embeds])
+    return {"aux": aux_grad.float(), "embeds": embeds_grad.float()}
+
+
+def assert_per_position(ref: dict, got: dict, rtol: float, what: str):
+    for name, r in ref.items():
+        err, scale = (r - got[name]).norm(dim=-1), r.norm(dim=-1)
+        floor = 1e-3 * scale.max()  # positions without gradient (padding, past the chain)
+        bad = err > rtol * scale + floor
+        worst = (err / (scale + floor)).max().item()
+        assert not bad.any(), (
+            f"{what}: {name} gradient off at (row, position) {bad.nonzero()[:8].tolist()}, worst {worst:.3g}"
+        )
+
+
+def test_per_position_gradients_catch_one_position_off():
+    """The GPU tests' comparison on the CPU: one position's gradient off by 30% fails it; rounding noise does not."""
+    drafter, aux, embeds, pos, docs = several_block_case("cpu")
+    ref = input_gradients(drafter, aux, embeds, pos, docs, attention="dense")
+    noisy = {n: g * (1 + BF16_EPS * torch.randn_like(g)) for n, g in ref.items()}
+    assert_per_position(ref, noisy, 8 * BF16_EPS, "noise")
+    off = {n: g.clone() for n, g in ref.items()}
+    off["aux"][1, 90] *= 1.3  # the first position of a document
+    with pytest.raises(AssertionError, match=r"aux gradient off at \(row, position\) \[\[1, 90\]\]"):
+        assert_per_position(ref, off, 8 * BF16_EPS, "planted")
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="flex_attention has no backward on the CPU")
 def test_flex_gradients_with_and_without_checkpointing_equal_the_dense_path():
     drafter, aux, embeds, pos, docs = several_block_case("cuda")
@@ -199,11 +237,14 @@ def test_flex_gradients_with_and_without_checkpointing_equal_the_dense_path():
         return {n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None}
 
     dense = grads(attention="dense")
+    dense_inputs = input_gradients(drafter, aux, embeds, pos, docs, attention="dense")
     for checkpoint in (False, True):
         flex = grads(attention="flex", checkpoint=checkpoint)
         for name, g in dense.items():
             # flex's Triton kernel multiplies fp32 in TF32 (~1e-3 relative); a wrong mask is off by O(1).
             assert (g - flex[name]).abs().max() <= 1e-2 * g.abs().max(), (checkpoint, name)
+        got = input_gradients(drafter, aux, embeds, pos, docs, attention="flex", checkpoint=checkpoint)
+        assert_per_position(dense_inputs, got, 8 * TF32_EPS, f"flex, checkpoint={checkpoint}")
 
 
 def one_document_case(device):
@@ -323,15 +364,14 @@ def test_merged_cudnn_path_equals_the_dense_path_on_gpus():
     dense path in fp32: a wrong merge or a log-sum-exp in other units is off by O(1), bf16 by ~1e-2."""
     case = one_document_case("cuda")
     dense = ttt_outputs_and_grads(*case, attention="dense")
+    dense_inputs = input_gradients(*case, attention="dense")
     with torch.autocast("cuda", dtype=torch.bfloat16):
         for compiled, checkpoint in [(False, False), (False, True), (True, False), (True, True)]:
             case[0].compile_merge = compiled  # the merge through Triton (train.compile_layer)
-            assert_close(
-                dense,
-                ttt_outputs_and_grads(*case, attention="merged", checkpoint=checkpoint),
-                5e-2,
-                f"merged on cuDNN, compiled merge={compiled}, checkpoint={checkpoint}",
-            )
+            what = f"merged on cuDNN, compiled merge={compiled}, checkpoint={checkpoint}"
+            assert_close(dense, ttt_outputs_and_grads(*case, attention="merged", checkpoint=checkpoint), 5e-2, what)
+            got = input_gradients(*case, attention="merged", checkpoint=checkpoint)
+            assert_per_position(dense_inputs, got, 8 * BF16_EPS, what)
 
 
 def test_block_masks_built_per_block_equal_the_ones_flex_builds_pair_by_pair():
