@@ -40,6 +40,16 @@ def need_engine(engine: str) -> str:
     return py
 
 
+@pytest.fixture
+def sglang_engine():
+    return need_engine("sglang")
+
+
+@pytest.fixture
+def vllm_engine():
+    return need_engine("vllm")
+
+
 # The engines' fast start for tests that judge correctness, not speed: no torch.compile warm-up (~40 s to ready
 # instead of ~150-200 s on 2 cores).
 FAST_START = ["--enforce-eager"]
