@@ -1,0 +1,395 @@
+"""SGLang's own code on our exports, run in SGLang's interpreter (.venv-sglang, CPU): the load-back and the
+aux-layer capture that eagle3lib.convert.gate and eagle3lib.engines.sglang restate in pure Python.
+
+    python eagle3lib/engines/inside/sglang_replay.py load EXPORT_DIR [--dtype float32]
+    python eagle3lib/engines/inside/sglang_replay.py capture ARCH NUM_LAYERS IDS_JSON [ARCH NUM_LAYERS IDS_JSON ...]
+
+Prints one JSON report line (last line of stdout). Standalone on purpose (stdlib, torch, safetensors and
+SGLang only), like load_check.py: eagle3lib.engines.interpreter.run_inside runs it.
+
+load: SGLang's draft-model path up to its weights: ServerArgs (device cpu) published as the process's
+    server args, a world-size-1 gloo process group, ModelConfig.from_server_args(..., is_draft_model=True),
+    the class SGLang's registry picks from config.json's architectures (get_model_architecture), built by
+    its _initialize_model on the CPU, and DefaultModelLoader's own safetensors iterator fed to its
+    load_weights_and_postprocess (i.e. LlamaForCausalLMEagle3.load_weights). Nothing of SGLang is
+    re-implemented: every parameter starts as NaN and, as SGLang's loader takes our tensors one at a time,
+    the script records which parameter rows each tensor changed (and the shard id SGLang's weight_loader
+    got), then compares the loaded rows with the file's tensor. Report:
+        {ok, problems, how, model_class, params: {name: {shape, bound_from: [{tensor, shard, rows, equal}],
+         fully_bound}}, tensors: {name: [parameter[shard], ...]}, dropped, hot_token_id_ok, ...}
+    how: "real model on cpu" when SGLang's constructor runs as installed. On a CPU-only host without the
+    CPU engine (SGLANG_USE_CPU_ENGINE, which needs sgl_kernel's CPU build), RotaryEmbedding.__init__
+    imports vllm._custom_ops.rotary_embedding as its fallback forward kernel; when that import fails the
+    model is built again with only that one function stubbed (it runs in forward, never at load), and
+    `how` and `construct_note` say so.
+capture: SGLang's own set_eagle3_layers_to_capture for ARCH (resolved by SGLang's ModelRegistry, as the
+    server does) on an instance made without its __init__ (nn.Module's only), holding the attributes the
+    method reads: pp_group, config.num_hidden_layers, model. A multimodal wrapper (KimiK25ForConditionalGeneration)
+    gets as language_model a bare instance of the class its __init__ builds (looked up in its own module), so
+    SGLang's delegation runs. IDS_JSON: a list of ids, or null (SGLang's default). Report:
+        {ok, problems, cases: [{arch, num_layers, ids, model_class, language_model_class, layers_to_capture}],
+         layers_to_capture (the first case's)}
+"""
+
+import json
+import os
+import sys
+import tempfile
+import traceback
+from types import ModuleType
+from types import SimpleNamespace as NS
+
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+# Multimodal wrappers whose set_eagle3_layers_to_capture delegates to self.language_model: the name of the class
+# their __init__ builds it from (looked up in the wrapper's own module, so it is the class SGLang instantiates).
+LANGUAGE_MODEL_CLASS = {"KimiK25ForConditionalGeneration": "DeepseekV3ForCausalLM"}
+# Filled from the target at serve time (EAGLE worker's set_embed), never from the draft checkpoint.
+SHARED_FROM_TARGET = ("model.embed_tokens.weight",)
+
+
+# ---------------------------------------------------------------------------------------------- load ----
+
+
+def _sglang_setup(export_dir, dtype):
+    """Server args published, process group of one (gloo), and SGLang's ModelConfig of the draft."""
+    import torch  # noqa: F401  (torch before sglang, as the server imports them)
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from sglang.srt.runtime_context import publish
+    from sglang.srt.server_args import ServerArgs
+
+    server_args = ServerArgs(model_path=export_dir, device="cpu", dtype=dtype, skip_tokenizer_init=True)
+    publish(server_args, role="scheduler")  # the process that builds and loads models in a server
+    init_distributed_environment(
+        world_size=1,
+        rank=0,
+        local_rank=0,
+        backend="gloo",
+        distributed_init_method=f"file://{tempfile.mktemp(prefix='sglang-replay-')}",
+    )
+    ensure_model_parallel_initialized(1, 1, 1)
+    return ModelConfig.from_server_args(server_args, model_path=export_dir, is_draft_model=True)
+
+
+def _construct(model_config, load_config):
+    """(model, how, note): SGLang's _initialize_model on the CPU, as installed, else with the one kernel
+    import that a CPU-only install lacks stubbed (see the module docstring)."""
+    import torch
+    from sglang.srt.model_loader.loader import _initialize_model
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+    def build():
+        with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
+            return _initialize_model(model_config, load_config)
+
+    try:
+        return build(), "real model on cpu", None
+    except ModuleNotFoundError as e:
+        if e.name not in ("vllm", "vllm._custom_ops"):
+            raise
+        where = traceback.extract_tb(e.__traceback__)[-1]
+        note = (
+            f"SGLang's constructor as installed raised {type(e).__name__}: {e} at "
+            f"{'/'.join(where.filename.split(os.sep)[-3:])}:{where.lineno} `{where.line}`: on a host that is "
+            "neither CUDA nor SGLang's CPU engine (SGLANG_USE_CPU_ENGINE=1, which needs sgl_kernel's CPU build, "
+            "absent here) RotaryEmbedding.__init__ binds vllm._custom_ops.rotary_embedding as its forward "
+            "kernel. Built again with that one function stubbed (it would raise if called; loading never calls it)."
+        )
+
+    def rotary_embedding(*args, **kwargs):
+        raise RuntimeError("sglang_replay: stub of vllm._custom_ops.rotary_embedding (forward is not replayed)")
+
+    saved = {k: sys.modules.get(k) for k in ("vllm", "vllm._custom_ops")}
+    ops = ModuleType("vllm._custom_ops")
+    ops.rotary_embedding = rotary_embedding
+    pkg = ModuleType("vllm")
+    pkg._custom_ops = ops
+    sys.modules.update({"vllm": pkg, "vllm._custom_ops": ops})
+    try:
+        model = build()
+    finally:  # no other SGLang code may take the stub for an installed vLLM
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+    return model, "real model on cpu, vllm._custom_ops.rotary_embedding stubbed", note
+
+
+def _bits(t):
+    """The tensor viewed as integers of its element size: exact (NaN-safe) change detection."""
+    import torch
+
+    kind = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.detach().contiguous().view(kind)
+
+
+def _rows(changed):
+    """[start, stop) of the rows (dim 0) touched by a change mask, and whether they are exactly that block."""
+    import torch
+
+    per_row = changed if changed.dim() == 1 else changed.reshape(changed.shape[0], -1).any(1)
+    idx = torch.nonzero(per_row).flatten()
+    if idx.numel() == 0:
+        return None, True
+    start, stop = int(idx[0]), int(idx[-1]) + 1
+    return [start, stop], idx.numel() == stop - start
+
+
+def load_report(export_dir, dtype="float32"):
+    import sglang
+    import torch
+    from safetensors.torch import load_file
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    problems = []
+    ours = load_file(os.path.join(export_dir, "model.safetensors"))
+    model_config = _sglang_setup(export_dir, dtype)
+    load_config = LoadConfig(model_loader_extra_config={"enable_multithread_load": False})
+    model, how, note = _construct(model_config, load_config)
+    params = dict(model.named_parameters())
+
+    with torch.no_grad():
+        for p in params.values():
+            p.fill_(float("nan"))
+    prev = {n: _bits(p).clone() for n, p in params.items()}
+    written = {n: torch.zeros(p.shape[0] if p.dim() else 1, dtype=torch.bool) for n, p in params.items()}
+
+    # The shard id SGLang hands each parameter's weight_loader (its own bound method, wrapped to record the call).
+    calls = []
+    current = {"name": None}
+    for n, p in params.items():
+        loader = p.__dict__.get("weight_loader")
+        if loader is None:
+            continue
+
+        def record(param, loaded_weight, *args, _n=n, _loader=loader, **kwargs):
+            shard = args[0] if args else kwargs.get("loaded_shard_id", kwargs.get("shard_id"))
+            calls.append((current["name"], _n, shard))
+            return _loader(param, loaded_weight, *args, **kwargs)
+
+        p.weight_loader = record
+
+    per_tensor, read = {}, []
+
+    def instrumented(weights):
+        """SGLang's weights iterator; after load_weights has taken each tensor, what it changed."""
+        for name, tensor in weights:
+            current["name"] = name
+            read.append(name)
+            hot_before = getattr(model, "hot_token_id", None)
+            yield name, tensor
+            wrote = []
+            for n, p in params.items():
+                now = _bits(p)
+                changed = now != prev[n]
+                if not changed.any():
+                    continue
+                rows, block = _rows(changed) if p.dim() else ([0, 1], True)
+                shard = next((s for t, q, s in calls if t == name and q == n), None)
+                wrote.append({"param": n, "rows": rows, "contiguous": block, "shard": shard})
+                written[n][rows[0] : rows[1]] = True
+                prev[n] = now.clone()
+            hot = getattr(model, "hot_token_id", None)
+            per_tensor[name] = {"wrote": wrote, "hot_token_id": hot is not None and hot is not hot_before}
+
+    DefaultModelLoader.load_weights_and_postprocess(
+        model, instrumented(DefaultModelLoader(load_config)._get_all_weights(model_config, model)), torch.device("cpu")
+    )
+
+    report_params = {}
+    for n, p in params.items():
+        bound = []
+        for t, info in per_tensor.items():
+            for w in info["wrote"]:
+                if w["param"] != n:
+                    continue
+                a, b = w["rows"]
+                src = ours.get(t)
+                got = p.detach()[a:b] if p.dim() else p.detach().reshape(1)
+                equal = (
+                    src is not None
+                    and w["contiguous"]
+                    and tuple(got.shape) == tuple(src.shape)
+                    and torch.equal(got, src.to(got.dtype))
+                )
+                bound.append({"tensor": t, "shard": w["shard"], "rows": [a, b], "equal": bool(equal)})
+                if not equal:
+                    problems.append(
+                        f"{n} rows {a}:{b} (shard {w['shard']}) hold {t} "
+                        f"{tuple(src.shape) if src is not None else '(not in the file)'} but not its values "
+                        "(wrong slice, shape, or overwritten)."
+                    )
+        fully = bool(written[n].all())
+        report_params[n] = {"shape": list(p.shape), "bound_from": bound, "fully_bound": fully}
+        if not fully and n not in SHARED_FROM_TARGET:
+            what = "gets no tensor" if not bound else f"gets only rows {[b['rows'] for b in bound]}"
+            problems.append(f"SGLang parameter {n} {tuple(p.shape)} {what} from the export (stays at its random init).")
+        owners = [b["tensor"] for b in bound]
+        if len(set(owners)) != len(owners) or _overlap([b["rows"] for b in bound]):
+            problems.append(f"{n} is written by overlapping tensors {owners}.")
+
+    tensors = {}
+    for t in ours:
+        info = per_tensor.get(t, {"wrote": [], "hot_token_id": False})
+        keys = [w["param"] + (f"[{w['shard']}]" if w["shard"] is not None else "") for w in info["wrote"]]
+        if info["hot_token_id"]:
+            keys.append("hot_token_id")
+        tensors[t] = keys
+    not_read = sorted(set(ours) - set(read))
+    dropped = sorted(t for t, keys in tensors.items() if not keys)
+    for t in dropped:
+        if "t2d" not in t:
+            problems.append(
+                f"tensor {t} {tuple(ours[t].shape)} is dropped by SGLang {sglang.__version__}'s load_weights"
+                + (" (its weights iterator never yields it)." if t in not_read else " (no parameter takes it).")
+            )
+
+    hot = getattr(model, "hot_token_id", None)
+    d2t = ours.get("d2t")
+    hot_ok = hot is not None and d2t is not None and torch.equal(hot, d2t + torch.arange(d2t.shape[0]))
+    hot_info = {"shape": list(hot.shape) if hot is not None else None}
+    if hot is None:
+        problems.append("hot_token_id is None after loading: SGLang will map draft ids to target ids as identity.")
+    elif not hot_ok:
+        problems.append("hot_token_id is not d2t + arange: the draft-to-target map SGLang uses is not ours.")
+    if hot is not None:
+        t2d = ours.get("t2d")
+        in_range = bool(((hot >= 0) & (hot < model.config.vocab_size)).all())
+        hot_info["in_target_vocab"] = in_range
+        if t2d is not None and in_range:
+            hot_info["matches_t2d"] = bool(t2d[hot].all()) and int(t2d.sum()) == hot.shape[0]
+            if not hot_info["matches_t2d"]:
+                problems.append("hot_token_id (from d2t) and t2d name different target tokens.")
+        if not in_range:
+            problems.append("hot_token_id holds ids outside the target vocabulary.")
+
+    # Serve time: EAGLE worker shares the target's embedding (set_embed) unless the hidden sizes differ.
+    shared = _replay_set_embed(model)
+    if not shared:
+        problems.append(
+            "SGLang's set_embed would not share the target's embed_tokens (target_hidden_size != hidden_size): "
+            "the draft embedding stays at its random init."
+        )
+    return {
+        "mode": "load",
+        "ok": not problems,
+        "problems": problems,
+        "how": how,
+        "construct_note": note,
+        "sglang_version": sglang.__version__,
+        "model_class": type(model).__name__,
+        "dtype": str(model_config.dtype),
+        "params": report_params,
+        "tensors": tensors,
+        "dropped": dropped,
+        "not_read": not_read,
+        "hot_token_id_ok": bool(hot_ok),
+        "hot_token_id": hot_info,
+        "load_lm_head_from_target": bool(getattr(model, "load_lm_head_from_target", False)),
+        "embed_shared_from_target": shared,
+    }
+
+
+def _overlap(ranges):
+    spans = sorted(r for r in ranges if r)
+    return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
+
+
+def _replay_set_embed(model):
+    """Whether SGLang's own set_embed (EAGLE worker's init_lm_head) replaces embed_tokens with the target's."""
+    import torch
+
+    if getattr(model, "load_lm_head_from_target", False) or not hasattr(model, "set_embed"):
+        return hasattr(model, "set_embed_and_head")
+    old = model.model.embed_tokens.weight
+    stand_in = torch.nn.Parameter(torch.zeros(1, dtype=old.dtype), requires_grad=False)
+    model.set_embed(stand_in)
+    return model.model.embed_tokens.weight is stand_in
+
+
+# ------------------------------------------------------------------------------------------- capture ----
+
+
+def _bare(cls, num_layers):
+    """An instance of an SGLang model class without its __init__ (nn.Module's only), holding what
+    set_eagle3_layers_to_capture reads."""
+    import torch
+
+    obj = cls.__new__(cls)
+    torch.nn.Module.__init__(obj)
+    obj.pp_group = NS(is_last_rank=True)
+    obj.config = NS(num_hidden_layers=num_layers)
+    obj.model = NS()  # KimiK25ForConditionalGeneration.__setattr__ ignores it: its .model is language_model
+    return obj
+
+
+def capture_report(cases):
+    import sglang
+    from sglang.srt.models.registry import ModelRegistry
+
+    problems, out = [], []
+    for arch, num_layers, ids in cases:
+        cls, _ = ModelRegistry.resolve_model_cls([arch])
+        me = _bare(cls, num_layers)
+        lm_name = LANGUAGE_MODEL_CLASS.get(cls.__name__)
+        if lm_name is not None:
+            me.language_model = _bare(getattr(sys.modules[cls.__module__], lm_name), num_layers)
+        cls.set_eagle3_layers_to_capture(me, ids)
+        inner = me.language_model if lm_name is not None else me
+        layers = getattr(inner.model, "layers_to_capture", None)
+        if layers is None:
+            problems.append(f"{arch}.set_eagle3_layers_to_capture({ids}) set no layers_to_capture.")
+        out.append(
+            {
+                "arch": arch,
+                "num_layers": num_layers,
+                "ids": ids,
+                "model_class": f"{cls.__module__}.{cls.__name__}",
+                "language_model_class": type(inner).__name__ if lm_name is not None else None,
+                "capture_aux_hidden_states": bool(getattr(inner, "capture_aux_hidden_states", False)),
+                "layers_to_capture": list(layers) if layers is not None else None,
+            }
+        )
+    return {
+        "mode": "capture",
+        "ok": not problems,
+        "problems": problems,
+        "sglang_version": sglang.__version__,
+        "cases": out,
+        "layers_to_capture": out[0]["layers_to_capture"] if out else None,
+    }
+
+
+def _parse_cases(args):
+    if not args or len(args) % 3:
+        raise SystemExit("capture takes ARCH NUM_LAYERS IDS_JSON, one or more times")
+    cases = []
+    for i in range(0, len(args), 3):
+        ids = json.loads(args[i + 2])
+        cases.append((args[i], int(args[i + 1]), None if ids is None else [int(j) for j in ids]))
+    return cases
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    mode = argv[0] if argv else None
+    try:
+        if mode == "load" and len(argv) in (2, 4) and (len(argv) == 2 or argv[2] == "--dtype"):
+            report = load_report(argv[1], argv[3] if len(argv) == 4 else "float32")
+        elif mode == "capture":
+            report = capture_report(_parse_cases(argv[1:]))
+        else:
+            raise SystemExit(__doc__.split("\n\n")[1])
+    except BaseException as e:  # SGLang refusing is the verdict, reported like any other
+        traceback.print_exc()
+        report = {"mode": mode, "ok": False, "problems": [f"SGLang replay failed: {type(e).__name__}: {e}"]}
+    sys.stdout.flush()
+    print(json.dumps(report, default=str), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
