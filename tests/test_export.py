@@ -184,6 +184,7 @@ BROKEN = {
     "missing d2t": (None, _drop("d2t"), "d2t is missing"),
     "wrong target_hidden_size": (lambda c: c.update(target_hidden_size=960), None, "target_hidden_size"),
     "wrong architectures": (lambda c: c.update(architectures=["LlamaForCausalLM"]), None, "architectures"),
+    "narrower than the target": (lambda c: c.update(hidden_size=512), None, "shares the target's embeddings only"),
     "aux ids out of range": (
         lambda c: c["eagle_config"].update(eagle_aux_hidden_state_layer_ids=[1, 14, 30]),
         None,

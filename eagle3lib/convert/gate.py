@@ -114,6 +114,13 @@ def check_sglang(folder, contract: dict | None = None) -> dict:
                 f"config {key} is {config.get(key)!r}, expected {want!r} (from {CONTRACT_FILE} / the "
                 "drafter); SGLang sizes its modules from it."
             )
+    if contract.get("hidden_size") is not None and config.get("hidden_size") != contract["hidden_size"]:
+        # llama.py set_embed (0.5.17) shares the target's embed_tokens only when the widths agree; else the
+        # drafter keeps its random init without a word
+        problems.append(
+            f"config hidden_size is {config.get('hidden_size')!r}, the target's is {contract['hidden_size']!r}: "
+            "SGLang shares the target's embeddings only with a drafter of the target's width."
+        )
     for flag in VARIANT_FLAGS:
         if config.get(flag) or (config.get("eagle_config") or {}).get(flag):
             problems.append(f"config sets {flag}; our drafter has no such variant. Remove it.")
