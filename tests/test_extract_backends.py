@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import FAST_START
 
 from eagle3lib import params as P
 from eagle3lib.convert.gate import check_sglang
@@ -243,7 +244,7 @@ def test_vllm_backend_equals_hf(embedded_target, embedded_cache, chat_tokens, tm
         OURS,
         dtype="float32",
         python=str(VLLM_PY),
-        extra_args=["--max-model-len", "1024"],
+        extra_args=[*FAST_START, "--max-model-len", "1024"],
         log_dir=tmp_path / "logs",
         prefill_benchmark_batches=1,
         batch_tokens=1024,
