@@ -184,6 +184,30 @@ def test_the_sweep_measures_the_true_best_depth_and_recommends_only_what_beat_th
         assert chosen["tokens_per_s"] >= base["tokens_per_s"] and chosen["depth"] not in quick
 
 
+def test_when_every_depth_loses_the_picks_still_run_every_prompt():
+    """A drafter whose drafts are rarely accepted: every depth is predicted far below the baseline, the user's
+    depths run quick, but the cost model's picks are measured on the full prompt set (the answer "no speculation"
+    rests on them)."""
+    from eagle3lib.bench import sweep
+    from eagle3lib.params import BenchParams
+
+    truth = synthetic(prefill_share=0.1, overhead=30.0)
+    weak = [0.05, 0.05, 0.05]
+    bench = BenchParams(depths=[16, 10], concurrency=[1, 8], max_depth=16, quick_below=0.75, quick_prompts=8)
+    engine = SyntheticEngine(truth, weak, bench.concurrency)
+    prompts = [{"id": str(i), "prompt_ids": [1]} for i in range(12)]
+    engine(None, prompts)
+    model = sweep.choose_and_measure(
+        bench, {"cond_acc": weak}, lambda: (truth.forward_ms, truth.draft_ms), engine.rows, prompts, engine, Bar(),
+        lambda _line: None,
+    )  # fmt: skip
+    full = {d for d, n, _ in engine.runs if d and n == len(prompts)}
+    assert set(model["picks"].values()) <= full and {16, 10} <= set(model["quick"])
+    assert all(r["speedup"] < 1 for r in engine.rows if r["depth"])
+    rec = sweep.recommend(engine.rows, "/models/t", {})
+    assert all(chosen["depth"] in (0, None) for chosen in rec.values())  # no speculation
+
+
 def test_the_speedup_plot_draws_predictions_and_measurements(tmp_path):
     from eagle3lib.workbook import plots
 

@@ -269,7 +269,7 @@ def choose_and_measure(bench_params, eval_summary, measure_costs, rows, prompts,
         # each depth's prediction comes from the model calibrated on the depths measured before it
         ahead = {(d, c): cost.predict(costs, cond, [d], [c])[0] for c in conc}
         best_predicted = max(r["speedup"] for r in ahead.values())
-        if best_predicted < bench_params.quick_below:
+        if best_predicted < bench_params.quick_below and d not in picks.values():  # a pick is measured in full
             quick.append(d)
         n = min(len(prompts), max(bench_params.quick_prompts, max(conc))) if d in quick else len(prompts)
         measured += run(d, prompts[:n], ahead, f", predicted {best_predicted:.2f}x" + (": quick" if d in quick else ""))
