@@ -15,22 +15,18 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import need_engine
 from safetensors.torch import load_file, save_file
+from test_export import ckpt  # noqa: F401  (a random drafter for the embedded target; module-scoped)
 
 from eagle3lib.convert import gate
 from eagle3lib.convert import layouts as ex
-from eagle3lib.drafter import Drafter, DrafterConfig
 from eagle3lib.drafter_formats import read_config, read_tensors
 from eagle3lib.engines.interpreter import run_inside
 from eagle3lib.engines.sglang import sglang_captured_ids, sglang_config_ids
-from eagle3lib.target import EMBEDDED_TARGET, make_contract
-from eagle3lib.train.checkpoint import save_drafter
-from eagle3lib.vocab import build_draft_vocab, d2t_sha256
+from eagle3lib.target import EMBEDDED_TARGET
 
 AUX = [2, 15, 27]
-DRAFT_VOCAB = 2048
 EMBED = "model.embed_tokens.weight"  # the target's at serve time (set_embed), never the draft's
 
 
@@ -41,22 +37,12 @@ def py():
 
 
 @pytest.fixture(scope="module")
-def export(py, tmp_path_factory, embedded_cache, embedded_target):
-    """Our SGLang export of a random drafter for the embedded target (as tests/test_export.py's ckpt/exports)."""
-    cache, _ = embedded_cache
-    model, tokenizer = embedded_target
-    torch.manual_seed(0)
-    drafter = Drafter(DrafterConfig.from_target(model.config, DRAFT_VOCAB, AUX))
-    d2t, t2d = build_draft_vocab(torch.randint(0, 1000, (model.config.vocab_size,)), DRAFT_VOCAB)
-    drafter.set_vocab(d2t, t2d)
-    with torch.no_grad():
-        for p in drafter.parameters():
-            p.normal_(0, 0.02)
-    contract = make_contract(EMBEDDED_TARGET, model, tokenizer, AUX, "float32")
-    contract.update(draft_vocab_size=DRAFT_VOCAB, d2t_sha256=d2t_sha256(d2t))
-    root = tmp_path_factory.mktemp("replay")
-    folder = save_drafter(drafter, root / "ckpt", contract)
-    return ex.export(folder, "sglang", root / "sglang", target=EMBEDDED_TARGET, cache_dir=cache)
+def export(py, ckpt, tmp_path_factory):  # noqa: F811
+    """Our SGLang export of tests/test_export.py's random drafter for the embedded target."""
+    folder, cache, _ = ckpt
+    return ex.export(
+        folder, "sglang", tmp_path_factory.mktemp("replay") / "sglang", target=EMBEDDED_TARGET, cache_dir=cache
+    )
 
 
 def renamed(src: Path, dst: Path, rename) -> Path:
