@@ -22,6 +22,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tqdm import tqdm  # noqa: E402
+
 from eagle3lib.bench import sweep  # noqa: E402
 from eagle3lib.params import BenchParams  # noqa: E402
 
@@ -51,16 +53,6 @@ class RecordedEngine:
         return found
 
 
-class NoBar:
-    total = 0
-
-    def set_postfix_str(self, _):
-        pass
-
-    def update(self, _):
-        pass
-
-
 def replay(folder: Path, tolerance: float = 0.15) -> dict:
     bench = result(folder, "05_benchmark")
     train = result(folder, "02_train")
@@ -73,7 +65,14 @@ def replay(folder: Path, tolerance: float = 0.15) -> dict:
     params = BenchParams(depths=depths, concurrency=concurrency, max_depth=max(depths), quick_below=0.0)
     engine = RecordedEngine(rows)
     model = sweep.choose_and_measure(
-        params, train["eval"], lambda: (forward, draft), engine.rows, [{}], engine, NoBar(), lambda _: None
+        params,
+        train["eval"],
+        lambda: (forward, draft),
+        engine.rows,
+        [{}],
+        engine,
+        tqdm(total=0, disable=True),
+        lambda _: None,
     )
     table = []
     for r in engine.rows:

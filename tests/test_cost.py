@@ -1,6 +1,7 @@
 """The cost model predicts tokens/s per depth from measured costs; checked on synthetic timings."""
 
 import pytest
+from tqdm import tqdm
 
 from eagle3lib.bench import cost
 
@@ -134,16 +135,6 @@ class SyntheticEngine:
         return out
 
 
-class Bar:
-    total = 0
-
-    def set_postfix_str(self, _):
-        pass
-
-    def update(self, _):
-        pass
-
-
 def test_the_sweep_measures_the_true_best_depth_and_recommends_only_what_beat_the_baseline():
     from eagle3lib.bench import sweep
     from eagle3lib.params import BenchParams
@@ -163,7 +154,7 @@ def test_the_sweep_measures_the_true_best_depth_and_recommends_only_what_beat_th
         engine.rows,
         prompts,
         engine,
-        Bar(),
+        tqdm(total=0, disable=True),
         lambda _line: None,
     )
     measured = {d for d, _, _ in engine.runs if d}
@@ -198,7 +189,7 @@ def test_when_every_depth_loses_the_picks_still_run_every_prompt():
     prompts = [{"id": str(i), "prompt_ids": [1]} for i in range(12)]
     engine(None, prompts)
     model = sweep.choose_and_measure(
-        bench, {"cond_acc": weak}, lambda: (truth.forward_ms, truth.draft_ms), engine.rows, prompts, engine, Bar(),
+        bench, {"cond_acc": weak}, lambda: (truth.forward_ms, truth.draft_ms), engine.rows, prompts, engine, tqdm(total=0, disable=True),
         lambda _line: None,
     )  # fmt: skip
     full = {d for d, n, _ in engine.runs if d and n == len(prompts)}
