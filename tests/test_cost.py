@@ -105,6 +105,51 @@ def test_decode_costs_from_baseline_rows():
     assert decode == pytest.approx({1: 0.75 * 25.0, 8: 50.0})
 
 
+def test_limits_split_a_measured_step_and_say_what_bounds_it():
+    """A row measured on an engine with 3 ms of its own per step: the split gives back verify, drafts and the
+    3 ms; full acceptance and the acceptance needed for 1.5x follow from the same step time."""
+    truth = synthetic(prefill_share=0.1, overhead=3.0)
+    al = 1.4
+    row = {"depth": 2, "concurrency": 1, "accept_len": al}
+    row["speedup"] = cost.speedup(truth, 1, al, cost.step_ms(truth, 2, 1))
+    x = cost.limits(synthetic(prefill_share=0.1), row)
+    # verify 3 tokens = 13 ms, 2 draft steps = 1 ms, over an 11 ms one-token forward, scaled to a 22 ms decode step
+    assert x["verify_decode_steps"] == pytest.approx(13.0 / 11.0)
+    assert x["drafts_decode_steps"] == pytest.approx(1.0 / 11.0)
+    assert x["engine_decode_steps"] == pytest.approx(3.0 / 22.0)
+    step = 22.0 * 14.0 / 11.0 + 3.0
+    assert x["step_decode_steps"] == pytest.approx(step / 22.0)
+    assert x["all_accepted_speedup"] == pytest.approx(1 / (0.1 + 0.9 * step / (3 * 22.0)))
+    assert cost.speedup(truth, 1, x["accept_len_needed"], step) == pytest.approx(1.5)
+    assert x["limited_by"] == "acceptance" and x["prefill_cap"] == pytest.approx(10.0)
+    # a step that costs more than 2 decode steps cannot reach 1.5x at depth 1 even with every draft accepted
+    slow = synthetic()
+    slow.draft_ms = {m: 30.0 * m for m in slow.draft_ms}
+    row1 = {"depth": 1, "concurrency": 1, "accept_len": 1.9}
+    row1["speedup"] = cost.speedup(slow, 1, 1.9, cost.step_ms(slow, 1, 1))
+    assert cost.limits(slow, row1)["limited_by"] == "step cost"
+    # prefill at 70% of the time caps any speedup at 1/0.7 < 1.5
+    assert cost.limits(synthetic(prefill_share=0.7), row)["accept_len_needed"] is None
+
+
+def test_the_limits_text_reads_a_recorded_sweep():
+    from eagle3lib.bench import steps
+
+    model = synthetic(overhead=2.0)
+    rows = [{"depth": 0, "concurrency": 1, "speedup": 1.0, "prompts": 12}]
+    for depth, al in ((1, 1.3), (3, 1.5)):
+        x = cost.speedup(model, 1, al, cost.step_ms(model, depth, 1))
+        rows.append({"depth": depth, "concurrency": 1, "speedup": x, "accept_len": al, "prompts": 12})
+    recorded = {"costs": {k: ({str(i): v for i, v in d.items()} if isinstance(d, dict) else d)
+                          for k, d in model.as_dict().items()}}  # fmt: skip
+    (fastest,) = steps.speedup_limits({"rows": rows, "cost_model": recorded})
+    assert fastest["depth"] == max(rows[1:], key=lambda r: r["speedup"])["depth"]
+    assert fastest["engine_decode_steps"] == pytest.approx(2.0 / 22.0)
+    text = steps.limits_text([fastest])
+    assert f"depth {fastest['depth']}" in text and "Limited by acceptance" in text
+    assert steps.speedup_limits({"rows": rows, "cost_model": None}) == []
+
+
 class SyntheticEngine:
     """An engine whose speed follows known costs: run(depth, prompts, ...) returns the rows benchmark's
     run() would, computed from `truth` (a Costs) and an acceptance the engine measures."""

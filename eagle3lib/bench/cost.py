@@ -137,6 +137,59 @@ def calibrate(costs: Costs, cond_acc: list[float], measured: list[dict]) -> Cost
     )
 
 
+def measured_step_ms(costs: Costs, row: dict) -> float:
+    """The engine's speculative step time that a measured row's speedup and acceptance length imply."""
+    c = row["concurrency"]
+    share = costs.prefill_share.get(c, 0.0)
+    return (1 / row["speedup"] - share) / (1 - share) * row["accept_len"] * costs.decode_ms[c]
+
+
+def accept_len_for(costs: Costs, concurrency: int, spec_step_ms: float, target_speedup: float) -> float:
+    """The acceptance length a speculative step of `spec_step_ms` needs to reach `target_speedup` (inf where the
+    prefill share alone keeps it out of reach)."""
+    share = costs.prefill_share.get(concurrency, 0.0)
+    room = 1 / target_speedup - share
+    if room <= 0:
+        return float("inf")
+    return (1 - share) * spec_step_ms / (room * costs.decode_ms[concurrency])
+
+
+def limits(costs: Costs, row: dict, target_speedup: float = 1.5) -> dict:
+    """What bounds one measured speculative row ({depth, concurrency, speedup, accept_len}): its step in decode
+    steps, split into the verify forward, the drafter's steps and what the engine adds beyond the model; the
+    speedup the same step would give if every draft were accepted (accept_len = depth + 1); the acceptance
+    length `target_speedup` needs at this step time (None where prefill alone keeps it out of reach); and the cap
+    that prefill alone sets (None without prefill). The limiting factor is
+    acceptance when all drafts accepted would reach the target at this step cost, else the step's cost."""
+    d, c = row["depth"], row["concurrency"]
+    decode = costs.decode_ms[c]
+    bare = Costs(costs.decode_ms, costs.forward_ms, costs.draft_ms)
+    measured = measured_step_ms(costs, row)
+    (g0, g1) = line(costs.draft_ms)
+    (f0, f1) = line(costs.forward_ms)
+    drafts = decode * d * (g0 + g1 * c) / (f0 + f1 * c)
+    verify = step_ms(bare, d, c) - drafts
+    share = costs.prefill_share.get(c, 0.0)
+    ceiling = speedup(costs, c, d + 1, measured)
+    needed = accept_len_for(costs, c, measured, target_speedup)
+    return {
+        "depth": d,
+        "concurrency": c,
+        "speedup": row["speedup"],
+        "accept_len": row["accept_len"],
+        "step_decode_steps": measured / decode,
+        "verify_decode_steps": verify / decode,
+        "drafts_decode_steps": drafts / decode,
+        "engine_decode_steps": (measured - verify - drafts) / decode,
+        "prefill_share": share,
+        "prefill_cap": 1 / share if share > 0 else None,  # None: no cap
+        "all_accepted_speedup": ceiling,
+        "target_speedup": target_speedup,
+        "accept_len_needed": None if needed == float("inf") else needed,  # None: out of reach
+        "limited_by": "acceptance" if ceiling >= target_speedup else "step cost",
+    }
+
+
 # ------------------------------------------------------------------------- measurement ----
 
 

@@ -8,6 +8,7 @@ import os
 import torch
 
 from eagle3lib import engines
+from eagle3lib.bench import cost
 
 ARTIFACTS = [
     "speedup_vs_depth.png",
@@ -106,6 +107,47 @@ def recommendation_text(recommendation: dict) -> str:
     )
 
 
+def speedup_limits(swept: dict, target_speedup: float = 1.5) -> list[dict]:
+    """bench.cost.limits of the fastest speculative row at each concurrency, measured on every prompt where
+    there is one; [] without the cost model or speculative rows."""
+    model = swept.get("cost_model")
+    if not model:
+        return []
+    costs = cost.Costs(**{k: _int_keys(v) if isinstance(v, dict) and k != "calibrated_on" else v
+                          for k, v in model["costs"].items()})  # fmt: skip
+    full = max((r.get("prompts", 0) for r in swept["rows"]), default=0)
+    out = []
+    for c in sorted({r["concurrency"] for r in swept["rows"]}):
+        spec = [r for r in swept["rows"] if r["depth"] and r["concurrency"] == c and r.get("accept_len")]
+        spec = [r for r in spec if r.get("prompts", 0) == full] or spec
+        if spec:
+            out.append(cost.limits(costs, max(spec, key=lambda r: r["speedup"]), target_speedup))
+    return out
+
+
+def limits_text(limits: list[dict]) -> str:
+    """Each concurrency's fastest depth: what its step costs, what full acceptance would give, what it lacks."""
+    lines = []
+    for x in limits:
+        needed = x["accept_len_needed"]
+        lines.append(
+            f"concurrency {x['concurrency']}, depth {x['depth']}: {x['speedup']:.2f}x at acceptance length "
+            f"{x['accept_len']:.2f}. A speculative step costs {x['step_decode_steps']:.2f} decode steps (verify "
+            f"{x['verify_decode_steps']:.2f} + drafts {x['drafts_decode_steps']:.2f} + engine "
+            f"{x['engine_decode_steps']:+.2f}); prefill is {x['prefill_share']:.0%} of the baseline's time.\n"
+            f"  With every draft accepted (acceptance length {x['depth'] + 1}) this step would give "
+            f"{x['all_accepted_speedup']:.2f}x; {x['target_speedup']}x needs acceptance length "
+            + ("out of reach (prefill)" if needed is None else f"{needed:.2f}")
+            + f" at this step. Limited by {x['limited_by']}."
+        )
+    return "\n".join(lines) or "no speculative measurement with the cost model"
+
+
+def _int_keys(d: dict) -> dict:
+    """A JSON-read {concurrency or token count: value} with its keys back as ints."""
+    return {int(k): v for k, v in d.items()}
+
+
 def best_speculative(rows: list[dict]) -> dict | None:
     """The speculative row with the highest speedup over the baseline, None without speculative rows."""
     spec = [r for r in rows if r["depth"]]
@@ -130,6 +172,7 @@ def result(swept: dict, recommendation: dict, replayed: dict, prompts: int, max_
         "logs": sorted({r["log"] for r in rows}),
         "replay": {"target_dtype": replayed["target_dtype"], "summary": replayed["summary"]},
         "cost_model": swept.get("cost_model"),
+        "limits": speedup_limits(swept),
     }
     best = best_speculative(rows)
     headline = {
