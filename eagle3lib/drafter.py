@@ -50,9 +50,12 @@ class DrafterConfig:
 
     @classmethod
     def from_target(cls, target_config, draft_vocab_size: int, aux_layer_ids: list[int]) -> DrafterConfig:
-        """Dims default to the target's, as the engines expect."""
+        """Dims default to the target's, as the engines expect. An MLA target (DeepSeek-V3, Kimi-K2.5) has no
+        plain head size: the drafter's Llama heads take its value head size (128 for Kimi, as the released
+        Kimi drafters have)."""
         c = getattr(target_config, "text_config", None) or target_config
         heads = c.num_attention_heads
+        mla_head_dim = getattr(c, "v_head_dim", None) if getattr(c, "kv_lora_rank", None) else None
         rope = getattr(c, "rope_parameters", None) or {
             "rope_type": "default",
             "rope_theta": getattr(c, "rope_theta", 10000.0),
@@ -61,7 +64,7 @@ class DrafterConfig:
             hidden_size=c.hidden_size,
             num_attention_heads=heads,
             num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
-            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            head_dim=mla_head_dim or getattr(c, "head_dim", None) or c.hidden_size // heads,
             intermediate_size=c.intermediate_size,
             vocab_size=c.vocab_size,
             draft_vocab_size=draft_vocab_size,

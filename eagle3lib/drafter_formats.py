@@ -102,8 +102,13 @@ def detect_layout(folder) -> str:
     )
 
 
-def _aux_ids_from_config(config: dict) -> list[int] | None:
-    """Aux ids in OUR convention from any of the layouts' configs, or None when the config has none."""
+def _aux_ids_from_config(config: dict, architecture: str | None = None, num_layers: int = 0) -> list[int] | None:
+    """Aux ids in OUR convention from any of the layouts' configs, or None when the config has none. SGLang's
+    ids (EAGLE/SpecForge checkpoints, our SGLang export) mean what SGLang 0.5.17 captures for them on the
+    target's class (`architecture`): +1 on Llama-like targets, as they are on DeepSeek-V3 and Kimi-K2.5
+    unless the first is 1."""
+    from eagle3lib.engines.sglang import sglang_captured_ids
+
     eagle = config.get("eagle_config") or {}
     ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     convention = eagle.get("aux_layer_id_convention")
@@ -114,7 +119,7 @@ def _aux_ids_from_config(config: dict) -> list[int] | None:
         return None
     if convention == AUX_LAYER_ID_CONVENTION:
         return [int(i) for i in ids]
-    return [int(i) + 1 for i in ids]  # SGLang / SpecForge: output of layer j
+    return sglang_captured_ids(ids, architecture, num_layers)  # SGLang / SpecForge
 
 
 def llama_fields(config: dict) -> dict:
@@ -210,7 +215,7 @@ def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dic
             f"missing {missing}, unexpected {extra}. It is not a 1-layer EAGLE-3 drafter of the layout we read."
         )
 
-    aux = _aux_ids_from_config(config)
+    aux = _aux_ids_from_config(config, contract.get("target_architecture"), contract.get("num_layers") or 0)
     if aux is None:
         layers = contract.get("num_layers")
         if not layers:

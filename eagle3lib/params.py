@@ -334,6 +334,8 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
 
 def _resolve_paths(p: Params, base: Path) -> None:
     def resolve(s: str) -> str:
+        if s.startswith("tiny:"):  # a tiny copy of the model at this folder (or hub id)
+            return "tiny:" + resolve(s.removeprefix("tiny:"))
         if s.startswith("embedded:") or Path(s).is_absolute():
             return s
         candidate = (base / s).resolve()

@@ -49,3 +49,30 @@ def load_result(run_dir: str | Path, stage: str) -> dict:
     if result.get("status", "ok") != "ok":
         raise RuntimeError(f"stage {stage} did not finish ({result.get('status')}: {result.get('error')}); rerun it")
     return result
+
+
+def last_measured(output_root: str | Path, stage: str, key: str, match: dict) -> dict | None:
+    """The newest figure `key` (dotted, e.g. "regenerate.tokens_per_s") of `stage` over every run folder in
+    output_root whose figures agree with `match` ({dotted key: value}): {value, run, when}, or None where no
+    finished run measured it. A plan's rate for the same target and backend on this machine."""
+    best = None
+    for path in Path(output_root).glob(f"*/{stage}/result.json"):
+        try:
+            figures = json.loads(path.read_text()).get("figures", {})
+        except (OSError, ValueError):
+            continue
+        value = _dotted(figures, key)
+        if not isinstance(value, (int, float)) or value <= 0:
+            continue
+        if any(_dotted(figures, k) != v for k, v in match.items()):
+            continue
+        when = path.stat().st_mtime
+        if best is None or when > best["when"]:
+            best = {"value": float(value), "run": path.parent.parent.name, "when": when}
+    return best
+
+
+def _dotted(d: dict, key: str):
+    for part in key.split("."):
+        d = d.get(part) if isinstance(d, dict) else None
+    return d

@@ -167,9 +167,14 @@ def embedded_target_dir(cache_dir: Path) -> Path:
 
 
 def resolve_target(name: str, cache_dir: Path) -> str:
-    """Embedded name -> its cache folder; an existing folder -> itself; else a hub id as is."""
+    """Embedded name -> its cache folder; `tiny:<folder or hub id>` -> its tiny random-weight copy in the cache
+    (tiny_target.py); an existing folder -> itself; else a hub id as is."""
     if name == EMBEDDED_TARGET:
         return str(embedded_target_dir(cache_dir))
+    if name.startswith("tiny:"):
+        from eagle3lib import tiny_target
+
+        return str(tiny_target.build(name.removeprefix("tiny:"), cache_dir))
     if name.startswith("embedded:"):
         raise ValueError(f"Unknown embedded target {name!r}; the only embedded target is {EMBEDDED_TARGET!r}.")
     path = Path(name).expanduser()
@@ -207,19 +212,88 @@ def dtype_name(dtype) -> str:
 
 def load_target(name_or_path: str, cache_dir: Path, dtype="float32", device="cpu", trust_remote_code: bool = False):
     """Load the target as (model in eval mode, tokenizer)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     where = resolve_target(name_or_path, cache_dir)
-    tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer(where, trust_remote_code)
+    config = load_config(where, trust_remote_code)
+    if isinstance(config, WrapperConfig):
+        raise ValueError(
+            f"Expected a target transformers can run in this process, found {config.model_type} "
+            f"({config.architectures[0]}), a wrapper whose code is not here; extract its states with an engine "
+            "(extract.backend: sglang or vllm), or give a text-only checkpoint of its language model."
+        )
+    quant = getattr(config, "quantization_config", None) or getattr(text_config(config), "quantization_config", None)
+    if quant and str(device) == "cpu":
+        method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", "?")
+        raise ValueError(
+            f"Expected weights transformers can run on the CPU, found {method}-quantized {where}; extract its "
+            "states with an engine on GPUs (extract.backend: sglang or vllm)."
+        )
     model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype(dtype), trust_remote_code=trust_remote_code)
     return model.to(device).eval(), tokenizer
 
 
 def load_tokenizer(target_dir, trust_remote_code: bool = False):
-    """The target's tokenizer (its chat template included) from its resolved folder or hub id."""
+    """The target's tokenizer (its chat template included) from its resolved folder or hub id; Kimi's tiktoken
+    tokenizer is built here (tiktoken_tokenizer.py), without its remote code."""
     from transformers import AutoTokenizer
 
+    from eagle3lib import tiktoken_tokenizer
+
+    if tiktoken_tokenizer.is_tiktoken_folder(target_dir):
+        return tiktoken_tokenizer.TikTokenTokenizer(target_dir)
     return AutoTokenizer.from_pretrained(target_dir, trust_remote_code=trust_remote_code)
+
+
+# Text models of multimodal wrappers that transformers knows under another name (same weights and shapes).
+TEXT_MODEL_FAMILY = {"kimi_k2": "deepseek_v3"}
+
+
+class WrapperConfig:
+    """A multimodal wrapper's config read without its remote code (e.g. Kimi-K2.5's kimi_k25): the wrapper's
+    own fields as they are in config.json, and `text_config`, the language model's config as the transformers
+    class of its family (kimi_k2 -> DeepseekV3Config)."""
+
+    def __init__(self, raw: dict):
+        from transformers import AutoConfig
+
+        self.raw = raw
+        self.model_type = raw.get("model_type")
+        self.architectures = raw.get("architectures") or [None]
+        text = dict(raw["text_config"])
+        family = TEXT_MODEL_FAMILY.get(text.get("model_type"), text.get("model_type"))
+        fields = {k: v for k, v in text.items() if k not in ("model_type", "auto_map", "architectures")}
+        try:
+            self.text_config = AutoConfig.for_model(family, **fields)
+        except ValueError as e:
+            raise ValueError(
+                f"Expected the text_config of {self.model_type} to be a model type transformers knows (or one of "
+                f"{sorted(TEXT_MODEL_FAMILY)}), found {text.get('model_type')!r}: {e}"
+            ) from e
+        self.text_config.architectures = text.get("architectures")
+        self.quantization_config = text.get("quantization_config") or raw.get("quantization_config")
+
+    def to_dict(self) -> dict:
+        return self.raw
+
+
+def load_config(where, trust_remote_code: bool = False):
+    """The target's config: AutoConfig's, or where transformers does not know the model type and the folder's
+    config.json wraps a text model (Kimi-K2.5), a WrapperConfig read without remote code."""
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code)
+    except (ValueError, KeyError, OSError) as e:
+        path = Path(where) / "config.json"
+        raw = json.loads(path.read_text()) if path.is_file() else {}
+        if "text_config" not in raw:
+            raise
+        try:
+            return WrapperConfig(raw)
+        except ValueError as inner:
+            raise inner from e
 
 
 def load_target_info(name_or_path: str, cache_dir: Path, trust_remote_code: bool = False):
@@ -228,15 +302,18 @@ def load_target_info(name_or_path: str, cache_dir: Path, trust_remote_code: bool
     a reply need."""
     from types import SimpleNamespace
 
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import GenerationConfig
 
     where = resolve_target(name_or_path, cache_dir)
-    tokenizer = AutoTokenizer.from_pretrained(where, trust_remote_code=trust_remote_code)
-    config = AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code)
+    tokenizer = load_tokenizer(where, trust_remote_code)
+    config = load_config(where, trust_remote_code)
     try:
         generation_config = GenerationConfig.from_pretrained(where)
     except OSError:  # no generation_config.json: what the model would derive from its config
-        generation_config = GenerationConfig.from_model_config(config)
+        text = text_config(config)
+        generation_config = GenerationConfig(
+            bos_token_id=getattr(text, "bos_token_id", None), eos_token_id=getattr(text, "eos_token_id", None)
+        )
     return SimpleNamespace(config=config, generation_config=generation_config), tokenizer
 
 
@@ -244,13 +321,14 @@ def load_target_info(name_or_path: str, cache_dir: Path, trust_remote_code: bool
 # Aux layer ids (HF hidden_states indexing)
 
 
-def _text_config(config):
+def text_config(config):
+    """The language model's config of a multimodal wrapper (text_config), else the config itself."""
     return getattr(config, "text_config", None) or config
 
 
 def num_layers(config) -> int:
     """Number of decoder layers of the (text) model."""
-    n = getattr(_text_config(config), "num_hidden_layers", None)
+    n = getattr(text_config(config), "num_hidden_layers", None)
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"Expected the config to have num_hidden_layers >= 1, found {n!r} in {type(config).__name__}.")
     return n
@@ -316,7 +394,7 @@ def chat_template_hash(tokenizer) -> str:
 
 
 def make_contract(target_name: str, model, tokenizer, aux_layer_ids, dtype) -> dict:
-    config = _text_config(model.config)
+    config = text_config(model.config)
     layers = num_layers(model.config)
     return {
         "target": target_name,

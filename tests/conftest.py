@@ -8,6 +8,28 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# ---- Kimi-K2.5's published files (../shared, beside the checkout; never copied into the project) ----------
+KIMI_FIXTURES = ROOT.parent / "shared" / "fixtures" / "kimi-k2.5"
+
+
+@pytest.fixture(scope="session")
+def kimi_fixtures() -> Path:
+    if not (KIMI_FIXTURES / "tiktoken.model").is_file():
+        pytest.skip(f"Kimi-K2.5's files are not at {KIMI_FIXTURES} (../shared/fixtures/kimi-k2.5 beside the checkout)")
+    return KIMI_FIXTURES
+
+
+@pytest.fixture(scope="session")
+def kimi_folder(kimi_fixtures, tmp_path_factory) -> Path:
+    """A model folder as a Kimi-K2.5 download has it, without the weights: config.json, tiktoken.model, the
+    chat template, and K2-Instruct's tokenizer_config.json (K2.5's was not published verbatim; same tokens)."""
+    folder = tmp_path_factory.mktemp("kimi-k2.5")
+    for name in ("config.json", "tiktoken.model", "chat_template.jinja"):
+        (folder / name).symlink_to(kimi_fixtures / name)
+    (folder / "tokenizer_config.json").symlink_to(kimi_fixtures / "k2-instruct" / "tokenizer_config.json")
+    return folder
+
+
 # ---- embedded target fixtures (used by test_target.py and test_data.py) -------------------
 @pytest.fixture(scope="session")
 def embedded_cache(tmp_path_factory):

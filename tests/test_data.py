@@ -232,9 +232,15 @@ MESSAGES = [
 
 def test_loss_mask_multi_turn_with_system(embedded_target):
     tok = embedded_target[1]
-    ids, mask = D.tokenize_conversation(tok, MESSAGES, max_seq_len=4096)
+    ((ids, mask),) = D.tokenize_conversation(tok, MESSAGES, max_seq_len=4096)
     assert len(ids) == len(mask) and set(mask) == {0, 1}
-    assert ids == tok.apply_chat_template(MESSAGES, tokenize=True, return_dict=True)["input_ids"]
+    # the rendered text, each piece tokenized as the engine sees it: the prompt, then what the model writes
+    # ("\n" at the end of the prompt stays its own token before a reply that starts with "\n")
+    assert tok.decode(ids) == tok.apply_chat_template(MESSAGES, tokenize=False)
+    plain = [m | {"content": m["content"].strip()} for m in MESSAGES]
+    assert (
+        D.tokenize_conversation(tok, plain, 4096)[0][0] == tok.apply_chat_template(plain, return_dict=True)["input_ids"]
+    )
     # masked: exactly each assistant reply followed by <|im_end|>; the template's "\n" after it is not
     assert masked_runs(tok, ids, mask) == ["Arr, 'tis 4, matey.<|im_end|>", "\nParis, ye landlubber!\n\n<|im_end|>"]
     unmasked = tok.decode([i for i, m in zip(ids, mask) if not m])
@@ -245,29 +251,52 @@ def test_loss_mask_multi_turn_with_system(embedded_target):
 
 def test_loss_mask_default_system_prompt(embedded_target):
     tok = embedded_target[1]
-    ids, mask = D.tokenize_conversation(tok, MESSAGES[1:3], max_seq_len=4096)
+    ((ids, mask),) = D.tokenize_conversation(tok, MESSAGES[1:3], max_seq_len=4096)
     assert "You are a helpful AI assistant named SmolLM" in tok.decode(ids)  # added by the template
     assert masked_runs(tok, ids, mask) == ["Arr, 'tis 4, matey.<|im_end|>"]
 
 
 def test_truncation(embedded_target):
     tok = embedded_target[1]
-    full_ids, full_mask = D.tokenize_conversation(tok, MESSAGES, max_seq_len=4096)
-    ids, mask = D.tokenize_conversation(tok, MESSAGES, max_seq_len=40)
+    ((full_ids, full_mask),) = D.tokenize_conversation(tok, MESSAGES, max_seq_len=4096)
+    ((ids, mask),) = D.tokenize_conversation(tok, MESSAGES, max_seq_len=40)
     assert len(ids) == len(mask) == 40
     assert (ids, mask) == (full_ids[:40], full_mask[:40])
 
 
-def test_template_must_be_prefix_stable(embedded_target):
+def test_a_template_that_rewrites_earlier_turns_gets_a_sequence_per_turn(embedded_target):
+    """A template that marks the last message renders turn 1 differently once turn 2 follows: each turn is then
+    trained in the context the model is given for it, a sequence each, and each turn's loss covers what the
+    model writes there."""
     tok = embedded_target[1]
     saved = tok.chat_template
-    try:  # a template that renders the last message differently from earlier ones
+    try:
         tok.chat_template = (
             "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
             "{% if loop.last %} (last){% endif %}<|im_end|>\n{% endfor %}"
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
         )
-        with pytest.raises(ValueError, match="prefix-stabl"):
+        sequences = D.tokenize_conversation(tok, MESSAGES, 4096)
+        assert len(sequences) == 2
+        assert [masked_runs(tok, *s) for s in sequences] == [
+            ["Arr, 'tis 4, matey. (last)<|im_end|>"],
+            ["\nParis, ye landlubber!\n\n (last)<|im_end|>"],
+        ]
+        assert tok.decode(sequences[1][0]).startswith("<|im_start|>system\nYou answer like a pirate.<|im_end|>")
+        assert "What is 2+2? (last)" in tok.decode(sequences[0][0])  # turn 1's context: the user's was last
+        assert "What is 2+2?<|im_end|>" in tok.decode(sequences[1][0])
+        split = D.tokenize_split(tok, [{"id": "pirate", "messages": MESSAGES}], 4096, progress=False)
+        assert split["ids"] == ["pirate", "pirate#1"]
+    finally:
+        tok.chat_template = saved
+
+
+def test_a_template_without_a_generation_prompt_is_refused(embedded_target):
+    tok = embedded_target[1]
+    saved = tok.chat_template
+    try:
+        tok.chat_template = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        with pytest.raises(ValueError, match="generation prompt"):
             D.tokenize_conversation(tok, MESSAGES, 4096)
     finally:
         tok.chat_template = saved
@@ -287,7 +316,7 @@ def test_tokenize_split_and_token_file_round_trip(tmp_path, embedded_target):
     assert tokens["seq_starts"].dtype == torch.int64 and tokens["seq_starts"].tolist()[0] == 0
     s = tokens["seq_starts"].tolist()
     assert s[-1] == len(tokens["input_ids"]) == tokens["stats"]["tokens"]
-    ids1, mask1 = D.tokenize_conversation(tok, convs[1]["messages"], 64)
+    ((ids1, mask1),) = D.tokenize_conversation(tok, convs[1]["messages"], 64)
     assert tokens["input_ids"][s[1] : s[2]].tolist() == ids1 and tokens["loss_mask"][s[1] : s[2]].tolist() == mask1
 
     path = D.save_tokens(tmp_path / "train.safetensors", tokens)

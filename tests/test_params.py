@@ -109,3 +109,11 @@ def test_cli_params_check(tmp_path):
         text=True,
     )
     assert bad.returncode == 2 and "unknown key 'x'" in bad.stderr
+
+
+def test_a_tiny_targets_folder_resolves_against_the_params_file(tmp_path):
+    (tmp_path / "models" / "kimi").mkdir(parents=True)
+    p = load_params(write(tmp_path, "run: {name: x}\ntarget: {name: 'tiny:./models/kimi'}\n"))
+    assert p.target.name == f"tiny:{tmp_path / 'models' / 'kimi'}"
+    hub = load_params(write(tmp_path, "run: {name: x}\ntarget: {name: 'tiny:moonshotai/Kimi-K2.5'}\n"))
+    assert hub.target.name == "tiny:moonshotai/Kimi-K2.5"  # a hub id stays one

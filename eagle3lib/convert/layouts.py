@@ -73,12 +73,10 @@ def import_checkpoint(src_dir, out_dir, contract: dict | None = None) -> Path:
 
 def check_target(contract: dict, target, cache_dir=None) -> None:
     """Refuse when `target` (name, folder or hub id) is not the target the contract names."""
-    from transformers import AutoConfig
-
-    from eagle3lib.target import resolve_target
+    from eagle3lib.target import load_config, resolve_target
 
     cache_dir = cache_dir or default_cache_dir()
-    found = target_fingerprint(AutoConfig.from_pretrained(resolve_target(str(target), Path(cache_dir))))
+    found = target_fingerprint(load_config(resolve_target(str(target), Path(cache_dir))))
     want = contract.get("target_fingerprint")
     if found != want:
         raise ValueError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3lib import target
+from eagle3lib import run_folder, target
 from eagle3lib.extract import backends, shards
 from eagle3lib.prepare import conversations
 
@@ -59,7 +59,43 @@ def verify(out: Path, results: dict) -> None:
             raise shards.ShardError(f"{split}: {found} sequences read back, expected {r['total_sequences']}")
 
 
-def result(results: dict, plain_tokens_per_s, ratio, aux_ids: list[int], store_dtype: str) -> dict:
+def plan_text(p, contract: dict, tokens: int, free_bytes: int | None = None) -> str:
+    """What 01_extract will write for `tokens` tokens: bytes on disk in the store dtype (4 states of H values a
+    token), against the free space, and the time at the capture rate last measured on this target with this
+    backend (any finished run under the same output_root)."""
+    import shutil
+
+    import torch
+
+    dtype = getattr(torch, p.extract.store_dtype)
+    per = shards.bytes_per_token(contract["hidden_size"], dtype, len(contract["aux_layer_ids"]))
+    need = tokens * per
+    root = Path(p.run.output_root)
+    free = shutil.disk_usage(root if root.exists() else Path.cwd()).free if free_bytes is None else free_bytes
+    rate = run_folder.last_measured(
+        root,
+        "01_extract",
+        "tokens_per_s",
+        {"backend": p.extract.backend, "target_fingerprint": contract["target_fingerprint"]},
+    )
+    when = (
+        f"at {rate['value']:,.0f} tokens/s (measured by run {rate['run']!r}) about {tokens / rate['value'] / 60:,.1f} min"
+        if rate
+        else "no capture rate measured yet for this target and backend (the first run measures it)"
+    )
+    text = (
+        f"01_extract plan ({p.extract.backend}): {tokens:,} tokens x {per:,} bytes (4 states of "
+        f"{contract['hidden_size']} in {p.extract.store_dtype}) = {need / 1e9:,.3f} GB on disk, "
+        f"{free / 1e9:,.1f} GB free; {when}"
+    )
+    if need > free:
+        text += f"\nNOT ENOUGH DISK: {need - free:,} bytes short; free space or set run.output_root elsewhere"
+    return text
+
+
+def result(
+    results: dict, plain_tokens_per_s, ratio, aux_ids: list[int], store_dtype: str, backend=None, fingerprint=None
+) -> dict:
     """The stage's result for Stage.save: figures, the index's headline, the artifacts that must exist."""
     train = results.get("train", {})
     total = {
@@ -76,6 +112,8 @@ def result(results: dict, plain_tokens_per_s, ratio, aux_ids: list[int], store_d
         **total,
         "bytes_per_token": train.get("bytes_per_token"),
         "tokens_per_s": train.get("tokens_per_s"),
+        "backend": backend,  # with the fingerprint, what a later run's plan looks its rate up by
+        "target_fingerprint": fingerprint,
     }
     headline = {
         "tokens": total["tokens"],

@@ -2,8 +2,9 @@
 mask; the bench prompts. The target's regenerated replies: regenerate.py.
 
 A conversation is `{"id": str, "messages": [{"role": "system"|"user"|"assistant", "content": str}]}`.
-The loss mask is 1 exactly on the tokens of assistant turns: the reply and its end-of-turn
-token (e.g. SmolLM2's `<|im_end|>`), never the role header nor system/user text.
+The loss mask is 1 exactly on what the model writes in assistant turns: what follows the chat template's
+generation prompt, through the end-of-turn token (e.g. SmolLM2's `<|im_end|>`; Kimi's `</think>`, the reply and
+`<|im_end|>`), never the role header nor system/user/tool text.
 """
 
 import hashlib
@@ -66,68 +67,109 @@ def render(tokenizer, messages, add_generation_prompt=False) -> str:
     return tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=False)
 
 
-def assistant_spans(tokenizer, messages) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered conversation and the character span of each assistant turn in it.
+REASONING_FIELDS = ("reasoning_content", "reasoning", "thinking")
 
-    A turn's span is what rendering it adds after the generation prompt, cut just after the
-    last end-of-turn (eos) token inside it, so the template's trailing newline is left out.
-    """
-    text = render(tokenizer, messages)
-    eos = tokenizer.eos_token
-    spans = []
+
+def turn_pieces(tokenizer, messages) -> tuple[list[list[tuple[str, bool]]], int]:
+    """The conversation rendered turn by turn: (sequences, reasoning_dropped). A sequence is a list of
+    (text, generated) pieces; `generated` marks what the model writes in an assistant turn.
+
+    For assistant turn i the context is the template's rendering of the messages before it with the generation
+    prompt, exactly what the engine is given; the generated part is what the template writes after that prompt
+    when turn i is the last message, cut after its last end-of-turn token (eos, else trailing whitespace is
+    left out). Where a turn's context continues the sequence so far, it extends it; where the template rewrites
+    earlier turns (Kimi's strips reasoning from the history, others mark the last message), the turn starts a new
+    sequence with its own context, so that no turn is trained on a context the model never sees.
+    reasoning_dropped counts turns whose reasoning field the template does not render."""
+    sequences, pieces, so_far, dropped = [], [], None, 0
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        before = render(tokenizer, messages[:i], add_generation_prompt=True)
+        context = render(tokenizer, messages[:i], add_generation_prompt=True)
+        before = render(tokenizer, messages[:i]) if i else ""
+        prompt = context[len(before) :] if context.startswith(before) else ""
         through = render(tokenizer, messages[: i + 1])
-        if not through.startswith(before) or not text.startswith(through):
+        at = through.rfind(prompt) if prompt else -1
+        content = message.get("content")
+        written = through[at + len(prompt) :] if at >= 0 else ""
+        if at < 0 or (isinstance(content, str) and content.strip() not in written):
             raise ValueError(
-                f"Expected the chat template to render conversations prefix-stably (the rendering up to "
-                f"assistant turn {i} with the generation prompt should start the full rendering), found it "
-                f"does not: {before[-80:]!r} vs {through[len(before) - 80 : len(before) + 20]!r}. This template "
-                "rewrites earlier turns (e.g. drops reasoning); use a template that does not, or mask another way."
+                f"Expected the chat template to write assistant turn {i} after its generation prompt "
+                f"({prompt[-60:]!r}), found {'no generation prompt' if not prompt else 'it elsewhere'} in "
+                f"{through[-200:]!r}. The loss mask needs a template whose generation prompt starts each assistant turn."
             )
-        start, end = len(before), len(through)
-        if eos:
-            k = through.rfind(eos, start, end)
-            if k >= 0:
-                end = k + len(eos)
-        spans.append((start, end))
-    return text, spans
+        eos = tokenizer.eos_token
+        cut = written.rfind(eos) + len(eos) if eos and eos in written else len(written.rstrip())
+        generated, tail = written[:cut], written[cut:]
+        reasoning = next((message[k] for k in REASONING_FIELDS if message.get(k)), None)
+        dropped += bool(reasoning) and reasoning not in generated
+        if so_far is not None and context.startswith(so_far):
+            pieces.append((context[len(so_far) :], False))
+        else:
+            if pieces:
+                sequences.append(pieces)
+            pieces = [(context, False)]
+        pieces += [(generated, True), (tail, False)]
+        so_far = context + generated + tail
+    if pieces:
+        sequences.append(pieces)
+    return sequences, dropped
 
 
-def tokenize_conversation(tokenizer, messages, max_seq_len: int) -> tuple[list[int], list[int]]:
-    """(input_ids, loss_mask) of one conversation through the tokenizer's chat template."""
-    if not getattr(tokenizer, "is_fast", False):
-        raise ValueError(
-            f"Expected a fast tokenizer (offset mappings are needed for the loss mask), "
-            f"found {type(tokenizer).__name__}. Load it with use_fast=True."
-        )
-    text, spans = assistant_spans(tokenizer, messages)
-    enc = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids, mask, span_i = enc["input_ids"], [], 0
-    for s, e in enc["offset_mapping"]:
-        while span_i < len(spans) and spans[span_i][1] <= s:
-            span_i += 1
-        inside = span_i < len(spans) and e > s and s < spans[span_i][1] and e > spans[span_i][0]
-        mask.append(int(inside))
-    return list(ids[:max_seq_len]), mask[:max_seq_len]
+def end_of_turn_ids(tokenizer) -> set[int]:
+    """The id the chat template ends an assistant turn with (SmolLM2's and Kimi's `<|im_end|>`, Llama 3's
+    `<|eot_id|>`), where that is one token; a model stops there even when its config's eos is another id
+    (Kimi-K2.5's config says [EOS])."""
+    reply = "Hello"
+    probe = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": reply}]
+    written = next(text for text, generated in turn_pieces(tokenizer, probe)[0][0] if generated)
+    after = written[written.rfind(reply) + len(reply) :].strip()
+    ids = _ids(tokenizer, after) if after else []
+    return set(ids) if len(ids) == 1 else set()
+
+
+def tokenize_conversation(tokenizer, messages, max_seq_len: int) -> list[tuple[list[int], list[int]]]:
+    """[(input_ids, loss_mask)] of one conversation, one pair per sequence of turn_pieces, each piece tokenized
+    on its own (as the engine tokenizes the prompt and then appends what the model writes), so no tokenizer
+    offsets are needed; each sequence cut to max_seq_len."""
+    return _tokenize(tokenizer, messages, max_seq_len)[0]
+
+
+def _tokenize(tokenizer, messages, max_seq_len: int) -> tuple[list, int]:
+    out = []
+    sequences, dropped = turn_pieces(tokenizer, messages)
+    for pieces in sequences:
+        ids, mask = [], []
+        for text, generated in pieces:
+            piece = _ids(tokenizer, text) if text else []
+            ids += piece
+            mask += [int(generated)] * len(piece)
+        out.append((ids[:max_seq_len], mask[:max_seq_len]))
+    return out, dropped
+
+
+def _ids(tokenizer, text: str) -> list[int]:
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return [int(i) for i in ids]
 
 
 def tokenize_split(tokenizer, conversations, max_seq_len: int, progress: bool = True) -> dict:
     """Tokenize conversations into flat arrays: input_ids int32 [N], loss_mask uint8 [N],
-    seq_starts int64 [S+1], ids (list of str), plus counts. Sequences left with no loss
-    tokens after truncation are skipped and counted."""
-    all_ids, all_mask, starts, kept_ids, no_loss = [], [], [0], [], 0
+    seq_starts int64 [S+1], ids (list of str; a conversation's second and later sequences, where the template
+    rewrites its history, as "id#k"), plus counts. Sequences left with no loss tokens after truncation are
+    skipped and counted."""
+    all_ids, all_mask, starts, kept_ids, no_loss, dropped = [], [], [0], [], 0, 0
     for conv in tqdm(conversations, desc="tokenize", disable=not progress):
-        ids, mask = tokenize_conversation(tokenizer, conv["messages"], max_seq_len)
-        if not any(mask):
-            no_loss += 1
-            continue
-        all_ids.extend(ids)
-        all_mask.extend(mask)
-        starts.append(len(all_ids))
-        kept_ids.append(conv["id"])
+        sequences, n = _tokenize(tokenizer, conv["messages"], max_seq_len)
+        dropped += n
+        for k, (ids, mask) in enumerate(sequences):
+            if not any(mask):
+                no_loss += 1
+                continue
+            all_ids.extend(ids)
+            all_mask.extend(mask)
+            starts.append(len(all_ids))
+            kept_ids.append(conv["id"] if k == 0 else f"{conv['id']}#{k}")
     loss_mask = torch.tensor(all_mask, dtype=torch.uint8)
     return {
         "input_ids": torch.tensor(all_ids, dtype=torch.int32),
@@ -139,6 +181,7 @@ def tokenize_split(tokenizer, conversations, max_seq_len: int, progress: bool = 
             "tokens": len(all_ids),
             "loss_tokens": int(loss_mask.sum()),
             "skipped_no_loss_tokens": no_loss,
+            "reasoning_dropped_turns": dropped,  # turns whose reasoning the chat template does not render
             "max_seq_len": max_seq_len,
         },
     }

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from tqdm.auto import tqdm
 
+from eagle3lib.prepare import conversations
 from eagle3lib.prepare.conversations import render
 
 
@@ -96,9 +97,11 @@ def engine_reply(server, tokenizer, max_new_tokens: int, eos_ids: set, tokenizer
 
 
 def eos_token_ids(model, tokenizer) -> set:
-    """The ids that end a reply: the generation config's eos ids and the tokenizer's."""
+    """The ids that end a reply: the generation config's eos ids, the tokenizer's and the chat template's end of
+    an assistant turn."""
     eos = model.generation_config.eos_token_id
     ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else []) | {tokenizer.eos_token_id}
+    ids |= conversations.end_of_turn_ids(tokenizer)
     ids.discard(None)
     return ids
 

@@ -29,6 +29,30 @@ def load_target(p):
     return target.load_target_info(p.target.name, cache_dir(p), trust_remote_code=p.target.trust_remote_code)
 
 
+def regenerate_plan_text(p, fingerprint: str) -> str:
+    """What regeneration will cost: the token budget at the rate last measured on this target with this backend
+    (any finished run under the same output_root)."""
+    from eagle3lib import run_folder
+
+    rg = p.data.regenerate
+    if rg.budget_tokens <= 0:
+        return "regeneration: none (data.regenerate.budget_tokens is 0): the data's own replies are trained on"
+    backend = f"engine:{p.engine.name}" if rg.backend == "engine" else rg.backend
+    rate = run_folder.last_measured(
+        p.run.output_root,
+        "00_prepare",
+        "regenerate.tokens_per_s",
+        {"regenerate.backend": backend, "target.fingerprint": fingerprint},
+    )
+    when = (
+        f"about {rg.budget_tokens / rate['value'] / 60:,.1f} min at {rate['value']:,.1f} tokens/s (measured by run "
+        f"{rate['run']!r})"
+        if rate
+        else "no rate measured yet for this target and backend (this run measures it)"
+    )
+    return f"regeneration plan ({backend}): up to {rg.budget_tokens:,} tokens, {when}"
+
+
 def split_sizes(splits: dict) -> dict:
     return {name: len(convs) for name, convs in splits.items()}
 

@@ -388,9 +388,7 @@ def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
         conversations.load_tokens(prep_dir / "val.safetensors"),
     )
     target_path = target.resolve_target(p.target.name, cache_dir(p))
-    from transformers import AutoConfig
-
-    tcfg = AutoConfig.from_pretrained(target_path, trust_remote_code=p.target.trust_remote_code)
+    tcfg = target.load_config(target_path, p.target.trust_remote_code)
     tensors = target.load_head_tensors(target_path)
     train_params = p.train
     vocab_size = tensors["embed"].shape[0]
