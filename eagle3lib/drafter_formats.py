@@ -107,7 +107,7 @@ def _aux_ids_from_config(config: dict, architecture: str | None = None, num_laye
     ids (EAGLE/SpecForge checkpoints, our SGLang export) mean what SGLang 0.5.17 captures for them on the
     target's class (`architecture`): +1 on Llama-like targets, as they are on DeepSeek-V3 and Kimi-K2.5
     unless the first is 1."""
-    from eagle3lib.engines.sglang import sglang_captured_ids
+    from eagle3lib.aux_ids import sglang_captured_ids
 
     eagle = config.get("eagle_config") or {}
     ids = eagle.get("eagle_aux_hidden_state_layer_ids")

@@ -17,7 +17,7 @@ import tempfile
 from pathlib import Path
 
 PREFIX = "tiny:"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # bump when the shrinking changes: cached copies are rebuilt
 # field -> its size in the copy (never larger than the source's)
 SHRUNK = {
     "num_hidden_layers": 8,  # [2, L//2, L-3] = [2, 4, 5]: three distinct aux layers
@@ -31,11 +31,11 @@ SHRUNK = {
     "num_attention_heads": 4,
     "num_key_value_heads": 4,
     "q_lora_rank": 64,
-    "kv_lora_rank": 32,
     "qk_nope_head_dim": 32,
-    "qk_rope_head_dim": 16,
     "v_head_dim": 32,
 }
+# kept at the source's size: MLA's latent cache (kv_lora_rank + qk_rope_head_dim = 576 for DeepSeek-V3 and
+# Kimi-K2.5) is the only size vLLM's CPU MLA kernel is built for
 DROPPED = ("quantization_config", "auto_map", "head_dim", "_name_or_path", "transformers_version", "dtype",
            "torch_dtype", "architectures", "model_type")  # fmt: skip
 TOKENIZER_FILES = ("tiktoken.model", "tokenizer.json", "tokenizer.model", "tokenizer_config.json",

@@ -188,7 +188,8 @@ def test_a_tiny_kimi_target_goes_through_prepare_extract_train_and_convert(kimi_
     config = json.loads((Path(tiny) / "config.json").read_text())
     assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["vocab_size"] == 163840
     assert config["kv_lora_rank"] == 32 and config["n_routed_experts"] == 8
-    assert config["rope_scaling"]["type"] == "yarn" or config.get("rope_parameters", {}).get("rope_type") == "yarn"
+    rope = config.get("rope_parameters") or config["rope_scaling"]  # Kimi-K2.5's YaRN, factor 64
+    assert (rope.get("rope_type") or rope["type"]) == "yarn" and rope["factor"] == 64.0
     prepared = result(run_dir, "00_prepare")["figures"]
     assert prepared["target"]["aux_layer_ids"] == [2, 4, 5] and prepared["tokens"]["train"]["loss_tokens"] > 0
     assert prepared["regenerate"]["tokens_generated"] > 0
@@ -196,8 +197,12 @@ def test_a_tiny_kimi_target_goes_through_prepare_extract_train_and_convert(kimi_
     train = conversations.load_tokens(run_dir / "00_prepare" / "train.safetensors")
     ids, mask = train["input_ids"].tolist(), train["loss_mask"].tolist()
     assert IM_ASSISTANT in ids and all(not m for i, m in zip(ids, mask) if i in (IM_USER, IM_ASSISTANT, IM_MIDDLE))
-    trained_text = tok.decode([i for i, m in zip(ids, mask) if m])
-    assert trained_text.count("</think>") == trained_text.count("<|im_end|>") > 0  # each reply through its end
+    starts = train["seq_starts"].tolist()
+    for a, b in zip(starts, starts[1:]):  # each reply from </think> through <|im_end|>, the last maybe cut short
+        replies = runs(tok, ids[a:b], mask[a:b])
+        assert replies and all(r.startswith("</think>") for r in replies)
+        assert all(r.endswith("<|im_end|>") for r in replies[:-1])
+        assert replies[-1].endswith("<|im_end|>") or b - a == 256
     shard_set = shards.ShardSet(run_dir / "01_extract" / "train")
     assert shard_set.contract["aux_layer_ids"] == [2, 4, 5] and shard_set.contract["hidden_size"] == 256
     assert shard_set.contract["vocab_size"] == 163840 and shard_set.verify_all() > 0
@@ -321,3 +326,44 @@ def test_sglang_resolves_the_kimi_launch_against_the_real_config(kimi_folder, ki
     assert report["resolved"]["tp_size"] == 8 and report["resolved"]["trust_remote_code"] is True
     assert report["resolved"]["speculative_num_steps"] == 5
     assert report["captured_hf_layers"] == [2, 30, 58]
+
+
+@pytest.mark.slow
+def test_vllm_extracts_the_tiny_kimi_target_as_hf_does(kimi_folder, tmp_path):
+    """vLLM's CPU build runs the DeepSeek-V3 shape (MLA, MoE, YaRN) of the tiny Kimi copy: the vllm backend's
+    shards (Kimi's tokenizer through its template, token ids in, no tokenizer in vLLM) equal the hf backend's."""
+    import torch
+    from conftest import FAST_START, need_engine
+
+    from eagle3lib.extract import compare, hf, shards
+    from eagle3lib.extract.vllm import VLLMCapture
+    from eagle3lib.prepare import sources
+
+    py = need_engine("vllm")
+    tiny = target.resolve_target(f"tiny:{kimi_folder}", tmp_path / "cache")
+    model, tok = target.load_target(tiny, tmp_path / "cache")
+    convs, _ = sources.load_conversations(sources.EMBEDDED_DATA, limit=4)
+    tokens = D.tokenize_split(tok, convs, 160, progress=False)
+    aux = target.default_aux_layer_ids(target.num_layers(model.config))
+    contract = target.make_contract(f"tiny:{kimi_folder}", model, tok, aux, "float32")
+    kw = dict(batch_tokens=1024, shard_max_tokens=400, store_dtype=torch.float32, progress=False)
+    ref = hf.extract(model, tokens, aux, str(tmp_path / "hf"), contract, **kw)
+    capture = VLLMCapture(
+        tiny,
+        aux,
+        dtype="float32",
+        python=str(py),
+        extra_args=[*FAST_START, "--skip-tokenizer-init", "--max-model-len", "1024"],
+        log_dir=tmp_path / "logs",
+        prefill_benchmark_batches=1,
+        batch_tokens=1024,
+    )
+    with capture:
+        got = shards.extract_with(capture, tokens, aux, str(tmp_path / "vllm"), contract, **kw)
+    assert got["complete"] and got["shards"] == ref["shards"] and got["tokens"] == tokens["input_ids"].numel()
+    agree = compare.compare_shard_sets(
+        tmp_path / "vllm", tmp_path / "hf", lm_head=model.lm_head.weight.detach(), rel_tol=1e-4
+    )
+    print(json.dumps(agree))
+    assert set(agree["layers"]) == {"aux_2", "aux_4", "aux_5", "final"}
+    assert agree["ok"] and agree["argmax_agree"] == 1.0, agree

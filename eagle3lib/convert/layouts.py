@@ -142,9 +142,21 @@ def export(checkpoint_dir, engine: str, out_dir, target=None, cache_dir=None, de
                         "accept_tolerance": 0.0,
                     }
                 ],
-                "verifier": {"name_or_path": str(contract.get("target")), "architectures": ["LlamaForCausalLM"]},
+                "verifier": {
+                    "name_or_path": str(contract.get("target")),
+                    "architectures": [contract.get("target_architecture") or "LlamaForCausalLM"],
+                },
             },
             "torch_dtype": config.get("torch_dtype") or config.get("dtype") or "float32",
         }
         out = dict(tensors)
+    if engine != "sglang" and _full_vocabulary(config, tensors):
+        # vLLM's Eagle3 model has no draft_id_to_target_id for a full-vocabulary draft and refuses one
+        out = {n: t for n, t in out.items() if n not in ("d2t", "t2d")}
     return _write_folder(out_dir, cfg, out, contract)
+
+
+def _full_vocabulary(config: dict, tensors: dict) -> bool:
+    """A draft over the target's whole vocabulary whose d2t is the identity (TorchSpec's Kimi-K2.5 drafter)."""
+    d2t = tensors.get("d2t")
+    return config.get("draft_vocab_size") == config.get("vocab_size") and (d2t is None or not bool(d2t.any()))

@@ -22,46 +22,12 @@ from __future__ import annotations
 import json
 import time
 
+from eagle3lib.aux_ids import SGLANG_FIRST_ID_RULE, sglang_captured_ids, sglang_config_ids  # noqa: F401
 from eagle3lib.engines.interpreter import run_inside
 from eagle3lib.engines.server import EngineError, Server, http_json
 
 SGLANG_VERSION = "0.5.17"  # the release whose code (loader, capture rule, ServerArgs) this project follows
 SGLANG_CONVENTION = "sglang_layer_output"  # SGLang id j = output of layer j = HF hidden_states[j+1]
-# Targets whose SGLang 0.5.17 set_eagle3_layers_to_capture adds 1 to the config ids only when the first
-# id is 1 and takes any other ids as HF indices (Llama-like targets always add 1).
-SGLANG_FIRST_ID_RULE = {
-    "DeepseekV2ForCausalLM",
-    "DeepseekV3ForCausalLM",
-    "DeepseekV32ForCausalLM",
-    "KimiK25ForConditionalGeneration",
-    "Glm4MoeLiteForCausalLM",
-}
-
-
-def sglang_config_ids(ours, architecture: str | None) -> list[int]:
-    """The draft-config ids that make SGLang 0.5.17 capture our (HF hidden_states) ids on this target."""
-    ours = [int(i) for i in ours]
-    if architecture in SGLANG_FIRST_ID_RULE:
-        if ours[0] == 2:
-            return [i - 1 for i in ours]  # j[0] == 1: SGLang adds 1
-        if ours[0] >= 3:
-            return list(ours)  # j[0] != 1: SGLang takes them as they are
-        raise ValueError(
-            f"aux_layer_ids {ours}: SGLang 0.5.17 cannot capture HF index 1 on {architecture} (its "
-            f"set_eagle3_layers_to_capture maps a first id 1 to 2 and keeps any other as is); "
-            f"start the ids at 2 or more"
-        )
-    return [i - 1 for i in ours]
-
-
-def sglang_captured_ids(config_ids, architecture: str | None, num_layers: int) -> list[int]:
-    """The HF hidden_states indices SGLang 0.5.17 captures for these draft-config ids (None: its default)."""
-    if config_ids is None:
-        return [2, num_layers // 2, num_layers - 3]
-    ids = [int(j) for j in config_ids]
-    if architecture in SGLANG_FIRST_ID_RULE and not (ids and ids[0] == 1):
-        return ids
-    return [j + 1 for j in ids]
 
 
 def sglang_launch_args(draft_dir, depth: int) -> list[str]:

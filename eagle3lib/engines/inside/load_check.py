@@ -46,8 +46,9 @@ def _expected_vllm_params(ours):
         p + "mlp.down_proj.weight": [m + "down_proj.weight"],
         "model.norm.weight": ["norm.weight"],
         "lm_head.weight": ["lm_head.weight"],
-        "draft_id_to_target_id": ["d2t"],
     }
+    if "d2t" in ours:  # a full-vocabulary draft has no map, and vLLM no parameter for one
+        want["draft_id_to_target_id"] = ["d2t"]
     for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
         want[p + n + ".weight"] = [f"layers.0.{n}.weight"]
     return want
@@ -241,6 +242,7 @@ SGLANG_FIELDS = (
     "speculative_num_steps",
     "speculative_eagle_topk",
     "speculative_num_draft_tokens",
+    "trust_remote_code",
     "dtype",
     "tp_size",
     "device",
