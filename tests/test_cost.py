@@ -147,7 +147,11 @@ def test_the_limits_text_reads_a_recorded_sweep():
     assert fastest["engine_decode_steps"] == pytest.approx(2.0 / 22.0)
     text = steps.limits_text([fastest])
     assert f"depth {fastest['depth']}" in text and "Limited by acceptance" in text
-    assert steps.speedup_limits({"rows": rows, "cost_model": None}) == []
+    # a sweep without the cost model: the step from the baseline's rows, not split
+    rows[0] |= {"tokens_per_s": 1000 / 22.0, "prefill_s": 0.0, "decode_s": 1.0}
+    (unsplit,) = steps.speedup_limits({"rows": rows, "cost_model": None})
+    assert unsplit["step_decode_steps"] == pytest.approx(fastest["step_decode_steps"])
+    assert unsplit["verify_decode_steps"] is None and "not split" in steps.limits_text([unsplit])
 
 
 class SyntheticEngine:

@@ -156,19 +156,21 @@ def accept_len_for(costs: Costs, concurrency: int, spec_step_ms: float, target_s
 
 def limits(costs: Costs, row: dict, target_speedup: float = 1.5) -> dict:
     """What bounds one measured speculative row ({depth, concurrency, speedup, accept_len}): its step in decode
-    steps, split into the verify forward, the drafter's steps and what the engine adds beyond the model; the
+    steps, split into the verify forward, the drafter's steps and what the engine adds beyond the model (None
+    without in-process timings); the
     speedup the same step would give if every draft were accepted (accept_len = depth + 1); the acceptance
     length `target_speedup` needs at this step time (None where prefill alone keeps it out of reach); and the cap
     that prefill alone sets (None without prefill). The limiting factor is
     acceptance when all drafts accepted would reach the target at this step cost, else the step's cost."""
     d, c = row["depth"], row["concurrency"]
     decode = costs.decode_ms[c]
-    bare = Costs(costs.decode_ms, costs.forward_ms, costs.draft_ms)
     measured = measured_step_ms(costs, row)
-    (g0, g1) = line(costs.draft_ms)
-    (f0, f1) = line(costs.forward_ms)
-    drafts = decode * d * (g0 + g1 * c) / (f0 + f1 * c)
-    verify = step_ms(bare, d, c) - drafts
+    verify = drafts = None  # without in-process timings (no cost model) the step is not split
+    if costs.forward_ms and costs.draft_ms:
+        bare = Costs(costs.decode_ms, costs.forward_ms, costs.draft_ms)
+        (g0, g1), (f0, f1) = line(costs.draft_ms), line(costs.forward_ms)
+        drafts = decode * d * (g0 + g1 * c) / (f0 + f1 * c)
+        verify = step_ms(bare, d, c) - drafts
     share = costs.prefill_share.get(c, 0.0)
     ceiling = speedup(costs, c, d + 1, measured)
     needed = accept_len_for(costs, c, measured, target_speedup)
@@ -178,9 +180,9 @@ def limits(costs: Costs, row: dict, target_speedup: float = 1.5) -> dict:
         "speedup": row["speedup"],
         "accept_len": row["accept_len"],
         "step_decode_steps": measured / decode,
-        "verify_decode_steps": verify / decode,
-        "drafts_decode_steps": drafts / decode,
-        "engine_decode_steps": (measured - verify - drafts) / decode,
+        "verify_decode_steps": None if verify is None else verify / decode,
+        "drafts_decode_steps": None if drafts is None else drafts / decode,
+        "engine_decode_steps": None if verify is None else (measured - verify - drafts) / decode,
         "prefill_share": share,
         "prefill_cap": 1 / share if share > 0 else None,  # None: no cap
         "all_accepted_speedup": ceiling,

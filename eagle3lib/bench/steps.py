@@ -109,18 +109,20 @@ def recommendation_text(recommendation: dict) -> str:
 
 def speedup_limits(swept: dict, target_speedup: float = 1.5) -> list[dict]:
     """bench.cost.limits of the fastest speculative row at each concurrency, measured on every prompt where
-    there is one; [] without the cost model or speculative rows."""
+    there is one; the step split only where the cost model timed the target and drafter in process."""
     model = swept.get("cost_model")
-    if not model:
-        return []
-    costs = cost.Costs(**{k: _int_keys(v) if isinstance(v, dict) and k != "calibrated_on" else v
-                          for k, v in model["costs"].items()})  # fmt: skip
+    if model:
+        costs = cost.Costs(**{k: _int_keys(v) if isinstance(v, dict) and k != "calibrated_on" else v
+                              for k, v in model["costs"].items()})  # fmt: skip
+    else:
+        decode, share = cost.decode_costs([r for r in swept["rows"] if r["depth"] == 0])
+        costs = cost.Costs(decode, {}, {}, share)
     full = max((r.get("prompts", 0) for r in swept["rows"]), default=0)
     out = []
     for c in sorted({r["concurrency"] for r in swept["rows"]}):
         spec = [r for r in swept["rows"] if r["depth"] and r["concurrency"] == c and r.get("accept_len")]
         spec = [r for r in spec if r.get("prompts", 0) == full] or spec
-        if spec:
+        if spec and c in costs.decode_ms:
             out.append(cost.limits(costs, max(spec, key=lambda r: r["speedup"]), target_speedup))
     return out
 
@@ -132,9 +134,14 @@ def limits_text(limits: list[dict]) -> str:
         needed = x["accept_len_needed"]
         lines.append(
             f"concurrency {x['concurrency']}, depth {x['depth']}: {x['speedup']:.2f}x at acceptance length "
-            f"{x['accept_len']:.2f}. A speculative step costs {x['step_decode_steps']:.2f} decode steps (verify "
-            f"{x['verify_decode_steps']:.2f} + drafts {x['drafts_decode_steps']:.2f} + engine "
-            f"{x['engine_decode_steps']:+.2f}); prefill is {x['prefill_share']:.0%} of the baseline's time.\n"
+            f"{x['accept_len']:.2f}. A speculative step costs {x['step_decode_steps']:.2f} decode steps "
+            + (
+                f"(verify {x['verify_decode_steps']:.2f} + drafts {x['drafts_decode_steps']:.2f} + engine "
+                f"{x['engine_decode_steps']:+.2f})"
+                if x["verify_decode_steps"] is not None
+                else "(not split: no cost model in this sweep)"
+            )
+            + f"; prefill is {x['prefill_share']:.0%} of the baseline's time.\n"
             f"  With every draft accepted (acceptance length {x['depth'] + 1}) this step would give "
             f"{x['all_accepted_speedup']:.2f}x; {x['target_speedup']}x needs acceptance length "
             + ("out of reach (prefill)" if needed is None else f"{needed:.2f}")
