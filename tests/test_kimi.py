@@ -187,7 +187,8 @@ def test_a_tiny_kimi_target_goes_through_prepare_extract_train_and_convert(kimi_
     run_dir, tiny = kimi_tiny_run
     config = json.loads((Path(tiny) / "config.json").read_text())
     assert config["architectures"] == ["DeepseekV3ForCausalLM"] and config["vocab_size"] == 163840
-    assert config["kv_lora_rank"] == 32 and config["n_routed_experts"] == 8
+    assert config["n_routed_experts"] == 8 and config["hidden_size"] == 256
+    assert (config["kv_lora_rank"], config["qk_rope_head_dim"]) == (512, 64)  # Kimi's latent, as vLLM's CPU MLA needs
     rope = config.get("rope_parameters") or config["rope_scaling"]  # Kimi-K2.5's YaRN, factor 64
     assert (rope.get("rope_type") or rope["type"]) == "yarn" and rope["factor"] == 64.0
     prepared = result(run_dir, "00_prepare")["figures"]
