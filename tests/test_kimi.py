@@ -5,6 +5,7 @@ import json
 from pathlib import Path
 
 import pytest
+from test_data import masked_runs as runs  # the decoded text of each run of masked tokens
 
 from eagle3lib import target
 from eagle3lib.prepare import conversations as D
@@ -25,17 +26,6 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def tok(kimi_folder):
     return target.load_tokenizer(kimi_folder)
-
-
-def runs(tok, ids, mask):
-    """The decoded text of each run of masked tokens."""
-    out, cur = [], []
-    for i, m in zip(ids, mask):
-        if m:
-            cur.append(i)
-        elif cur:
-            out, cur = out + [tok.decode(cur)], []
-    return out + ([tok.decode(cur)] if cur else [])
 
 
 def test_the_tokenizer_reproduces_the_golden_ids(tok):
