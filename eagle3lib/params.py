@@ -213,6 +213,10 @@ class EngineParams(Section):
     env: dict[str, str] = {}
 
 
+# bench.prompts' named sets (bench/prompt_sets.py reads them; a test keeps the two in step)
+PROMPT_SET_NAMES = ("held_out", "mt_bench", "humaneval")
+
+
 class BenchParams(Section):
     depths: list[int] = Field([16, 10, 5], description="depths always measured (the user's questions)")
     pick_depth: bool = Field(
@@ -228,8 +232,32 @@ class BenchParams(Section):
     )
     quick_prompts: int = Field(8, gt=0, description="prompts for a depth predicted to lose by a wide margin")
     concurrency: list[int] = [1, 8]
-    num_prompts: int = Field(16, gt=0)
+    prompts: list[str] = Field(
+        ["held_out"],
+        description="the prompt sets, each labelled by its name: held_out (the prepare stage's bench split), "
+        "mt_bench and humaneval (shipped in PyPI packages), or a JSONL file in EAGLE's question format (a path, "
+        "relative to the params file's folder), e.g. ../shared/benchsets/gsm8k/question.jsonl (bench/prompt_sets.py)",
+    )
+    num_prompts: int = Field(16, gt=0, description="questions per set (an MT-Bench question is two requests)")
+    context_lengths: list[int] = Field(
+        [],
+        description="long-context prompts of up to these many tokens, made of held-out conversations, for AL "
+        "against context length; measured at the lowest concurrency (empty: none)",
+    )
+    context_prompts: int = Field(2, gt=0, description="prompts per context length")
     max_tokens: int = Field(128, gt=0)
+    temperature: float = Field(
+        0.0, ge=0, description="0: greedy, exact losslessness; > 0: sampled, lossless checked in distribution"
+    )
+    top_p: float = Field(1.0, gt=0, le=1)
+    samples: int = Field(
+        64, ge=0, description="with temperature > 0: samples per prompt for the distribution check (0: no check)"
+    )
+    sample_prompts: int = Field(2, gt=0, description="prompts of the distribution check")
+    sample_tokens: int = Field(24, gt=0, description="tokens per sample of the distribution check")
+    sample_alpha: float = Field(
+        0.01, gt=0, lt=1, description="the distribution check fails below this p-value (bench/sampling.py)"
+    )
     replay_prompts: int = Field(
         4,
         ge=1,
@@ -242,6 +270,26 @@ class BenchParams(Section):
         "the machine's fast dtype. float32 "
         "checks losslessness token for token (bf16 kernels round differently per batch shape)",
     )
+
+    @field_validator("prompts")
+    @classmethod
+    def _prompt_sets(cls, v):
+        if not v:
+            raise ValueError("expected at least one prompt set")
+        for entry in v:
+            if entry not in PROMPT_SET_NAMES and not entry.endswith((".jsonl", ".jsonl.gz", ".json")):
+                raise ValueError(
+                    f"unknown prompt set {entry!r}: expected one of {list(PROMPT_SET_NAMES)} or a path to a JSONL "
+                    f"file in EAGLE's question format"
+                )
+        return v
+
+    @field_validator("context_lengths")
+    @classmethod
+    def _lengths(cls, v):
+        if any(x <= 0 for x in v):
+            raise ValueError(f"expected positive token counts, got {v}")
+        return v
 
     @field_validator("depths", "concurrency")
     @classmethod

@@ -8,13 +8,14 @@ import os
 import torch
 
 from eagle3lib import engines
-from eagle3lib.bench import cost
+from eagle3lib.bench import cost, per_set, prompt_sets, sampling
 
 ARTIFACTS = [
     "speedup_vs_depth.png",
     "throughput_vs_depth.png",
     "acceptance_vs_depth.png",
     "per_position.png",
+    "acceptance_vs_context.png",
     "provenance.json",
 ]
 SWEEP_FIGURES = (
@@ -45,7 +46,8 @@ def cost_probe(p, target_name_or_dir: str, cache_dir, drafter_dir, prompts: list
             trust_remote_code=p.target.trust_remote_code,
         )
         drafter = checkpoint.load_drafter(drafter_dir, device=p.target.device).to(target.torch_dtype(dtype)).eval()
-        context = sum(len(x["prompt_ids"]) for x in prompts) // len(prompts) + p.bench.max_tokens // 2
+        typical = [x for x in prompts if x["set"] != "context" and x["prompt_ids"]]
+        context = sum(len(x["prompt_ids"]) for x in typical) // len(typical) + p.bench.max_tokens // 2
         chain = [k for k in (1, 2, 3, 4, 6, 9, 17) if k <= p.bench.max_depth + 1] + [p.bench.max_depth + 1]
         tokens = sorted({c * k for c in p.bench.concurrency for k in chain} | {1})
         threads = torch.get_num_threads()
@@ -61,6 +63,92 @@ def cost_probe(p, target_name_or_dir: str, cache_dir, drafter_dir, prompts: list
     return measure
 
 
+def bench_prompts(p, tokenizer, held_out: list[dict]) -> list[dict]:
+    """bench.prompts' sets (every entry checked before anything runs) and bench.context_lengths' long prompts,
+    rendered through the target's chat template. Long prompts that would not fit the target's context with
+    bench.max_tokens to generate are refused here, not by the engine mid-sweep."""
+    from pathlib import Path
+
+    base_dir = Path(p.file).parent if p.file else None
+    prompt_sets.check_entries(p.bench.prompts, base_dir)
+    render = prompt_sets.renderer(tokenizer)
+    prompts = prompt_sets.build_prompts(render, p.bench.prompts, p.bench.num_prompts, held_out, base_dir)
+    prompts += prompt_sets.context_prompts(render, held_out, p.bench.context_lengths, p.bench.context_prompts)
+    return prompts
+
+
+def check_context(prompts: list[dict], target_config, max_tokens: int) -> None:
+    """Every prompt plus bench.max_tokens within the target's context (its max_position_embeddings)."""
+    from eagle3lib import target
+
+    max_model_len = getattr(target.text_config(target_config), "max_position_embeddings", None)
+    if not max_model_len:
+        return
+    over = [x for x in prompts if x["prompt_ids"] and len(x["prompt_ids"]) + max_tokens > max_model_len]
+    if over:
+        raise ValueError(
+            f"{len(over)} prompt(s) do not fit the target's context of {max_model_len} tokens with bench.max_tokens "
+            f"{max_tokens} to generate, e.g. {over[0]['id']} ({len(over[0]['prompt_ids'])} tokens); lower "
+            f"bench.context_lengths"
+        )
+
+
+def prompts_text(prompts: list[dict]) -> str:
+    """Per set: how many prompts (turns), their categories and their lengths in tokens."""
+    lines = []
+    for name in dict.fromkeys(x["set"] for x in prompts):
+        group = [x for x in prompts if x["set"] == name]
+        known = [len(x["prompt_ids"]) for x in group if x["prompt_ids"]]
+        later = sum(1 for x in group if x.get("turn", 1) > 1)
+        cats = sorted({x["category"] for x in group if x["category"]})
+        lines.append(
+            f"{name}: {len(group)} prompts"
+            + (f" ({later} later turns, built from the baseline's answers)" if later else "")
+            + (f", {min(known)}-{max(known)} tokens" if known else "")
+            + (f"; categories: {', '.join(cats)}" if cats else "")
+        )
+    return "\n".join(lines)
+
+
+def baseline_sequences(swept: dict, prompts: list[dict]) -> list[dict]:
+    """[{id, set, prompt_ids, token_ids}]: each prompt with the baseline's (the target's own) reply at the lowest
+    concurrency, the text the per-set prediction evaluates the drafter on."""
+    by_id = {x["id"]: x for x in prompts}
+    return [
+        {"id": o["id"], "set": by_id[o["id"]]["set"], "prompt_ids": by_id[o["id"]]["prompt_ids"],
+         "token_ids": o["token_ids"]}
+        for o in swept["baseline_outputs"][min(swept["baseline_outputs"], key=int)]
+        if o["id"] in by_id and o["token_ids"]
+    ]  # fmt: skip
+
+
+def sets_figures(swept: dict, predicted: dict | None) -> dict:
+    """The per set tables at every concurrency, per category and per context length, and the per set
+    prediction against the measurement."""
+    rows = swept["rows"]
+    tables = [per_set.set_table(rows, c, predicted) for c in sorted({r["concurrency"] for r in rows})]
+    return {
+        "tables": tables,
+        "categories": per_set.category_table(rows),
+        "context": per_set.context_table(rows),
+        "predicted_against_measured": [x for t in tables for x in per_set.predicted_against_measured(t)
+                                       if t["concurrency"] == tables[0]["concurrency"]],
+        "predicted": predicted,
+    }  # fmt: skip
+
+
+def sampling_text(swept: dict) -> str:
+    """With temperature > 0: the distribution check of every depth; greedy: what losslessness means here."""
+    if not swept.get("sampling"):
+        return "greedy decoding: losslessness is checked token for token (above)"
+    s = swept["sampling"]
+    lines = [f"temperature {s['temperature']}, top-p {s['top_p']}: outputs are sampled, so losslessness is a test "
+             "of the token distributions of speculative against plain decoding"]  # fmt: skip
+    for check in s["distribution_checks"]:
+        lines.append(f"depth {check['depth']}: " + sampling.sampling_text(check))
+    return "\n".join(lines)
+
+
 def replay_depths(swept: dict, bench_params) -> list[int]:
     """The depths to replay: the user's (bench.depths), the cost model's picks and the fastest measured depth
     (the headline's)."""
@@ -74,6 +162,17 @@ def lossless_headline(swept: dict) -> str:
     share on which the baseline agrees with itself across concurrency when the engine ran in bf16: there a
     batch's kernels round differently, so the baseline is the bar, not 100%."""
     rows = [r for r in swept["rows"] if r["depth"]]
+    if swept.get("sampling"):
+        checks = swept["sampling"]["distribution_checks"]
+        worst = min(checks, key=lambda c: c["p_value"], default=None)
+        return (
+            "sampled: no distribution check ran"
+            if worst is None
+            else (
+                f"sampled, distribution check {'passed' if all(c['passed'] for c in checks) else 'FAILED'} "
+                f"(lowest p = {worst['p_value']:.3g}, depth {worst['depth']})"
+            )
+        )
     worst = min((r["lossless_frac"] for r in rows), default=1.0)
     agree = swept.get("baseline_agreement_across_concurrency")
     if swept.get("dtype") == "float32" or agree is None or agree == 1.0 or worst == 1.0:
@@ -165,7 +264,9 @@ def _round(x, digits):
     return x and round(x, digits)  # None (and 0) as they are
 
 
-def result(swept: dict, recommendation: dict, replayed: dict, prompts: int, max_tokens: int) -> dict:
+def result(
+    swept: dict, recommendation: dict, replayed: dict, prompts: int, max_tokens: int, sets: dict | None = None
+) -> dict:
     """For Stage.save: the sweep's rows, recommendation, losslessness and the replay's summary as figures;
     the best speedup, its acceptance length (engine and replay) and the worst losslessness as the headline."""
     rows = swept["rows"]
@@ -180,6 +281,9 @@ def result(swept: dict, recommendation: dict, replayed: dict, prompts: int, max_
         "replay": {"target_dtype": replayed["target_dtype"], "summary": replayed["summary"]},
         "cost_model": swept.get("cost_model"),
         "limits": speedup_limits(swept),
+        "prompt_list": swept.get("prompt_list"),
+        "sampling": swept.get("sampling"),
+        "sets": sets,
     }
     best = best_speculative(rows)
     headline = {

@@ -21,21 +21,32 @@ from concurrent.futures import ThreadPoolExecutor
 from tqdm.auto import tqdm
 
 from eagle3lib import engines
-from eagle3lib.bench import cost
+from eagle3lib.bench import cost, prompt_sets, sampling
+from eagle3lib.prepare import conversations
+
+CONTEXT = "context"  # the long-context prompts' set: measured at the lowest concurrency, outside the overall row
 
 # ------------------------------------------------------------------------------ inputs ----
 
 
 def prompt_ids(tokenizer, bench: list[dict], n: int) -> list[dict]:
-    """[{id, prompt_ids}] for the first n bench conversations, with the chat template's generation prompt."""
-    out = []
-    for b in bench[:n]:
-        ids = tokenizer.apply_chat_template(b["messages"], add_generation_prompt=True, tokenize=True)
-        ids = ids["input_ids"] if hasattr(ids, "keys") else ids
-        out.append({"id": b["id"], "prompt_ids": [int(i) for i in ids]})
+    """The held-out set alone (bench.prompts [held_out]): its first n prompts as prompt_sets.build_prompts
+    gives them."""
+    out = prompt_sets.build_prompts(prompt_sets.renderer(tokenizer), [prompt_sets.HELD_OUT], n, bench)
     if not out:
         raise ValueError("Expected bench prompts, found none: data.bench_count is 0 or the bench split is empty.")
     return out
+
+
+def take(prompts: list[dict], n: int) -> list[dict]:
+    """n of the prompts, the sets taking turns (each set's order kept), so a quick measurement still covers
+    every set; the context set is left out (it is measured on every prompt or not at all)."""
+    sets = {}
+    for p in prompts:
+        if p.get("set") != CONTEXT:
+            sets.setdefault(p.get("set"), []).append(p)
+    chosen = {id(p) for p in conversations.interleave(*sets.values())[:n]}
+    return [p for p in prompts if id(p) in chosen]
 
 
 def predicted(eval_summary: dict, depth: int) -> dict:
@@ -49,41 +60,114 @@ def predicted(eval_summary: dict, depth: int) -> dict:
 # ------------------------------------------------------------------------- measurement ----
 
 
-def run_requests(server, prompts: list[dict], max_tokens: int, concurrency: int) -> tuple[list[dict], float]:
+def run_requests(
+    server, prompts: list[dict], max_tokens: int, concurrency: int, **generate
+) -> tuple[list[dict], float]:
     """All prompts through server.generate with `concurrency` requests in flight; (outputs in prompt order, wall s)."""
     t0 = time.perf_counter()
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-        outputs = list(pool.map(lambda pr: server.generate(pr["prompt_ids"], max_tokens), prompts))
+        outputs = list(pool.map(lambda pr: server.generate(pr["prompt_ids"], max_tokens, **generate), prompts))
     return outputs, time.perf_counter() - t0
 
 
-def measure(server, prompts: list[dict], max_tokens: int, concurrency: int) -> dict:
-    """One measurement: throughput, time per output token and the speculative statistics over it."""
-    before = server.stats() if server.name == "vllm" else None
-    outputs, wall = run_requests(server, prompts, max_tokens, concurrency)
+def _reading(server):
+    """What a measurement diffs: vLLM's cumulative counters; SGLang reports per request (meta_info)."""
+    return server.stats() if server.name == "vllm" else None
+
+
+def _part(server, before, outputs: list[dict]):
+    """The speculative statistics of the requests since `before`: a vLLM counter diff, or SGLang's metas."""
     if server.name == "vllm":
-        spec = engines.vllm.stats_diff(before, server.stats())
-    else:
-        spec = engines.sglang.aggregate_meta(
-            [o["meta"] | {"completion_tokens": o["completion_tokens"]} for o in outputs]
-        )
+        return engines.vllm.stats_diff(before, server.stats())
+    return [o["meta"] | {"completion_tokens": o["completion_tokens"]} for o in outputs]
+
+
+def spec_over(engine: str, parts: list) -> dict:
+    """Acceptance over several measurements' statistics (their counters summed)."""
+    if engine == "vllm":
+        return engines.vllm.sum_diffs(parts)
+    return engines.sglang.aggregate_meta([m for part in parts for m in part])
+
+
+def _figures(engine: str, parts: list, outputs: list[dict], wall: float) -> dict:
+    """Throughput, time per output token and acceptance of a group of requests measured in `wall` seconds."""
+    spec = spec_over(engine, parts)
     tokens = sum(o["completion_tokens"] for o in outputs)
     return {
-        "concurrency": concurrency,
         "requests": len(outputs),
         "completion_tokens": tokens,
         "wall_s": round(wall, 3),
-        "tokens_per_s": tokens / wall,
+        "tokens_per_s": tokens / wall if wall else 0.0,
         # request latency / its output tokens (prefill included), mean over requests
-        "tpot_ms": 1000 * sum(o["seconds"] / max(o["completion_tokens"], 1) for o in outputs) / len(outputs),
+        "tpot_ms": 1000 * sum(o["seconds"] / max(o["completion_tokens"], 1) for o in outputs) / max(len(outputs), 1),
         "accept_len": spec.get("accept_len"),
         "per_pos": spec.get("per_pos", []),
         "drafts": spec.get("drafts", 0),
         # the engine's own request timings where it reports them (vLLM): the cost model's prefill share
         "prefill_s": spec.get("prefill_s"),
         "decode_s": spec.get("decode_s"),
-        "outputs": [{"id": p["id"], "token_ids": o["token_ids"], "text": o["text"]} for p, o in zip(prompts, outputs)],
     }
+
+
+def measure_set(server, prompts: list[dict], max_tokens: int, concurrency: int, generate: dict) -> dict:
+    """One set's prompts as one measurement. At concurrency 1 the statistics are also read around every request
+    (per request acceptance: categories and context lengths come from these)."""
+    if concurrency == 1:
+        outputs, parts, requests = [], [], []
+        t0 = time.perf_counter()
+        for p in prompts:
+            before = _reading(server)
+            out = server.generate(p["prompt_ids"], max_tokens, **generate)
+            part = _part(server, before, [out])
+            outputs.append(out)
+            parts.append(part)
+            requests.append(
+                {"id": p["id"], "set": p["set"], "category": p.get("category", ""), "turn": p.get("turn", 1),
+                 "prompt_tokens": len(p["prompt_ids"]), "parts": [part],
+                 **_figures(server.name, [part], [out], out["seconds"])}
+            )  # fmt: skip
+        wall = time.perf_counter() - t0
+    else:
+        before = _reading(server)
+        outputs, wall = run_requests(server, prompts, max_tokens, concurrency, **generate)
+        parts, requests = [_part(server, before, outputs)], []
+    return {"outputs": outputs, "parts": parts, "wall": wall, "requests": requests}
+
+
+def measure(server, prompts: list[dict], max_tokens: int, concurrency: int, generate: dict | None = None) -> dict:
+    """One measurement per set, each set's requests on their own: the row's figures over every set but the
+    context one, and each set's own figures under `sets` (per request figures at concurrency 1, `requests`)."""
+    generate = generate or {}
+    sets, outputs, parts, walls, all_outputs, requests = {}, [], [], 0.0, [], []
+    for name in dict.fromkeys(p["set"] for p in prompts):
+        group = [p for p in prompts if p["set"] == name]
+        m = measure_set(server, group, max_tokens, concurrency, generate)
+        sets[name] = _figures(server.name, m["parts"], m["outputs"], m["wall"])
+        requests += m["requests"]
+        all_outputs += [
+            {"id": p["id"], "token_ids": o["token_ids"], "text": o["text"]} for p, o in zip(group, m["outputs"])
+        ]
+        if name != CONTEXT:
+            outputs += m["outputs"]
+            parts += m["parts"]
+            walls += m["wall"]
+    return {
+        "concurrency": concurrency,
+        **_figures(server.name, parts, outputs, walls),
+        "sets": sets,
+        "request_figures": [{k: v for k, v in r.items() if k != "parts"} for r in requests],
+        "request_parts": [r["parts"][0] for r in requests],
+        "outputs": all_outputs,
+    }
+
+
+def draw_samples(server, prompts: list[dict], samples: int, max_tokens: int, concurrency: int, generate: dict) -> dict:
+    """{prompt id: [token ids of each sample]}: `samples` independent sampled completions of each prompt."""
+    out = {}
+    for p in prompts:
+        got, _ = run_requests(server, [p] * samples, max_tokens, concurrency, ignore_eos=True, **generate)
+        out[p["id"]] = [o["token_ids"] for o in got]
+    return out
 
 
 def run_config(
@@ -96,12 +180,26 @@ def run_config(
     concurrency: list[int],
     log_dir,
     dtype: str | None = None,
-) -> list[dict]:
-    """Start a server for one configuration, warm it up, measure each concurrency, stop it (always)."""
+    generate: dict | None = None,
+    prepare=None,
+    sample=None,
+) -> tuple[list[dict], dict | None]:
+    """Start a server for one configuration, warm it up, measure each concurrency, stop it (always).
+
+    generate: sampling arguments for server.generate (temperature, top_p); prepare(server): run after the
+    warm-up, before measuring (the baseline answers the first turns there); sample(server) -> the draws of
+    the distribution check. Returns (rows, draws)."""
     server = engines.make(engine_params, target_dir, draft_dir, depth, log_dir, dtype)
     with server:
         server.generate(prompts[0]["prompt_ids"], min(8, max_tokens))  # warm-up, not measured
-        rows = [measure(server, prompts, max_tokens, c) for c in concurrency]
+        if prepare is not None:
+            prepare(server)
+        low = min(concurrency)
+        rows = [
+            measure(server, [p for p in prompts if c == low or p["set"] != CONTEXT], max_tokens, c, generate)
+            for c in concurrency
+        ]
+        draws = sample(server) if sample is not None else None
     for r in rows:
         r.update(
             engine=engine_params.name,
@@ -111,7 +209,7 @@ def run_config(
             log=str(server.log_path),
             group=server.group,
         )
-    return rows
+    return rows, draws
 
 
 def compare_outputs(outputs: list[dict], baseline: list[dict]) -> dict:
@@ -152,6 +250,7 @@ def benchmark(
     eval_summary: dict | None = None,
     progress=print,
     measure_costs=None,
+    render=None,
 ) -> dict:
     """The sweep: the baseline, then the depths worth measuring, at each concurrency (docs/design.md §5).
 
@@ -165,33 +264,77 @@ def benchmark(
     Returns {rows, differences, recommendation, cost_model, ...}; rows carry the fields of issue 5 plus
     tpot_ms, drafts, efficiency, predicted_speedup, prompts, ready_s, log; baseline_outputs holds the
     no-speculation outputs per concurrency. progress: a callable for status lines (a tqdm.auto bar counts the
-    configurations too), or None for quiet."""
+    configurations too), or None for quiet.
+
+    prompts: prompt_sets.build_prompts's (each labelled by its set); a row holds every set's figures under
+    `sets` and is itself over every set but the long-context one, which runs at the lowest concurrency only.
+    A later turn is built (render: messages -> ids) from the baseline's answer to the turn before it. With
+    bench.temperature > 0 the requests are sampled, losslessness is the distribution check (bench.sampling)
+    of bench.samples draws per prompt against the baseline's, and outputs are not compared token for token."""
     dtype = bench_params.dtype
     started = time.time()
-    rows, outputs, differences = [], {}, []
+    rows, outputs, differences, draws, checks = [], {}, [], {}, []
     say = progress or (lambda _line: None)
     bar = tqdm(total=1 + len(bench_params.depths), desc="sweep", unit="config", disable=progress is None)
+    sampled = bench_params.temperature > 0
+    generate = {"temperature": bench_params.temperature, "top_p": bench_params.top_p}
+    pending = [p for p in prompts if p["prompt_ids"] is None]
+    if pending and render is None:
+        raise ValueError(f"{pending[0]['id']} follows an earlier turn's answer: pass render to build its prompt")
+
+    def answer_first_turns(server):
+        """The baseline's greedy answers to the turns that later turns follow (stopping at end of text)."""
+
+        def answer(turns):
+            got, _ = run_requests(
+                server, turns, bench_params.max_tokens, max(bench_params.concurrency), ignore_eos=False
+            )
+            return got
+
+        prompt_sets.complete_turns(prompts, answer, render)
+
+    def sample_draws(server):
+        chosen = take(prompts, bench_params.sample_prompts)
+        return draw_samples(
+            server, chosen, bench_params.samples, bench_params.sample_tokens, max(bench_params.concurrency), generate
+        )
 
     def run(depth: int | None, used: list[dict], prediction=None, note: str = "", calibration=False) -> list[dict]:
         say(f"[bench] {engines.config_name(depth, dtype)}: starting {engine_params.name} ({len(used)} prompts{note})")
         bar.set_postfix_str(engines.config_name(depth, dtype))
         measured = []
-        for r in run_config(
+        got, drawn = run_config(
             engine_params, target_dir, draft_dir, depth, used, bench_params.max_tokens,
-            bench_params.concurrency, log_dir, dtype,
-        ):  # fmt: skip
+            bench_params.concurrency, log_dir, dtype, generate,
+            prepare=answer_first_turns if depth is None and pending else None,
+            sample=sample_draws if sampled and bench_params.samples else None,
+        )  # fmt: skip
+        if drawn is not None:
+            draws[depth or 0] = drawn
+            if depth is not None:
+                check = sampling.distribution_check(draws[0], drawn, alpha=bench_params.sample_alpha)
+                checks.append({"depth": depth, **check})
+                say(
+                    f"[bench]   distribution check: p = {check['p_value']:.3g} ({'passed' if check['passed'] else 'FAILED'})"
+                )
+        for r in got:
             outs = r.pop("outputs")
-            r["prompts"] = len(used)
+            r["prompts"] = len([p for p in used if p["set"] != CONTEXT])
             if depth is None:
                 outputs[r["concurrency"]] = outs
                 base = r
             else:
                 base = next(x for x in rows if x["depth"] == 0 and x["concurrency"] == r["concurrency"])
-                cmp = compare_outputs(outs, outputs[r["concurrency"]])
-                r["lossless_frac"] = cmp["lossless_frac"]
-                differences.extend(d | {"depth": depth, "concurrency": r["concurrency"]} for d in cmp["differences"])
+                if not sampled:  # sampled outputs are compared in distribution (draws), not token for token
+                    cmp = compare_outputs(outs, outputs[r["concurrency"]])
+                    r["lossless_frac"] = cmp["lossless_frac"]
+                    differences.extend(
+                        d | {"depth": depth, "concurrency": r["concurrency"]} for d in cmp["differences"]
+                    )
             r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
-            r.setdefault("lossless_frac", 1.0)
+            for name, f in r["sets"].items():
+                f["speedup"] = f["tokens_per_s"] / base["sets"][name]["tokens_per_s"]
+            r.setdefault("lossless_frac", None if sampled else 1.0)
             if depth is None:
                 r.update(accept_len=None, per_pos=[], predicted_accept_len=None, predicted_per_pos=[])
             elif eval_summary is not None:
@@ -208,7 +351,7 @@ def benchmark(
                 f"[bench]   concurrency {r['concurrency']}: {r['tokens_per_s']:.1f} tokens/s, speedup "
                 f"{r['speedup']:.2f}"
                 + (f" (predicted {r['predicted_speedup']:.2f})" if r.get("predicted_speedup") else "")
-                + f", acceptance {_fmt(r.get('accept_len'))}, lossless {r['lossless_frac']:.2f}"
+                + f", acceptance {_fmt(r.get('accept_len'))}, lossless {_fmt(r['lossless_frac'])}"
             )
         bar.update(1)
         return measured
@@ -230,6 +373,11 @@ def benchmark(
         "differences": differences,
         "baseline_agreement_across_concurrency": baseline_agree,
         "baseline_outputs": {str(c): outs for c, outs in outputs.items()},  # [{id, token_ids, text}] per concurrency
+        "prompt_list": [
+            {k: p[k] for k in ("id", "set", "category", "turn")} | {"prompt_tokens": len(p["prompt_ids"])}
+            for p in prompts
+        ],  # fmt: skip
+        "sampling": {**generate, "distribution_checks": checks} if sampled else None,
         "dtype": dtype or "engine default",
         "restart_per_configuration": True,
         "lossless_reference": f"baseline (no speculation) at the same concurrency, dtype {dtype or 'engine default (bf16 on CPU)'}",
@@ -271,8 +419,8 @@ def choose_and_measure(bench_params, eval_summary, measure_costs, rows, prompts,
         best_predicted = max(r["speedup"] for r in ahead.values())
         if best_predicted < bench_params.quick_below and d not in picks.values():  # a pick is measured in full
             quick.append(d)
-        n = min(len(prompts), max(bench_params.quick_prompts, max(conc))) if d in quick else len(prompts)
-        measured += run(d, prompts[:n], ahead, f", predicted {best_predicted:.2f}x" + (": quick" if d in quick else ""))
+        used = take(prompts, max(bench_params.quick_prompts, max(conc))) if d in quick else prompts
+        measured += run(d, used, ahead, f", predicted {best_predicted:.2f}x" + (": quick" if d in quick else ""))
         costs = cost.calibrate(costs, cond, measured)
     final = cost.predict(costs, cond, depths, conc)
     return {
@@ -343,7 +491,7 @@ def table(rows: list[dict]) -> list[dict]:
             "accept len": _fmt(r.get("accept_len")),
             "predicted": _fmt(r.get("predicted_accept_len")),
             "per position": " ".join(f"{x:.2f}" for x in r.get("per_pos") or []),
-            "lossless": f"{r['lossless_frac']:.0%}",
+            "lossless": "sampled" if r["lossless_frac"] is None else f"{r['lossless_frac']:.0%}",
             "efficiency": _fmt(r.get("efficiency")),
         }
         for r in rows

@@ -166,11 +166,23 @@ class SGLang(Server):
         return super().start()
 
     def generate(
-        self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True, stop_token_ids: list[int] | None = None
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        ignore_eos: bool = True,
+        stop_token_ids: list[int] | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
     ) -> dict:
-        """Greedy completion of token ids: {token_ids, text, completion_tokens, seconds, finish_reason, meta}."""
+        """Completion of token ids, greedy unless temperature > 0 (then sampled, with speculation by the engine's
+        rejection sampling): {token_ids, text, completion_tokens, seconds, finish_reason, meta}."""
         t0 = time.perf_counter()
-        sampling = {"temperature": 0.0, "max_new_tokens": max_tokens, "ignore_eos": ignore_eos}
+        sampling = {
+            "temperature": float(temperature),
+            "top_p": float(top_p),
+            "max_new_tokens": max_tokens,
+            "ignore_eos": ignore_eos,
+        }
         if stop_token_ids:
             sampling["stop_token_ids"] = list(stop_token_ids)
         r = http_json(self.url + "/generate", {"input_ids": prompt_ids, "sampling_params": sampling})

@@ -80,6 +80,17 @@ def stats_diff(before: dict, after: dict) -> dict:
     return d
 
 
+def sum_diffs(diffs: list[dict]) -> dict:
+    """stats_diff's figures over several measurements, from the sum of their counters."""
+    zero = dict.fromkeys(COUNTERS.values(), 0.0) | {"per_pos": []}
+    total = {k: sum(d[k] for d in diffs) for k in COUNTERS.values()}
+    width = max((len(d["accepted_per_pos"]) for d in diffs), default=0)
+    total["per_pos"] = [
+        sum(d["accepted_per_pos"][i] for d in diffs if i < len(d["accepted_per_pos"])) for i in range(width)
+    ]
+    return stats_diff(zero, total)
+
+
 class VLLM(Server):
     name = "vllm"
 
@@ -93,15 +104,23 @@ class VLLM(Server):
         return ready
 
     def generate(
-        self, prompt_ids: list[int], max_tokens: int, ignore_eos: bool = True, stop_token_ids: list[int] | None = None
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        ignore_eos: bool = True,
+        stop_token_ids: list[int] | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
     ) -> dict:
-        """Greedy completion of token ids: {token_ids, text, completion_tokens, seconds, finish_reason}."""
+        """Completion of token ids, greedy unless temperature > 0 (then sampled, with speculation by the engine's
+        rejection sampling): {token_ids, text, completion_tokens, seconds, finish_reason}."""
         t0 = time.perf_counter()
         body = {
             "model": self.model,
             "prompt": prompt_ids,
             "max_tokens": max_tokens,
-            "temperature": 0.0,
+            "temperature": float(temperature),
+            "top_p": float(top_p),
             "ignore_eos": ignore_eos,
             "return_token_ids": True,
         }

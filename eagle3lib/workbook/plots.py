@@ -229,3 +229,27 @@ def bench_per_position(rows: list[dict], eval_summary: dict | None = None):
     ax.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def bench_context(context: list[dict]):
+    """Acceptance length against prompt length: one line per depth over the context-length buckets
+    (bench.per_set.context_table), at each bucket's mean prompt length."""
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    depths = sorted({d for g in context for d in g["cells"]})
+    for i, d in enumerate(depths):
+        pts = [g["cells"][d] for g in context if d in g["cells"] and g["cells"][d].get("accept_len")]
+        ax.plot(
+            [c["mean_prompt_tokens"] for c in pts], [c["accept_len"] for c in pts], "o-", color=f"C{i}",
+            label=f"depth {d}",
+        )  # fmt: skip
+        for c in pts:
+            ax.annotate(f"{c['requests']}", (c["mean_prompt_tokens"], c["accept_len"]), fontsize=7,
+                        textcoords="offset points", xytext=(3, 3))  # fmt: skip
+    ax.set_xscale("log")
+    ax.axhline(1, color="grey", lw=0.8)
+    ax.set_xlabel("prompt length (tokens, mean of the bucket; labels: requests)")
+    ax.set_ylabel("acceptance length")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

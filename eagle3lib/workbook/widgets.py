@@ -317,3 +317,57 @@ def speed_static_html(rows: list[dict], recommendation: dict | None = None) -> s
         for c in sorted({r["concurrency"] for r in rows})
     ]
     return "".join(parts)
+
+
+# ------------------------------------------------------------------------ per prompt set ----
+
+
+def _al(x) -> str:
+    return "–" if x is None else f"{x:.2f}"
+
+
+def set_table_html(table: dict) -> str:
+    """bench.per_set.set_table as the papers print it: a row per set, a column group per depth with the
+    measured acceptance length (AL), the training stage's prediction on the set's own text and the speedup."""
+    depths = table["depths"]
+    predicted = any(c.get("predicted_accept_len") for s in table["sets"] for c in s["cells"].values())
+    sub = ["AL", "predicted AL", "speedup"] if predicted else ["AL", "speedup"]
+    top = "<th rowspan=2>set</th><th rowspan=2>prompts</th><th rowspan=2>baseline tokens/s</th>" + "".join(
+        f"<th colspan={len(sub)}>depth {d}</th>" for d in depths
+    )
+    second = "".join(f"<th>{h}</th>" for _ in depths for h in sub)
+    body = []
+    for s in table["sets"]:
+        cells = []
+        for d in depths:
+            c = s["cells"].get(d, {})
+            speed = "–" if c.get("speedup") is None else f"{c['speedup']:.2f}x"
+            vals = [_al(c.get("accept_len"))] + ([_al(c.get("predicted_accept_len"))] if predicted else []) + [speed]
+            cells += vals
+        body.append(
+            f"<tr><td>{html.escape(s['set'])}</td><td>{s['prompts']}</td><td>{s['baseline_tokens_per_s']:.1f}</td>"
+            + "".join(f"<td>{v}</td>" for v in cells)
+            + "</tr>"
+        )
+    cap = f"<caption>concurrency {table['concurrency']}</caption>"
+    return (
+        f"{STYLE}<table class='e3-table'>{cap}<thead><tr>{top}</tr><tr>{second}</tr></thead>"
+        f"<tbody>{''.join(body)}</tbody></table>"
+    )
+
+
+def grouped_acceptance_html(groups: list[dict], title: str) -> str:
+    """bench.per_set.category_table or context_table: a row per group, acceptance length (requests) per depth."""
+    depths = sorted({d for g in groups for d in g["cells"]})
+    records = []
+    for g in groups:
+        label = " / ".join(g["group"]) if isinstance(g["group"], (list, tuple)) else g["group"]
+        rec = {title: label}
+        first = next(iter(g["cells"].values()), {})
+        if "mean_prompt_tokens" in first:
+            rec["mean prompt tokens"] = round(first["mean_prompt_tokens"])
+        rec["requests"] = first.get("requests")
+        for d in depths:
+            rec[f"AL depth {d}"] = _al(g["cells"].get(d, {}).get("accept_len"))
+        records.append(rec)
+    return STYLE + report.table_html(records)
