@@ -298,7 +298,7 @@ class Drafter(nn.Module):
         - "merged" needs rows of one document (then padding): plain causal attention over
           step 0's keys (cuDNN on GPUs, twice as fast as flex there), merged with the
           diagonals by log-sum-exp (causal_attention_with_diagonals);
-        - "auto": on CUDA merged for one-document rows, else flex; dense elsewhere.
+        - "auto": on CUDA merged for one-document rows in fp16/bf16, else flex; dense elsewhere (auto_attention).
         checkpoint: keep each step's inputs and recompute the step in the backward pass
         instead of holding its activations (MLP, norms) for all K steps.
         """
@@ -306,8 +306,11 @@ class Drafter(nn.Module):
         steps = embeds.shape[1] - t + 1
         if steps < 1:
             raise ValueError(f"embeds has {embeds.shape[1]} positions for {t} aux positions: expected T+K-1 ≥ T")
+        half = torch.is_autocast_enabled("cuda") or self.fc.weight.dtype in HALF_DTYPES
         if attention == "auto":
-            attention = ("merged" if one_document_rows(doc_ids) else "flex") if aux.is_cuda else "dense"
+            attention = auto_attention(aux.is_cuda, one_document_rows(doc_ids), half)
+        elif attention == "merged" and aux.is_cuda and not half:
+            raise ValueError("attention='merged' runs cuDNN, which takes fp16/bf16 only; use 'flex' or 'dense' in fp32")
         elif attention == "merged" and not one_document_rows(doc_ids):
             raise ValueError(
                 "attention='merged' needs rows of one document followed only by padding; "
@@ -419,9 +422,23 @@ def _dense_ttt_attention(q, keys, values, prefix_mask):
 # exp(s - lse_merged) and its row term as dO·O_merged); the diagonal parts are elementwise.
 
 
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+
+
+def auto_attention(is_cuda: bool, one_document: bool, half_precision: bool) -> str:
+    """ttt_forward's attention="auto": on CUDA cuDNN's causal kernel merged with the diagonals for one-document
+    rows in fp16/bf16 (cuDNN takes no fp32: its raw op returns wrong scores for fp32 inputs instead of failing),
+    flex_attention otherwise; the dense reference elsewhere."""
+    if not is_cuda:
+        return "dense"
+    return "merged" if one_document and half_precision else "flex"
+
+
 def _causal_forward(q, k, v, scale):
     """(out, lse [B,h,T,1] fp32, state for the backward) of causal attention, same heads for q, k, v."""
     if q.is_cuda:
+        if q.dtype not in HALF_DTYPES:  # the raw op does not check: fp32 gives wrong scores silently
+            raise ValueError(f"cuDNN causal attention takes fp16/bf16, not {q.dtype}")
         r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
         return r[0], r[1], r[2:8]
     s = _causal_scores(q, k, scale)  # the reference, for the CPU and tests

@@ -374,6 +374,26 @@ def test_merged_cudnn_path_equals_the_dense_path_on_gpus():
             assert_per_position(dense_inputs, got, 8 * BF16_EPS, what)
 
 
+def test_auto_attention_keeps_fp32_off_cudnn():
+    """cuDNN takes fp16/bf16 only and its raw op returns wrong scores for fp32 instead of failing (an fp32 drafter
+    evaluated on one-document rows on an H200 scored cond_acc 0.07 where dense and flex scored 0.29;
+    benchmarks/README.md, 2026-12-01 session 10): auto sends fp32 to flex."""
+    from eagle3lib.drafter import auto_attention
+
+    assert auto_attention(is_cuda=True, one_document=True, half_precision=True) == "merged"
+    assert auto_attention(is_cuda=True, one_document=True, half_precision=False) == "flex"
+    assert auto_attention(is_cuda=True, one_document=False, half_precision=True) == "flex"
+    assert auto_attention(is_cuda=False, one_document=True, half_precision=True) == "dense"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN attention runs on CUDA")
+def test_fp32_on_gpus_is_refused_by_merged_and_right_through_auto():
+    case = one_document_case("cuda")
+    with pytest.raises(ValueError, match="takes fp16/bf16 only"):
+        ttt_outputs_and_grads(*case, attention="merged")
+    assert_close(ttt_outputs_and_grads(*case, attention="dense"), ttt_outputs_and_grads(*case), 1e-4, "auto, fp32")
+
+
 def test_block_masks_built_per_block_equal_the_ones_flex_builds_pair_by_pair():
     """The kernels on GPUs skip blocks by these lists (the CPU path evaluates every pair), so the lists
     themselves must equal create_block_mask's, partial and full blocks, for every TTT step."""

