@@ -67,7 +67,9 @@ def test_files_relative_to_the_params_folder_and_gzip(tmp_path):
 def test_later_turns_follow_the_targets_own_answer():
     held_out = [{"id": "h1", "messages": [{"role": "user", "content": "hi"}], "reference": "hello"}]
     prompts = prompt_sets.build_prompts(render, ["held_out", "mt_bench"], 2, held_out)
-    assert [p["id"] for p in prompts] == ["held_out/h1", "mt_bench/81", "mt_bench/81#2", "mt_bench/82", "mt_bench/82#2"]
+    # the categories take turns: MT-Bench's file starts with ten writing questions, then ten roleplay
+    assert [p["id"] for p in prompts] == ["held_out/h1", "mt_bench/81", "mt_bench/81#2", "mt_bench/91", "mt_bench/91#2"]
+    assert [p["category"] for p in prompts[1::2]] == ["writing", "roleplay"]
     assert prompts[2]["prompt_ids"] is None and prompts[2]["after"] == "mt_bench/81"
     asked = []
 
@@ -76,13 +78,20 @@ def test_later_turns_follow_the_targets_own_answer():
         return [{"text": f"answer to {t['id']}"} for t in turns]
 
     prompt_sets.complete_turns(prompts, answer, render)
-    assert asked == ["mt_bench/81", "mt_bench/82"]
+    assert asked == ["mt_bench/81", "mt_bench/91"]
     second = prompts[2]
     assert [m["role"] for m in second["messages"]] == ["user", "assistant", "user"]
     assert second["messages"][1]["content"] == "answer to mt_bench/81"
     assert second["messages"][2]["content"].startswith("Rewrite your previous response")
     assert second["prompt_ids"] == render(second["messages"])
     assert prompt_sets.prompt_texts(prompts)["mt_bench/81#2"] == second["messages"][2]["content"]
+
+
+def test_the_first_questions_cover_every_category():
+    eight = prompt_sets.across_categories(prompt_sets.load_set("mt_bench"))[:8]
+    assert len({q["category"] for q in eight}) == 8
+    qs = [{"question_id": str(i), "category": c, "turns": ["x"]} for i, c in enumerate("aabbbc")]
+    assert [q["question_id"] for q in prompt_sets.across_categories(qs)] == ["0", "2", "5", "1", "3", "4"]
 
 
 def test_quick_subsets_take_every_set_in_turn():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gzip
 import importlib.util
+import itertools
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -161,8 +162,17 @@ def _prompt(set_name_: str, qid: str, category: str, messages: list[dict], rende
     }
 
 
+def across_categories(questions: list[dict]) -> list[dict]:
+    """The questions with the categories taking turns (each category's order kept), so that the first n cover
+    every category (MT-Bench's file lists ten writing questions first)."""
+    groups: dict = {}
+    for q in questions:
+        groups.setdefault(q["category"], []).append(q)
+    return [q for batch in itertools.zip_longest(*groups.values()) for q in batch if q is not None]
+
+
 def build_prompts(render, entries: list[str], per_set: int, held_out: list[dict], base_dir=None) -> list[dict]:
-    """The prompts of each set, its first per_set questions each: [{id, set, category, turn, messages,
+    """The prompts of each set, per_set questions each, the categories taking turns (across_categories): [{id, set, category, turn, messages,
     prompt_ids}]; a later turn has prompt_ids None and `after`, the id of the turn it follows, until
     complete_turns fills it in. held_out: the prepare stage's bench prompts ({id, messages})."""
     prompts = []
@@ -171,7 +181,7 @@ def build_prompts(render, entries: list[str], per_set: int, held_out: list[dict]
         if entry == HELD_OUT:
             prompts += [_prompt(name, b["id"], "sharegpt", b["messages"], render) for b in held_out[:per_set]]
             continue
-        for q in load_set(entry, base_dir)[:per_set]:
+        for q in across_categories(load_set(entry, base_dir))[:per_set]:
             first = _prompt(name, q["question_id"], q["category"], [{"role": "user", "content": q["turns"][0]}], render)
             prompts.append(first)
             for k, text in enumerate(q["turns"][1:], 2):
