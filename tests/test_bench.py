@@ -209,7 +209,7 @@ def test_real_sampled_sweep_checks_the_distribution(drafts, embedded_target, tmp
     prompts = prompt_sets.build_prompts(render, ["held_out"], 1, held_out)
     params = BenchParams(
         depths=[3], concurrency=[8], num_prompts=1, max_tokens=8, dtype="float32", temperature=0.7,
-        samples=48, sample_prompts=1, sample_tokens=8,
+        samples=64, sample_prompts=1, sample_tokens=12,
     )  # fmt: skip
     swept = sweep.benchmark(
         EngineParams(extra_args=FAST_START), params, drafts["target"], drafts["vllm"], prompts, tmp_path, render=render
@@ -217,7 +217,7 @@ def test_real_sampled_sweep_checks_the_distribution(drafts, embedded_target, tmp
     assert [r["lossless_frac"] for r in swept["rows"]] == [None, None] and swept["differences"] == []
     (check,) = swept["sampling"]["distribution_checks"]
     assert (
-        check["depth"] == 3 and check["samples"] == 96 and check["per_prompt"]["held_out/cat"]["tokens"] == [384, 384]
+        check["depth"] == 3 and check["samples"] == 128 and check["per_prompt"]["held_out/cat"]["tokens"] == [768, 768]
     )
     assert check["passed"] is False and check["p_value"] < 0.01, check  # the engine's defect, caught
     assert "FAILED" in steps.sampling_text(swept) and "FAILED" in steps.lossless_headline(swept)
