@@ -146,6 +146,17 @@ def test_recommendation_reads_either_way(tmp_path):
     assert "python -m vllm ... 5" in page
 
 
+def test_index_prints_the_per_set_table_as_the_papers_do():
+    """A result.json's per set table (its depths as JSON keys, strings) on the run's page."""
+    cell = {"accept_len": 1.7, "speedup": 1.3, "requests": 2, "predicted_accept_len": 1.8}
+    table = {"concurrency": 1, "depths": [2], "sets": [
+        {"set": "mt_bench", "prompts": 4, "baseline_tokens_per_s": 10.0, "cells": {"2": cell}}]}  # fmt: skip
+    page = report._sets_html({"figures": {"sets": {"tables": [table]}}})
+    assert "<h2>Per prompt set</h2>" in page and "<th colspan=3>depth 2</th>" in page
+    assert "<td>mt_bench</td><td>4</td><td>10.0</td><td>1.70</td><td>1.80</td><td>1.30x</td>" in page
+    assert report._sets_html({"figures": {}}) == ""
+
+
 def run_with_failing_cell(nbs, params_file, notebook: str, cell: int, source: str) -> None:
     """Make one cell of a workbook notebook raise, then run the pipeline through the failure."""
     nb = nbformat.read(nbs / notebook, as_version=4)

@@ -300,6 +300,24 @@ def _recommendation_html(bench: dict) -> str:
     )
 
 
+def _sets_html(bench: dict) -> str:
+    """The benchmark's per prompt set table at the lowest concurrency, as the papers print it (rows: sets; a
+    column group per depth: AL, predicted AL, speedup)."""
+    tables = ((bench.get("figures") or {}).get("sets") or {}).get("tables") or []
+    if not tables:
+        return ""
+    from eagle3lib.workbook import widgets  # widgets renders with report's helpers
+
+    table = tables[0]
+    table = {**table, "sets": [{**s, "cells": {int(d): c for d, c in s["cells"].items()}} for s in table["sets"]]}
+    return (
+        f"<h2>Per prompt set</h2><p>Acceptance length (AL) measured, as the training stage predicts it on the set's "
+        f"own text, and speedup over no speculation, at concurrency {table['concurrency']} "
+        f"(<a href='05_benchmark/05_benchmark.html'>all concurrencies, categories and context lengths</a>):</p>"
+        + widgets.set_table_html(table)
+    )
+
+
 def index_html(run_dir: Path, stage_names: list[str]) -> str:
     """The run's front page: what ran (status, time, headline figures per stage, linking each report), the
     benchmark's recommendation, the figures, then the params and versions it ran with."""
@@ -348,7 +366,7 @@ def index_html(run_dir: Path, stage_names: list[str]) -> str:
                 f"<figcaption>{html.escape(rel)}</figcaption></figure>"
             )
     bench = results.get("05_benchmark")
-    recommendation = _recommendation_html(bench) if bench and bench.get("status") == "ok" else ""
+    recommendation = _recommendation_html(bench) + _sets_html(bench) if bench and bench.get("status") == "ok" else ""
     git = run.get("git", {})
     versions = table_html([{"package": k, "version": v} for k, v in run.get("versions", {}).items()])
     params = yaml.safe_dump(run.get("params", {}), sort_keys=False)
