@@ -165,5 +165,6 @@ def test_per_set_tables_regroup_rows(tmp_path):
     assert ctx[0]["cells"][2]["accept_len"] == pytest.approx(1 + 14 / 20) and ctx[0]["cells"][2]["requests"] == 2
     page = widgets.set_table_html(table)
     assert "<th colspan=3>depth 2</th>" in page and "1.30x" in page and "1.80" in page
+    assert widgets.set_tables_html([table, table]).count("<caption>concurrency 1</caption>") == 2
     assert "math" in widgets.grouped_acceptance_html(per_set.category_table(rows), "set / category")
     plots.bench_context(ctx).savefig(tmp_path / "c.png")

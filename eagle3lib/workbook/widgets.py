@@ -356,6 +356,11 @@ def set_table_html(table: dict) -> str:
     )
 
 
+def set_tables_html(tables: list[dict]) -> str:
+    """set_table_html of every concurrency, one after the other."""
+    return "".join(set_table_html(t) for t in tables)
+
+
 def grouped_acceptance_html(groups: list[dict], title: str) -> str:
     """bench.per_set.category_table or context_table: a row per group, acceptance length (requests) per depth."""
     depths = sorted({d for g in groups for d in g["cells"]})
