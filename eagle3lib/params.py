@@ -24,6 +24,8 @@ EMBEDDED_DATA = "embedded:sharegpt"
 EMBEDDED_TARGET_LAYERS = 30
 
 Dtype = Literal["float32", "bfloat16", "float16"]
+# fp8 shards hold each state as e4m3 with a float32 scale per token and state (extract/shards.py).
+StoreDtype = Literal["float32", "bfloat16", "float16", "float8_e4m3fn"]
 # Compute dtypes may be 'auto': load_params resolves it to this machine's fast dtype (eagle3lib/hardware.py).
 ComputeDtype = Literal["auto", "float32", "bfloat16", "float16"]
 
@@ -109,7 +111,10 @@ class ExtractParams(Section):
     )
     batch_tokens: int = Field(4096, gt=0, description="padded tokens per forward (hf) / per request (engines)")
     shard_max_tokens: int = Field(32768, gt=0)
-    store_dtype: Dtype = "bfloat16"
+    store_dtype: StoreDtype = Field(
+        "bfloat16",
+        description="dtype of the stored states; float8_e4m3fn halves the disk (a float32 scale per token and state)",
+    )
     splits: list[Literal["train", "val"]] = ["train", "val"]
     forward_benchmark_batches: int = Field(
         4,

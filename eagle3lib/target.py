@@ -190,7 +190,7 @@ def resolve_target(name: str, cache_dir: Path) -> str:
 
 
 def torch_dtype(dtype) -> torch.dtype:
-    """'float32' / 'bfloat16' / 'float16' (or a torch.dtype) -> torch.dtype."""
+    """'float32' / 'bfloat16' / 'float16' / 'float8_e4m3fn' (or a torch.dtype) -> torch.dtype."""
     if isinstance(dtype, torch.dtype):
         return dtype
     names = {
@@ -200,6 +200,7 @@ def torch_dtype(dtype) -> torch.dtype:
         "bf16": torch.bfloat16,
         "float16": torch.float16,
         "fp16": torch.float16,
+        "float8_e4m3fn": torch.float8_e4m3fn,  # a store dtype only (extract.store_dtype)
     }
     if dtype not in names:
         raise ValueError(f"Expected dtype one of {sorted(names)}, found {dtype!r}.")

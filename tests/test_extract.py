@@ -18,11 +18,16 @@ from safetensors.torch import save_file
 from eagle3lib.extract.hf import capture_hidden_states, extract, iter_batches, make_batch, measure_forward_tokens_per_s
 from eagle3lib.extract.shards import (
     FORMAT,
+    FP8,
+    FP8_SCALING,
     ShardError,
     ShardSet,
+    bytes_per_token,
+    dequantize,
     load_manifest,
     plan_batches,
     plan_shards,
+    quantize,
     read_shard,
     verify_and_repair,
 )
@@ -465,3 +470,81 @@ def test_shard_whose_header_misdescribes_its_tensors_is_refused(tmp_path):
     open(bad, "wb").write(data[:8] + text + data[8 + k :])
     with pytest.raises(ShardError, match="bad.safetensors.*final_hidden.*do not hold F32 \\[6, 3\\]"):
         read_shard(bad)
+
+
+# --------------------------------------------------------------------------- fp8 shards
+
+
+def test_fp8_round_trip_error_is_bounded_per_state(model, tokens, tmp_path):
+    """e4m3 keeps 3 mantissa bits: with a float32 scale per token and state, each value is within 2^-4 of itself
+    (relative; plus the bf16 the backend hands over), small values within the subnormal step of their scale."""
+    ref_dir, out = str(tmp_path / "fp32"), str(tmp_path / "fp8")
+    extract(model, tokens, AUX, ref_dir, CONTRACT, store_dtype=torch.float32, **SMALL)
+    r = extract(model, tokens, AUX, out, CONTRACT, store_dtype=FP8, **SMALL)
+    manifest = load_manifest(out)
+    assert manifest["store_dtype"] == "float8_e4m3fn" and manifest["state_scaling"] == FP8_SCALING
+    assert bytes_per_token(64, FP8, 3) == 5 + 4 * 64 + 16 <= 4 * 64 + 64
+    headers = sum(e["bytes"] for e in manifest["shards"]) - r["tokens"] * bytes_per_token(64, FP8, 3)
+    assert 0 < headers < 1024 * len(manifest["shards"])  # the rest is each file's safetensors header
+    first = manifest["shards"][0]
+    with safe_open(os.path.join(out, first["file"]), "pt") as f:  # safetensors' own reader agrees
+        assert f.get_tensor("aux_hidden").dtype == FP8 and f.get_tensor("aux_scale").shape == (first["tokens"], 3)
+    names = [f"aux_{i}" for i in AUX] + ["final"]
+    worst = dict.fromkeys(names, 0.0)
+    for (_, _, aux8, fin8), (_, _, aux, fin) in zip(ShardSet(out), ShardSet(ref_dir)):
+        assert aux8.dtype == torch.bfloat16  # dequantized on read
+        for k, name in enumerate(names):
+            x = (aux[:, k * 64 : (k + 1) * 64] if k < 3 else fin).float()
+            y = (aux8[:, k * 64 : (k + 1) * 64] if k < 3 else fin8).float()
+            scale = x.abs().amax(-1, keepdim=True) / 448
+            bound = (2**-4 + 2**-7) * x.abs() + scale * 2**-9 + 1e-6
+            assert ((y - x).abs() <= bound).all(), name
+            worst[name] = max(worst[name], float((y - x).norm() / x.norm()))
+    assert all(0 < v < 0.04 for v in worst.values()), worst
+
+
+def test_fp8_shards_resume_and_refuse_corruption_and_a_dtype_change(model, tokens, tmp_path):
+    out = str(tmp_path / "fp8")
+    full = extract(model, tokens, AUX, out, CONTRACT, store_dtype=FP8, **SMALL)
+    manifest = load_manifest(out)
+    victim = os.path.join(out, manifest["shards"][2]["file"])
+    data = bytearray(open(victim, "rb").read())
+    data[-10] ^= 0xFF  # a flipped bit in the last state's bytes
+    open(victim, "wb").write(data)
+    with pytest.raises(ShardError, match=f"{os.path.basename(victim)}.*sha256"):
+        ShardSet(out).verify_all()
+    before = {e["file"]: e["sha256"] for e in manifest["shards"]}
+    r = extract(model, tokens, AUX, out, CONTRACT, store_dtype=FP8, **SMALL)  # redoes only that shard
+    assert r["sequences"] == manifest["shards"][2]["sequences"] and r["bytes"] == full["bytes"]
+    assert {e["file"]: e["sha256"] for e in load_manifest(out)["shards"]} == before  # byte-identical again
+    with pytest.raises(ValueError, match="(?s)settings differ.*store_dtype: folder has .float8_e4m3fn., this run"):
+        extract(model, tokens, AUX, out, CONTRACT, store_dtype=torch.bfloat16, **SMALL)
+
+
+def test_fp8_shard_without_its_scales_is_refused(tmp_path):
+    n = 6
+    path = str(tmp_path / "noscale.safetensors")
+    save_file(
+        {
+            "input_ids": torch.arange(n, dtype=torch.int32),
+            "loss_mask": torch.ones(n, dtype=torch.uint8),
+            "aux_hidden": torch.randn(n, 12).to(FP8),
+            "final_hidden": torch.randn(n, 4).to(FP8),
+            "seq_starts": torch.tensor([0, 2, n]),
+        },
+        path,
+        metadata={"format": FORMAT, "first_sequence": "0"},
+    )
+    with pytest.raises(ShardError, match="noscale.safetensors.*fp8 states need their scales"):
+        read_shard(path)
+
+
+def test_quantize_keeps_zero_rows_and_outliers():
+    x = torch.zeros(4, 3 * 8)
+    x[1, :8] = torch.linspace(-3, 3, 8)
+    x[2, 8] = 1e4  # one huge value: its token's other state keeps its own scale
+    x[2, 16:] = 1e-3
+    q, scale = quantize(x, 3)
+    y = dequantize(q, scale, torch.float32)
+    assert torch.equal(y[0], x[0]) and y[2, 8] == 1e4
+    torch.testing.assert_close(y, x, rtol=2**-4, atol=0)

@@ -132,6 +132,17 @@ def test_prepare_then_extract_steps_on_the_embedded_target(params, tmp_path):
     assert all((out / a).is_file() for a in r["artifacts"])
 
 
+def test_extract_plan_in_each_store_dtype_and_when_the_disk_is_short(params):
+    contract = {"hidden_size": 576, "aux_layer_ids": [2, 15, 27], "target_fingerprint": "f"}
+    bf16 = extract_steps.plan_text(params(**{"extract.store_dtype": "bfloat16"}), contract, 1_000_000, 10**12)
+    fp8 = extract_steps.plan_text(params(**{"extract.store_dtype": "float8_e4m3fn"}), contract, 1_000_000, 10**12)
+    assert "1,000,000 tokens x 4,613 bytes (4 states of 576 in bfloat16) = 4.613 GB" in bf16
+    assert "x 2,325 bytes (4 states of 576 in float8_e4m3fn + 4 float32 scales) = 2.325 GB" in fp8
+    assert "no capture rate measured yet" in fp8 and "NOT ENOUGH" not in fp8
+    short = extract_steps.plan_text(params(**{"extract.store_dtype": "float8_e4m3fn"}), contract, 1_000_000, 10**9)
+    assert "NOT ENOUGH DISK: 1,325,000,000 bytes short" in short
+
+
 # -------------------------------------------------------------------------------------------------- 02 ----
 
 

@@ -15,10 +15,11 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from eagle3lib import run_folder, target
 from eagle3lib.extract import hf
+from eagle3lib.extract.shards import states, store_states
 from eagle3lib.params import load_params
 from eagle3lib.prepare import conversations
 from eagle3lib.train import TrainingError, trainer
-from eagle3lib.train.batches import Sequence, in_background, make_batch, pack_rows
+from eagle3lib.train.batches import Sequence, batch_states, in_background, make_batch, pack_rows
 from eagle3lib.train.checkpoint import STATE_FILE, latest_checkpoint, load_drafter
 
 AUX = [1, 3, 5]
@@ -37,7 +38,7 @@ def random_tokens(n, vocab, seed):
     return {"input_ids": ids, "loss_mask": mask, "seq_starts": torch.tensor(starts), "ids": [str(i) for i in range(n)]}
 
 
-def make_run(root: Path, model, tokenizer, train_params: dict, n_train=40) -> Path:
+def make_run(root: Path, model, tokenizer, train_params: dict, n_train=40, store_dtype=torch.float32) -> Path:
     """A run folder whose 00_prepare and 01_extract were made by the library from a real (random) target."""
     tdir = root / "target"
     if not tdir.exists():
@@ -57,7 +58,7 @@ def make_run(root: Path, model, tokenizer, train_params: dict, n_train=40) -> Pa
             contract,
             batch_tokens=1024,
             shard_max_tokens=700,
-            store_dtype=torch.float32,
+            store_dtype=store_dtype,
             progress=False,
         )
     target.write_contract(prep, contract)
@@ -259,6 +260,44 @@ def test_online_mode_trains_on_the_same_states_as_shards(tmp_path, small_target)
     assert a["step_acc"] == b["step_acc"]
     s = trainer.train(online_setup, p.train, log=lambda *x: None)
     assert s["steps"] == 12
+
+
+def test_fp8_shards_train_as_bf16_shards_do(tmp_path, small_target):
+    """The same run on bf16 shards (the format every earlier run wrote, no scales) and on fp8 shards: both train,
+    the fp8 batches dequantize on the device, and the losses stay close."""
+    runs = {}
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn):
+        root = tmp_path / str(dtype).removeprefix("torch.")
+        run_dir = make_run(root, *small_target, {"max_tokens": 128 * 8, "eval_every": 8}, store_dtype=dtype)
+        p = load_params(params_file(root))
+        setup, _ = trainer.build_setup(p, run_dir)
+        before = trainer.evaluate(setup, 3, 3, "cpu")
+        runs[dtype] = (before, trainer.train(setup, p.train, log=lambda *a: None))
+    (b_bf16, s_bf16), (b_fp8, s_fp8) = runs.values()
+    assert s_bf16["steps"] == s_fp8["steps"] == 8
+    assert b_fp8["loss_per_step"] == pytest.approx(b_bf16["loss_per_step"], rel=0.02)
+    assert s_fp8["eval"]["loss_per_step"] == pytest.approx(s_bf16["eval"]["loss_per_step"], rel=0.05)
+
+
+def test_fp8_batches_carry_scales_and_dequantize_as_the_shards_read():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(7, 4 * 8, generator=g) * torch.logspace(-2, 2, 7)[:, None]
+    stored = store_states(x[:, :24], x[:, 24:], 3, torch.float8_e4m3fn)
+    seq = Sequence(
+        torch.arange(7),
+        torch.ones(7, dtype=torch.uint8),
+        stored["aux_hidden"],
+        stored["final_hidden"],
+        stored["aux_scale"],
+        stored["final_scale"],
+    )
+    b = make_batch(list(pack_rows(iter([seq]), 9)), 9)
+    assert b["aux"].dtype == torch.float8_e4m3fn and b["aux_scale"].shape == (1, 9, 3)
+    aux, final = batch_states(b, torch.float32)
+    want_aux, want_final = states(stored, dtype=torch.float32)
+    assert torch.equal(aux[0, :7], want_aux) and torch.equal(final[0, :7], want_final)
+    assert (aux[0, 7:] == 0).all() and (final[0, 7:] == 0).all()
+    torch.testing.assert_close(aux[0, :7], x[:, :24], rtol=2**-4, atol=0)
 
 
 def test_deepseek_v3_shaped_target_extracts_and_trains(tmp_path, embedded_cache):

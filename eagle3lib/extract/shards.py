@@ -7,6 +7,7 @@ Output, in one folder (docs/design.md §4):
     eagle3.json                 the target contract, written once, checked on resume
     manifest.json               shards in order: file, sha256, first_sequence, sequences, tokens, bytes
     shard_000000000.safetensors input_ids, loss_mask, aux_hidden [N,3H], final_hidden [N,H], seq_starts
+                                (store dtype float8_e4m3fn: also aux_scale [N,3], final_scale [N,1], float32)
 
 A shard holds whole sequences; its name is its first sequence's index. Shard
 boundaries and batches are a pure function of the sequence lengths, shard_max_tokens
@@ -40,6 +41,11 @@ FORMAT = "eagle3lib.hidden_states/1"
 MANIFEST = "manifest.json"
 CONTRACT = "eagle3.json"
 SHARD_KEYS = ("input_ids", "loss_mask", "aux_hidden", "final_hidden", "seq_starts")
+SCALE_KEYS = ("aux_scale", "final_scale")
+FP8 = torch.float8_e4m3fn
+# A per token and state scale keeps a token's state at e4m3's 3 mantissa bits whatever its magnitude (hidden
+# states differ in norm by orders of magnitude across tokens and layers); recorded in the manifest.
+FP8_SCALING = "float32 scale per token and state: amax / 448"
 
 
 class ShardError(RuntimeError):
@@ -54,8 +60,9 @@ class Capture(Protocol):
     with capture: ...                   an engine that can stays up across the extract_with calls inside
     session(tok, lengths, plan, out_dir)
                                         context manager around all shards of one call (engines start there)
-    shard(tok, lengths, first, end, store_dtype, bar)
-                                        -> (aux [n, k*H], final [n, H]) in store_dtype, in token order;
+    shard(tok, lengths, first, end, dtype, bar)
+                                        -> (aux [n, k*H], final [n, H]) in dtype (capture_dtype(store dtype)),
+                                        in token order, or store_states' dict made on the backend's device;
                                         new tensors each call (the writer thread still holds the last ones)
     stats()                             this call's backend figures (engine start, plain prefill, ...); its
                                         `excluded_s` is session time that is not capture (start-up, checks)
@@ -140,7 +147,55 @@ def plan_batches(lengths, seq_ids, batch_tokens):
 
 
 def bytes_per_token(hidden_size, store_dtype, n_aux=3):
-    return 4 + 1 + (n_aux + 1) * hidden_size * store_dtype.itemsize
+    scales = (n_aux + 1) * 4 if store_dtype == FP8 else 0
+    return 4 + 1 + (n_aux + 1) * hidden_size * store_dtype.itemsize + scales
+
+
+# ---------------------------------------------------------------------------
+# fp8 states
+
+
+def capture_dtype(store_dtype):
+    """The dtype a backend hands its states over in: the store dtype, or bf16 for fp8 (quantized by the writer)."""
+    return torch.bfloat16 if store_dtype == FP8 else store_dtype
+
+
+def quantize(x, states, chunk_rows=8192):
+    """x [n, states*H] -> (e4m3 [n, states*H], float32 scale [n, states]), each token's state scaled so that its
+    largest |value| is e4m3's largest. On x's device, chunk_rows rows at a time (the fp32 copy stays small)."""
+    n = x.shape[0]
+    q = torch.empty(x.shape, dtype=FP8, device=x.device)
+    scale = torch.empty(n, states, dtype=torch.float32, device=x.device)
+    for a in range(0, n, chunk_rows):
+        v = x[a : a + chunk_rows].float().unflatten(-1, (states, -1))
+        s = v.abs().amax(-1).clamp_min(torch.finfo(torch.float32).tiny) / torch.finfo(FP8).max
+        q[a : a + chunk_rows] = (v / s[..., None]).to(FP8).flatten(-2)
+        scale[a : a + chunk_rows] = s
+    return q, scale
+
+
+def dequantize(q, scale, dtype=torch.bfloat16):
+    """The inverse of quantize, for any leading shape: q [..., k*H] e4m3, scale [..., k] -> [..., k*H] dtype."""
+    k = scale.shape[-1]
+    return (q.unflatten(-1, (k, -1)).to(torch.float32) * scale[..., None]).flatten(-2).to(dtype)
+
+
+def store_states(aux, final, n_aux, store_dtype) -> dict:
+    """A shard's state tensors from a backend's aux [n, k*H] and final [n, H]: cast to the store dtype, or for
+    fp8 quantized with their scales. A backend may call this on its own device and hand the dict over."""
+    if store_dtype != FP8:
+        return {"aux_hidden": aux.to(store_dtype), "final_hidden": final.to(store_dtype)}
+    aux_q, aux_scale = quantize(aux, n_aux)
+    final_q, final_scale = quantize(final, 1)
+    return {"aux_hidden": aux_q, "final_hidden": final_q, "aux_scale": aux_scale, "final_scale": final_scale}
+
+
+def states(t: dict, a=0, b=None, dtype=torch.bfloat16):
+    """(aux, final) rows [a, b) of a shard's tensors in a compute dtype, dequantized where stored as fp8."""
+    aux, final = t["aux_hidden"][a:b], t["final_hidden"][a:b]
+    if "aux_scale" not in t:
+        return aux, final
+    return dequantize(aux, t["aux_scale"][a:b], dtype), dequantize(final, t["final_scale"][a:b], dtype)
 
 
 def default_shard_max_tokens(hidden_size, store_dtype, n_aux=3):
@@ -198,6 +253,7 @@ _SAFETENSORS_DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": FP8,
 }
 _ST_DTYPES = {dtype: name for name, dtype in _SAFETENSORS_DTYPES.items()}
 
@@ -220,12 +276,17 @@ def _safetensors_chunks(tensors, metadata):
         yield t.contiguous().reshape(-1).view(torch.uint8).numpy()  # a buffer, not a copy
 
 
+def shard_keys(tensors) -> tuple:
+    """The tensors a shard holds: SHARD_KEYS, and SCALE_KEYS when its states are fp8."""
+    return SHARD_KEYS + SCALE_KEYS if "aux_scale" in tensors else SHARD_KEYS
+
+
 def write_shard(out_dir, tensors, first_sequence, aux_layer_ids):
     """Write one shard atomically; return its manifest entry."""
     meta = {"format": FORMAT, "first_sequence": str(first_sequence), "aux_layer_ids": json.dumps(list(aux_layer_ids))}
     name = shard_name(first_sequence)
     sha, size = _atomic_write(
-        os.path.join(out_dir, name), _safetensors_chunks({k: tensors[k] for k in SHARD_KEYS}, meta)
+        os.path.join(out_dir, name), _safetensors_chunks({k: tensors[k] for k in shard_keys(tensors)}, meta)
     )
     return {
         "file": name,
@@ -279,8 +340,8 @@ def read_shard(path, expected_sha256=None):
         raise bad(f"not a readable safetensors file ({type(e).__name__}: {e})") from None
     if meta.get("format") != FORMAT or "first_sequence" not in meta:
         raise bad(f"metadata {meta} is not this format's (expected format={FORMAT!r} and first_sequence)")
-    if sorted(t) != sorted(SHARD_KEYS):
-        raise bad(f"tensors {sorted(t)}, expected {sorted(SHARD_KEYS)}")
+    if sorted(t) != sorted(shard_keys(t)):
+        raise bad(f"tensors {sorted(t)}, expected {sorted(shard_keys(t))}")
     ids, mask, aux, final, starts = (t[k] for k in SHARD_KEYS)
     n = ids.numel()
     want = {"input_ids": torch.int32, "loss_mask": torch.uint8, "seq_starts": torch.int64}
@@ -301,6 +362,13 @@ def read_shard(path, expected_sha256=None):
             f"aux_hidden {tuple(aux.shape)} {aux.dtype} / final_hidden {tuple(final.shape)} {final.dtype} "
             f"do not fit N={n} tokens (expected [N, k*H] and [N, H] of one dtype)"
         )
+    if (aux.dtype == FP8) != ("aux_scale" in t):
+        raise bad(f"states are {aux.dtype} with tensors {sorted(t)}: fp8 states need their scales, others none")
+    if "aux_scale" in t:
+        k = aux.shape[1] // final.shape[1]
+        for name, cols in (("aux_scale", k), ("final_scale", 1)):
+            if t[name].dtype != torch.float32 or tuple(t[name].shape) != (n, cols):
+                raise bad(f"{name} is {t[name].dtype} {tuple(t[name].shape)}, expected float32 ({n}, {cols})")
     if starts.numel() < 2 or starts[0] != 0 or starts[-1] != n or (starts[1:] <= starts[:-1]).any():
         raise bad(f"seq_starts {starts.tolist()[:8]}... is not increasing from 0 to N={n}")
     t["first_sequence"] = int(meta["first_sequence"])
@@ -418,6 +486,8 @@ def _start_manifest(out_dir, tok, aux_layer_ids, hidden_size, store_dtype, shard
         "aux_layer_ids": [int(i) for i in aux_layer_ids],
         "store_dtype": str(store_dtype).removeprefix("torch."),
     }
+    if store_dtype == FP8:  # absent from other manifests, so that bf16 folders of older runs still resume
+        want["state_scaling"] = FP8_SCALING
     manifest = load_manifest(out_dir)
     if manifest is None:
         manifest = dict(want, shard_max_tokens=shard_max_tokens, batch_tokens=batch_tokens, complete=False, shards=[])
@@ -438,20 +508,19 @@ def _start_manifest(out_dir, tok, aux_layer_ids, hidden_size, store_dtype, shard
     return manifest
 
 
-def shard_tensors(tok, first, end, aux, final):
-    """The tensors of the shard holding sequences [first, end), given their states in token order."""
+def shard_tensors(tok, first, end, stored: dict):
+    """The tensors of the shard holding sequences [first, end), given their states in token order (store_states)."""
     starts = tok["seq_starts"]
     base, n = int(starts[first]), int(starts[end] - starts[first])
-    if aux.shape[0] != n or final.shape[0] != n:
+    rows = {k: v.shape[0] for k, v in stored.items()}
+    if any(r != n for r in rows.values()):
         raise ValueError(
-            f"sequences {first}..{end - 1} have {n} tokens, the backend returned {aux.shape[0]} aux "
-            f"and {final.shape[0]} final rows; expected one row per token"
+            f"sequences {first}..{end - 1} have {n} tokens, the backend returned rows {rows}; expected one row per token"
         )
     return {
         "input_ids": tok["input_ids"][base : base + n].clone(),
         "loss_mask": tok["loss_mask"][base : base + n].clone(),
-        "aux_hidden": aux,
-        "final_hidden": final,
+        **{k: v.cpu() for k, v in stored.items()},
         "seq_starts": starts[first : end + 1] - base,
     }
 
@@ -543,8 +612,9 @@ def extract_with(
             pending = None
             for first, end in plan:
                 t = time.perf_counter()
-                aux, final = capture.shard(tok, lengths, first, end, store_dtype, bar)
-                tensors = shard_tensors(tok, first, end, aux.to(store_dtype), final.to(store_dtype))
+                got = capture.shard(tok, lengths, first, end, capture_dtype(store_dtype), bar)
+                stored = got if isinstance(got, dict) else store_states(*got, len(aux_layer_ids), store_dtype)
+                tensors = shard_tensors(tok, first, end, stored)
                 waits["capture_s"] += time.perf_counter() - t
                 if pending is not None:
                     listed(pending)
@@ -638,12 +708,13 @@ class ShardSet:
         return t
 
     def __iter__(self):
-        """Yield (input_ids, loss_mask, aux_hidden, final_hidden) per sequence, in input order."""
+        """Yield (input_ids, loss_mask, aux_hidden, final_hidden) per sequence, in input order; fp8 states
+        dequantized to bf16."""
         for i in range(len(self.shards)):
             t = self.load(i)
             st = t["seq_starts"].tolist()
             for a, b in zip(st[:-1], st[1:]):
-                yield t["input_ids"][a:b], t["loss_mask"][a:b], t["aux_hidden"][a:b], t["final_hidden"][a:b]
+                yield t["input_ids"][a:b], t["loss_mask"][a:b], *states(t, a, b)
 
     def verify_all(self) -> int:
         """Read every shard once (sha256 and shape checks); returns the number of sequences."""

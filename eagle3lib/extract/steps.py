@@ -61,7 +61,7 @@ def verify(out: Path, results: dict) -> None:
 
 def plan_text(p, contract: dict, tokens: int, free_bytes: int | None = None) -> str:
     """What 01_extract will write for `tokens` tokens: bytes on disk in the store dtype (4 states of H values a
-    token), against the free space, and the time at the capture rate last measured on this target with this
+    token, and fp8's scales), against the free space, and the time at the capture rate last measured on this target with this
     backend (any finished run under the same output_root)."""
     import shutil
 
@@ -83,9 +83,11 @@ def plan_text(p, contract: dict, tokens: int, free_bytes: int | None = None) -> 
         if rate
         else "no capture rate measured yet for this target and backend (the first run measures it)"
     )
+    states = len(contract["aux_layer_ids"]) + 1
+    scales = f" + {states} float32 scales" if dtype == shards.FP8 else ""
     text = (
-        f"01_extract plan ({p.extract.backend}): {tokens:,} tokens x {per:,} bytes (4 states of "
-        f"{contract['hidden_size']} in {p.extract.store_dtype}) = {need / 1e9:,.3f} GB on disk, "
+        f"01_extract plan ({p.extract.backend}): {tokens:,} tokens x {per:,} bytes ({states} states of "
+        f"{contract['hidden_size']} in {p.extract.store_dtype}{scales}) = {need / 1e9:,.3f} GB on disk, "
         f"{free / 1e9:,.1f} GB free; {when}"
     )
     if need > free:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from eagle3lib.extract.shards import dequantize
 from eagle3lib.train import TrainingError
 
 
@@ -22,6 +23,14 @@ class Sequence:
     loss_mask: torch.Tensor  # [n] uint8
     aux: torch.Tensor  # [n, 3H_t]
     final: torch.Tensor  # [n, H_t]
+    # fp8 shards: the states stay e4m3 up to the device (half the bytes to copy), with their scales
+    aux_scale: torch.Tensor | None = None  # [n, 3] float32
+    final_scale: torch.Tensor | None = None  # [n, 1]
+
+    def head(self, n: int) -> Sequence:
+        """The first n tokens."""
+        scales = (None, None) if self.aux_scale is None else (self.aux_scale[:n], self.final_scale[:n])
+        return Sequence(self.input_ids[:n], self.loss_mask[:n], self.aux[:n], self.final[:n], *scales)
 
 
 def pack_rows(sequences: Iterator[Sequence], max_seq_len: int) -> Iterator[list[Sequence]]:
@@ -34,7 +43,7 @@ def pack_rows(sequences: Iterator[Sequence], max_seq_len: int) -> Iterator[list[
         if row and used + n > max_seq_len:
             yield row
             row, used = [], 0
-        row.append(Sequence(seq.input_ids[:n], seq.loss_mask[:n], seq.aux[:n], seq.final[:n]))
+        row.append(seq.head(n))
         used += n
     if row:
         yield row
@@ -54,26 +63,33 @@ def make_batch(rows: list[list[Sequence]], length: int) -> dict:
         "aux": torch.empty(b, length, first.aux.shape[-1], dtype=first.aux.dtype),
         "final": torch.empty(b, length, first.final.shape[-1], dtype=first.final.dtype),
     }
+    keys = ["input_ids", "loss_mask", "aux", "final"]
+    if first.aux_scale is not None:
+        for key in ("aux_scale", "final_scale"):
+            batch[key] = torch.zeros(b, length, getattr(first, key).shape[-1])
+        keys += ["aux_scale", "final_scale"]
     tokens = 0
     for r, row in enumerate(rows):
         at = 0
         for d, s in enumerate(row):
             n = len(s.input_ids)
-            for key, value in (
-                ("input_ids", s.input_ids),
-                ("loss_mask", s.loss_mask),
-                ("aux", s.aux),
-                ("final", s.final),
-            ):
-                batch[key][r, at : at + n] = value
+            for key in keys:
+                batch[key][r, at : at + n] = getattr(s, key)
             batch["doc_ids"][r, at : at + n] = d
             batch["position_ids"][r, at : at + n] = torch.arange(n)
             at += n
-        batch["aux"][r, at:] = 0
+        batch["aux"][r, at:] = 0  # fp8 too: its 0 is all-zero bits
         batch["final"][r, at:] = 0
         tokens += at
     batch["tokens"] = tokens
     return batch
+
+
+def batch_states(batch: dict, dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux, final) of a micro-batch in dtype, dequantized on its device when they came from fp8 shards."""
+    if "aux_scale" not in batch:
+        return batch["aux"].to(dtype), batch["final"].to(dtype)
+    return dequantize(batch["aux"], batch["aux_scale"], dtype), dequantize(batch["final"], batch["final_scale"], dtype)
 
 
 def epoch_order(num_items: int, seed: int, epoch: int) -> list[int]:
@@ -99,7 +115,10 @@ def shard_sequences(shards, seed: int, epoch: int, shuffle: bool = True, prefetc
             if shuffle:
                 random.Random(seed * 7919 + epoch * 31 + i).shuffle(spans)
             for a, b in spans:
-                yield Sequence(t["input_ids"][a:b], t["loss_mask"][a:b], t["aux_hidden"][a:b], t["final_hidden"][a:b])
+                scales = (t["aux_scale"][a:b], t["final_scale"][a:b]) if "aux_scale" in t else ()
+                yield Sequence(
+                    t["input_ids"][a:b], t["loss_mask"][a:b], t["aux_hidden"][a:b], t["final_hidden"][a:b], *scales
+                )
 
 
 def online_sequences(model, tokens: dict, aux_layer_ids, seed: int, epoch: int, shuffle: bool = True):

@@ -30,7 +30,14 @@ import torch.nn.functional as F
 from eagle3lib import hardware
 from eagle3lib.drafter import Drafter, DrafterConfig
 from eagle3lib.train import TrainingError
-from eagle3lib.train.batches import make_batch, micro_batches, online_sequences, pack_rows, shard_sequences
+from eagle3lib.train.batches import (
+    batch_states,
+    make_batch,
+    micro_batches,
+    online_sequences,
+    pack_rows,
+    shard_sequences,
+)
 from eagle3lib.train.checkpoint import (
     CHECKPOINTS,
     latest_checkpoint,
@@ -87,7 +94,7 @@ def ttt_loss_sums(
     fused_loss: the loss's per-chunk kernel compiled (default: on CUDA; loss.chunk_kernel)."""
     ids, docs = batch["input_ids"], batch["doc_ids"]
     dtype = drafter.fc.weight.dtype
-    aux, final = batch["aux"].to(dtype), batch["final"].to(dtype)
+    aux, final = batch_states(batch, dtype)
     compute = compute_dtype(aux.device.type, dtype)
     with torch.no_grad():
         probs = target_probs(final, head_full[drafter.t2d].to(compute), compute)  # [B·T, V_draft]
