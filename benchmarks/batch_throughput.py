@@ -3,12 +3,14 @@
     python benchmarks/batch_throughput.py                       # SmolLM2-135M's widths, as params/tiny-h200.yaml trains
     python benchmarks/batch_throughput.py --hidden 4096 --tokens 400000 --max-seq-len 8192 --batch-rows 1
 
-Writes synthetic shards (random lengths, bf16 states) to a temp folder, then times
-train.micro_batches over them: tokens/s and bytes/s of finished micro-batches, for the batches made
+Writes synthetic shards (random lengths; the states in each --store-dtypes, from the same values) to a temp
+folder, then times train.micro_batches over them: tokens/s and bytes/s of finished micro-batches, for the batches made
 in the training thread (--batch-prefetch 0) and in a background thread (train.batch_prefetch), each
 with shard prefetching as train.prefetch_shards sets it. --step-ms stands in for a GPU training step
 (the host thread sleeps, as it waits on the GPU): then data_wait_s is the time the step loop waited for
 batches, as the trainer's summary reports it (an H200 ran SmolLM2's drafter at ~0.1 s a step).
+fp8 batches stay e4m3 up to the training device, which dequantizes them (train.batches.batch_states);
+dequant_ms_per_1k_tokens is that step's cost on this CPU, for a CPU-only run.
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ from types import SimpleNamespace
 import torch
 
 import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
-from eagle3lib.extract.shards import FORMAT, MANIFEST, ShardSet, write_shard
-from eagle3lib.train.batches import micro_batches, shard_sequences
+from eagle3lib.extract.shards import FORMAT, MANIFEST, ShardSet, store_states, write_shard
+from eagle3lib.target import torch_dtype
+from eagle3lib.train.batches import batch_states, micro_batches, shard_sequences
 
 
-def write_synthetic_shards(out_dir: str, tokens: int, hidden: int, shard_tokens: int, seed: int = 0) -> int:
+def write_synthetic_shards(
+    out_dir: str, tokens: int, hidden: int, shard_tokens: int, store_dtype=torch.bfloat16, seed: int = 0
+) -> int:
     g = torch.Generator().manual_seed(seed)
     lengths = []
     while sum(lengths) < tokens:
@@ -42,8 +47,9 @@ def write_synthetic_shards(out_dir: str, tokens: int, hidden: int, shard_tokens:
         tensors = {
             "input_ids": torch.randint(0, 49152, (n,), dtype=torch.int32, generator=g),
             "loss_mask": torch.ones(n, dtype=torch.uint8),
-            "aux_hidden": torch.randn(n, 3 * hidden, generator=g).to(torch.bfloat16),
-            "final_hidden": torch.randn(n, hidden, generator=g).to(torch.bfloat16),
+            **store_states(
+                torch.randn(n, 3 * hidden, generator=g), torch.randn(n, hidden, generator=g), 3, store_dtype
+            ),
             "seq_starts": starts,
         }
         entries.append(write_shard(out_dir, tensors, first, [1, 2, 3]))
@@ -54,7 +60,7 @@ def write_synthetic_shards(out_dir: str, tokens: int, hidden: int, shard_tokens:
         "num_tokens": at,
         "hidden_size": hidden,
         "aux_layer_ids": [1, 2, 3],
-        "store_dtype": "bfloat16",
+        "store_dtype": str(store_dtype).removeprefix("torch."),
         "complete": True,
         "shards": entries,
     }
@@ -78,7 +84,7 @@ def measure(
         lambda epoch: shard_sequences(shards, 0, epoch, prefetch=prefetch_shards), train_params, 0, 0
     )
     tokens = nbytes = 0
-    wait = 0.0
+    wait = dequant = 0.0
     start = time.perf_counter()
     try:
         while True:
@@ -89,6 +95,10 @@ def measure(
                 break
             tokens += mb["tokens"]
             nbytes += sum(v.numel() * v.element_size() for v in mb.values() if torch.is_tensor(v))
+            if "aux_scale" in mb and dequant == 0.0:  # once: the trainer does this on its device
+                t = time.perf_counter()
+                batch_states(mb, torch.bfloat16)
+                dequant = (time.perf_counter() - t) / mb["input_ids"].numel() * 1e6
             time.sleep(step_ms / 1e3)
     finally:
         stream.close()
@@ -102,6 +112,7 @@ def measure(
         "tokens_per_s": round(tokens / s),
         "batch_MB_per_s": round(nbytes / s / 1e6),
         "data_wait_s": round(wait, 2),
+        "dequant_ms_per_1k_tokens": round(dequant, 3) if dequant else None,
     }
 
 
@@ -117,35 +128,35 @@ def main():
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--prefetch-shards", type=int, default=2)
     ap.add_argument("--step-ms", type=float, default=0.0, help="a stand-in training step per micro-batch (sleep)")
+    ap.add_argument("--store-dtypes", nargs="+", default=["bfloat16", "float8_e4m3fn"], help="compared in this run")
     args = ap.parse_args()
+    first = {}
+    for name in args.store_dtypes:
+        for r in run(args, torch_dtype(name)):
+            key = r.get("batch_prefetch")
+            if key is not None:
+                first.setdefault(key, r["tokens_per_s"])
+                r["vs_first_dtype"] = round(r["tokens_per_s"] / first[key], 3)
+            print(json.dumps(r), flush=True)
+
+
+def run(args, store_dtype):
+    """The header line, then one measurement per batch_prefetch, of shards in store_dtype."""
     with tempfile.TemporaryDirectory() as d:
-        total = write_synthetic_shards(d, args.tokens, args.hidden, args.shard_tokens)
-        print(
-            json.dumps(
-                {
-                    "tokens_per_epoch": total,
-                    "shards": len(ShardSet(d).shards),
-                    "hidden": args.hidden,
-                    "max_seq_len": args.max_seq_len,
-                    "batch_rows": args.batch_rows,
-                }
-            ),
-            flush=True,
-        )
+        total = write_synthetic_shards(d, args.tokens, args.hidden, args.shard_tokens, store_dtype)
+        shards = ShardSet(d)
+        yield {
+            "store_dtype": str(store_dtype).removeprefix("torch."),
+            "tokens_per_epoch": total,
+            "shards": len(shards.shards),
+            "bytes_per_token": round(sum(e["bytes"] for e in shards.shards) / total, 1),
+            "hidden": args.hidden,
+            "max_seq_len": args.max_seq_len,
+            "batch_rows": args.batch_rows,
+        }
         for batch_prefetch in (0, 2):
-            print(
-                json.dumps(
-                    measure(
-                        d,
-                        args.max_seq_len,
-                        args.batch_rows,
-                        args.prefetch_shards,
-                        batch_prefetch,
-                        args.epochs,
-                        args.step_ms,
-                    )
-                ),
-                flush=True,
+            yield {"store_dtype": str(store_dtype).removeprefix("torch.")} | measure(
+                d, args.max_seq_len, args.batch_rows, args.prefetch_shards, batch_prefetch, args.epochs, args.step_ms
             )
 
 

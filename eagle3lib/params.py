@@ -102,6 +102,8 @@ EXTRACT_BACKENDS = {
     "hf": "one Hugging Face forward per batch in this process (the default and the reference)",
     "vllm": "vLLM's extract_hidden_states speculative method in engine.python (CPU build here; tensor parallel on GPUs)",
     "sglang": "an SGLang server returning hidden states (GPU hosts; two passes: final state, then the aux states)",
+    "sglang_inprocess": "SGLang's model runner in SGLang's interpreter, one prefill per token, tensors straight "
+    "to the shards (GPU hosts; tensor parallel with --tp in engine.extra_args)",
 }
 
 

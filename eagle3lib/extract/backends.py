@@ -1,4 +1,4 @@
-"""01_extract's backends (extract.backend: hf | vllm | sglang) behind the few calls the stage notebook makes.
+"""01_extract's backends (extract.backend: hf | vllm | sglang | sglang_inprocess) behind the few calls the stage notebook makes.
 
     s = backends.setup(p)                                # target folder, aux ids, contract (+ the model for hf)
     capture = backends.make_capture(p, s, log_dir=out)
@@ -86,15 +86,31 @@ def engine_settings(p, engine: str) -> dict:
 
 
 def make_capture(p, s: dict, log_dir=None):
-    """The backend's shards.Capture (hf.HFCapture / vllm.VLLMCapture / sglang.SGLangCapture)."""
+    """The backend's shards.Capture (hf.HFCapture / vllm.VLLMCapture / sglang.SGLangCapture), or for
+    sglang_inprocess the handle that runs extract_with inside SGLang's interpreter (SGLangInProcess)."""
     backend = p.extract.backend
     if backend == "hf":
         return hf.HFCapture(s["model"], s["aux_ids"], p.extract.batch_tokens)
-    e = engine_settings(p, backend)
+    engine = "sglang" if backend == "sglang_inprocess" else backend
+    e = engine_settings(p, engine)
     if e["python"] is None:
         raise FileNotFoundError(
-            f"extract.backend is {backend!r} but no interpreter with {backend} was found: set "
-            f"engine.name: {backend} and engine.python, or build .venv-{backend} (make {backend}-env)"
+            f"extract.backend is {backend!r} but no interpreter with {engine} was found: set "
+            f"engine.name: {engine} and engine.python, or build .venv-{engine} (make {engine}-env)"
+        )
+    if backend == "sglang_inprocess":
+        from eagle3lib.extract.sglang_inprocess import SGLangInProcess
+
+        return SGLangInProcess(
+            s["target_dir"],
+            s["aux_ids"],
+            python=e["python"],
+            dtype=p.target.dtype,
+            extra_args=e["extra_args"],
+            env=e["env"],
+            log_dir=log_dir,
+            batch_tokens=p.extract.batch_tokens,
+            plain_batches=p.extract.forward_benchmark_batches,
         )
     if backend == "vllm":
         from eagle3lib.extract.vllm import VLLMCapture
@@ -144,7 +160,8 @@ def plain_prefill_tokens_per_s(p, s: dict, capture, tokens, result: dict | None,
         return hf.measure_forward_tokens_per_s(s["model"], batches[:n])
     if result and result.get("plain_prefill_tokens_per_s"):
         return result["plain_prefill_tokens_per_s"]
-    if len(batches) < 2:
+    if len(batches) < 2 or p.extract.backend == "sglang_inprocess":  # it measures inside its own run or not at all
+        return None
         return None
     tok = shards.as_token_tensors(tokens)
     seqs = [q for b in batches for q in b[0]]

@@ -25,6 +25,10 @@ def extract_splits(p, setup: dict, capture, prep_dir: Path, out: Path) -> dict:
     """extract.splits' tokens (prep_dir/<split>.safetensors) through `capture` into out/<split>/ shards, one
     after the other with the capture open once (an engine that can stays up for all splits); {split: result}."""
     results = {}
+    if hasattr(capture, "extract_splits"):  # sglang_inprocess: extract_with runs in SGLang's interpreter
+        files = {s: (Path(prep_dir) / f"{s}.safetensors", Path(out) / s) for s in p.extract.splits}
+        shard_max = p.extract.shard_max_tokens
+        return capture.extract_splits(files, setup["contract"], p.extract.store_dtype, shard_max)
     with capture:
         for split in p.extract.splits:
             results[split] = shards.extract_with(
