@@ -28,7 +28,7 @@ run: setup vllm-env sglang-env
 	$(BIN)/python -m eagle3lib run $(PARAMS)
 
 # The engine environments let the tests run the real vLLM/SGLang load-back gates; Chromium checks the reports.
-test: lint vllm-env sglang-env browser fp8-site
+test: lint vllm-env sglang-env speculators-env browser fp8-site
 	$(BIN)/python -m pytest -q -ra --durations=15 tests
 
 # ruff's lint and format check over the library, tests, benchmarks and notebooks (config in pyproject.toml).
@@ -93,3 +93,20 @@ $(SGLANG_VENV)/.installed:
 
 engine-check: setup vllm-env sglang-env
 	$(BIN)/python -m pytest -q -ra tests/test_export.py
+
+# make speculators-env: .venv-speculators with speculators 0.9.0, which writes the speculators checkpoint that
+# tests/test_convert_foreign.py converts (it pins transformers <= 5.19, older than .venv's; CPU torch from disk).
+SPECULATORS_VENV := .venv-speculators
+
+.PHONY: speculators-env
+
+speculators-env: $(SPECULATORS_VENV)/.installed
+
+$(SPECULATORS_VENV)/.installed:
+	test -x $(SPECULATORS_VENV)/bin/python || $(PYTHON) -m venv $(SPECULATORS_VENV)
+	$(SPECULATORS_VENV)/bin/pip install -q torch==2.13.0
+	printf 'torch==2.13.0\n' > $(SPECULATORS_VENV)/constraints.txt
+	$(SPECULATORS_VENV)/bin/pip install -q -c $(SPECULATORS_VENV)/constraints.txt speculators==0.9.0
+	# it drags in PyPI's torchvision/torchaudio, which break `import transformers` beside the CPU torch (it uses neither)
+	$(SPECULATORS_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	touch $@

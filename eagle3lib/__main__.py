@@ -42,12 +42,21 @@ def main(argv: list[str] | None = None) -> int:
     convert.add_argument("checkpoint", help="canonical, speculators or EAGLE/SpecForge checkpoint folder")
     convert.add_argument("--to", required=True, choices=["sglang", "vllm", "speculators"])
     convert.add_argument("--out", required=True, help="output folder")
-    convert.add_argument("--target", help="refuse unless this target matches the checkpoint's contract")
+    convert.add_argument(
+        "--target",
+        help="the target the drafter was trained for (folder or hub id): refused unless it matches the checkpoint's "
+        "eagle3.json; for a checkpoint without one (speculators, EAGLE/SpecForge) the contract is built from it and "
+        "written into the output",
+    )
 
     verify = sub.add_parser("verify", help="load-back gate: exit 0 only when the engine would load the export")
     verify.add_argument("folder")
     verify.add_argument("--engine", required=True, choices=["vllm", "sglang"])
-    verify.add_argument("--target", help="target to serve with (default: the contract's)")
+    verify.add_argument(
+        "--target",
+        help="target to serve with (default: the contract's); needed for a folder without eagle3.json, whose "
+        "contract is built from it",
+    )
     verify.add_argument("--python", help="interpreter with the engine (default: .venv-<engine>/bin/python)")
 
     args = parser.parse_args(argv)

@@ -19,7 +19,7 @@ import torch
 from safetensors import safe_open
 
 from eagle3lib.drafter import ARCHITECTURE
-from eagle3lib.target import AUX_LAYER_ID_CONVENTION, CONTRACT_FILE, read_contract
+from eagle3lib.target import AUX_LAYER_ID_CONVENTION, CONTRACT_FILE, check_aux_layer_ids, read_contract
 
 LAYOUTS = ("canonical", "speculators", "specforge")
 WEIGHTS = "model.safetensors"
@@ -102,13 +102,46 @@ def detect_layout(folder) -> str:
     )
 
 
+def engine_aux_ids(config: dict, architecture: str | None = None, num_layers: int = 0) -> dict[str, list[int]]:
+    """The target layers (HF hidden_states indices) each engine captures for a drafter config, for each copy of
+    the ids it has: vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` (HF indices, as speculators writes
+    them), SGLang 0.5.17 reads `eagle_config`'s through the target class's rule (aux_ids.sglang_captured_ids)."""
+    from eagle3lib.aux_ids import sglang_captured_ids
+
+    out = {}
+    if config.get("eagle_aux_hidden_state_layer_ids") is not None:
+        out["vLLM"] = [int(i) for i in config["eagle_aux_hidden_state_layer_ids"]]
+    ids = (config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids is not None:
+        out["SGLang"] = sglang_captured_ids(ids, architecture, num_layers)
+    return out
+
+
+def aux_copies_disagree(config: dict, architecture: str | None = None, num_layers: int = 0) -> str | None:
+    """What is wrong when config.json's two copies of the aux ids make vLLM and SGLang capture different target
+    layers, else None."""
+    captured = engine_aux_ids(config, architecture, num_layers)
+    if len(captured) < 2 or captured["vLLM"] == captured["SGLang"]:
+        return None
+    return (
+        f"config.json's two copies of the aux ids disagree: vLLM reads eagle_aux_hidden_state_layer_ids and "
+        f"captures HF hidden_states {captured['vLLM']}; SGLang reads eagle_config.eagle_aux_hidden_state_layer_ids "
+        f"{config['eagle_config']['eagle_aux_hidden_state_layer_ids']} and captures {captured['SGLang']} on a "
+        f"{architecture or 'Llama-like'} target, so the same folder serves other layers in each engine. Re-export "
+        "it with `python -m eagle3lib convert`, or correct the copy that is not the layers the drafter was trained on."
+    )
+
+
 def _aux_ids_from_config(config: dict, architecture: str | None = None, num_layers: int = 0) -> list[int] | None:
     """Aux ids in OUR convention from any of the layouts' configs, or None when the config has none. SGLang's
     ids (EAGLE/SpecForge checkpoints, our SGLang export) mean what SGLang 0.5.17 captures for them on the
     target's class (`architecture`): +1 on Llama-like targets, as they are on DeepSeek-V3 and Kimi-K2.5
-    unless the first is 1."""
+    unless the first is 1. Refused when the config's two copies disagree (aux_copies_disagree)."""
     from eagle3lib.aux_ids import sglang_captured_ids
 
+    problem = aux_copies_disagree(config, architecture, num_layers)
+    if problem:
+        raise ValueError(problem)
     eagle = config.get("eagle_config") or {}
     ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     convention = eagle.get("aux_layer_id_convention")
@@ -161,11 +194,13 @@ def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dic
     src_dir = Path(src_dir)
     layout = detect_layout(src_dir)
     config, tensors = read_config(src_dir), read_tensors(src_dir)
-    if contract is None:
+    own = contract is None
+    if own:
         if not (src_dir / CONTRACT_FILE).is_file():
             raise FileNotFoundError(
-                f"{src_dir} has no {CONTRACT_FILE} (target contract) and none was passed. Pass "
-                "contract=target.make_contract(...) for the target this drafter was trained for."
+                f"{src_dir} ({layout} layout) has no {CONTRACT_FILE} (target contract): pass --target TARGET_DIR, "
+                "the target this drafter was trained for (a Hugging Face folder or hub id; target= in Python), and "
+                "the contract is built from it."
             )
         contract = read_contract(src_dir)
     contract = dict(contract)
@@ -237,13 +272,27 @@ def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dic
         "hidden_size": int(target_hidden),
         "vocab_size": llama.get("vocab_size"),
     }
+    who, whose = ("contract", "its contract") if own else ("target", f"target {contract.get('target')!r}")
     bad = [
-        f"{k}: contract {contract[k]!r}, checkpoint {v!r}" for k, v in found.items() if contract.get(k) not in (None, v)
+        f"{k}: {who} {contract[k]!r}, checkpoint {v!r}" for k, v in found.items() if contract.get(k) not in (None, v)
     ]
-    if bad:
+    if own and bad:
         raise ValueError(
             f"{src_dir}: the checkpoint does not match its contract ({'; '.join(bad)}). It was changed "
             "after training or the contract belongs to another drafter; re-export from the trained checkpoint."
+        )
+    if contract.get("num_layers"):
+        try:
+            check_aux_layer_ids(aux, contract["num_layers"])
+        except ValueError:
+            bad.append(
+                f"aux_layer_ids: the checkpoint reads target layers {aux} (HF hidden_states indexing), the "
+                f"{who} has {contract['num_layers']} layers (aux layers lie in 1..{contract['num_layers'] - 1})"
+            )
+    if bad:
+        raise ValueError(
+            f"{src_dir} ({layout} layout) does not fit {whose} ({'; '.join(bad)}). Give the target this drafter "
+            "was trained for."
         )
     contract.update(found, aux_layer_ids=aux, aux_layer_id_convention=AUX_LAYER_ID_CONVENTION)
     out = {n: renamed[n] for n in CANONICAL_TENSORS}

@@ -90,7 +90,8 @@ def test_exports_carry_contract_and_engine_conventions(ckpt, exports):
     names = load_file(str(exports["sglang"] / "model.safetensors")).keys()
     assert any(n.startswith("midlayer.") for n in names) and not any(n.startswith("layers.") for n in names)
     vl = json.loads((exports["vllm"] / "config.json").read_text())
-    assert vl["eagle_aux_hidden_state_layer_ids"] == AUX == vl["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert vl["eagle_aux_hidden_state_layer_ids"] == AUX  # vLLM's copy; eagle_config's is SGLang's, in its convention
+    assert vl["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [i - 1 for i in AUX]
     sp = json.loads((exports["speculators"] / "config.json").read_text())
     assert sp["speculators_model_type"] == "eagle3" and sp["eagle_aux_hidden_state_layer_ids"] == AUX
     assert sp["norm_before_residual"] is False and "transformer_layer_config" in sp

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3lib.convert.layouts import check_target
+from eagle3lib.convert.layouts import check_target, read_checkpoint
 from eagle3lib.drafter import ARCHITECTURE
-from eagle3lib.drafter_formats import VARIANT_FLAGS, read_config, read_tensors
+from eagle3lib.drafter_formats import VARIANT_FLAGS, aux_copies_disagree, read_config, read_tensors
 from eagle3lib.engines.interpreter import engine_python, run_inside
 from eagle3lib.engines.sglang import SGLANG_VERSION, sglang_captured_ids
 from eagle3lib.engines.sglang import preflight as sglang_preflight
@@ -210,16 +210,23 @@ def verify(folder, engine: str, target=None, cache_dir=None, python=None, depth:
     if engine not in ("sglang", "vllm"):
         raise ValueError(f"Expected engine 'sglang' or 'vllm', found {engine!r}.")
     folder = Path(folder).resolve()
-    contract = read_contract(folder)
     from eagle3lib.target import resolve_target
 
     cache = Path(cache_dir or default_cache_dir())
     problems = []
-    if target is not None:
-        try:
-            check_target(contract, target, cache)
-        except ValueError as e:
-            problems.append(str(e))
+    own = (folder / CONTRACT_FILE).is_file()
+    if own:
+        contract = read_contract(folder)
+        if target is not None:
+            try:
+                check_target(contract, target, cache)
+            except ValueError as e:
+                problems.append(str(e))
+    else:  # a foreign checkpoint: its contract from the target it was trained for (raises naming --target without)
+        contract = read_checkpoint(folder, target, cache)[2]
+    config = read_config(folder)
+    copies = aux_copies_disagree(config, contract.get("target_architecture"), contract.get("num_layers") or 0)
+    problems += [copies] if copies else []
     target_dir = resolve_target(str(target if target is not None else contract["target"]), cache)
     py = engine_python(engine, python)
     if engine == "sglang":
@@ -232,7 +239,8 @@ def verify(folder, engine: str, target=None, cache_dir=None, python=None, depth:
             ]
         else:
             # SGLang's own reading of the launch: its flags, and the layers it will capture from the export's ids.
-            resolved = sglang_preflight(target_dir, folder, depth, py, raises=False)  # ids: the folder's contract
+            ids = None if own else contract["aux_layer_ids"]  # None: the folder's own contract
+            resolved = sglang_preflight(target_dir, folder, depth, py, aux_layer_ids=ids, raises=False)
             report["server_args"] = resolved
             seen = any(p.startswith("SGLang will capture") for p in report["problems"])  # the name gate's finding
             report["problems"] += [

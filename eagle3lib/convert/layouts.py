@@ -23,18 +23,24 @@ import json
 import os
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 from safetensors.torch import save_file
 
-from eagle3lib.drafter_formats import WEIGHTS, llama_fields, to_canonical
+from eagle3lib.drafter_formats import WEIGHTS, llama_fields, read_config, to_canonical
 from eagle3lib.engines.sglang import SGLANG_CONVENTION, sglang_config_ids
 from eagle3lib.target import (
     CONTRACT_FILE,
     default_cache_dir,
+    load_config,
+    load_tokenizer,
+    make_contract,
+    resolve_target,
     target_fingerprint,
 )
 
 ENGINES = ("sglang", "vllm", "speculators")
+NO_TOKENIZER = SimpleNamespace(chat_template=None)  # a target without one: its contract has no chat-template hash
 SPECULATORS_VERSION = "0.3.0"
 
 
@@ -59,13 +65,54 @@ def _write_folder(out_dir, config: dict, tensors: dict, contract: dict) -> Path:
 # ----------------------------------------------------------------------------- imports ----
 
 
-def import_checkpoint(src_dir, out_dir, contract: dict | None = None) -> Path:
+def import_checkpoint(src_dir, out_dir, contract: dict | None = None, target=None, cache_dir=None) -> Path:
     """Read a canonical, vLLM, speculators or EAGLE/SpecForge (midlayer.*) checkpoint into the canonical form.
 
     Tensors keep their bytes (names only change; embed_tokens, which the engines take from the target,
-    is dropped). The contract is src/eagle3.json, else `contract` (from the stage that knows the target).
+    is dropped). The contract is `contract` (from the stage that knows the target), else src/eagle3.json, else
+    built from `target` (target_contract).
     """
-    return _write_folder(out_dir, *to_canonical(src_dir, contract))
+    if contract is not None:
+        return _write_folder(out_dir, *to_canonical(src_dir, contract))
+    return _write_folder(out_dir, *read_checkpoint(src_dir, target, cache_dir))
+
+
+def target_contract(target, checkpoint_dir, cache_dir=None) -> dict:
+    """The contract of a checkpoint that has no eagle3.json (speculators, EAGLE/SpecForge, TorchSpec), built from
+    `target` (name, folder or hub id), the target it was trained for: fingerprint, architecture, hidden size,
+    vocabulary and layer count from its config, the chat-template hash from its tokenizer where it has one (else
+    None: not checked). The aux ids are left to the checkpoint's own config, translated from its format's
+    convention by drafter_formats.to_canonical, which also refuses a target the drafter does not fit."""
+    where = resolve_target(str(target), Path(cache_dir or default_cache_dir()))
+    config = load_config(where)
+    try:
+        tokenizer = load_tokenizer(where)
+    except (OSError, ValueError, TypeError):  # a target folder without tokenizer files
+        tokenizer = None
+    name = str(Path(target).resolve()) if Path(target).is_dir() else str(target)  # later steps read it back
+    placeholder = [1, 2, 3]  # valid on any target of 4+ layers; replaced below by the checkpoint's own ids
+    contract = make_contract(
+        name, SimpleNamespace(config=config), NO_TOKENIZER if tokenizer is None else tokenizer, placeholder, "float32"
+    )
+    drafter = read_config(checkpoint_dir)
+    layer = drafter.get("transformer_layer_config") or {}
+    contract.update(
+        aux_layer_ids=None,
+        dtype=drafter.get("torch_dtype") or drafter.get("dtype") or layer.get("torch_dtype") or layer.get("dtype"),
+        chat_template_hash=None if tokenizer is None else contract["chat_template_hash"],
+    )
+    return contract
+
+
+def read_checkpoint(checkpoint_dir, target=None, cache_dir=None) -> tuple[dict, dict, dict]:
+    """(canonical config, tensors, contract) of a checkpoint of any layout we read: with its own eagle3.json, which
+    `target` (when given) must match (check_target); without one, with the contract built from `target`."""
+    if target is None or (Path(checkpoint_dir) / CONTRACT_FILE).is_file():
+        config, tensors, contract = to_canonical(checkpoint_dir)  # without either: says to pass --target
+        if target is not None:
+            check_target(contract, target, cache_dir)
+        return config, tensors, contract
+    return to_canonical(checkpoint_dir, target_contract(target, checkpoint_dir, cache_dir))
 
 
 # ----------------------------------------------------------------------------- exports ----
@@ -73,8 +120,6 @@ def import_checkpoint(src_dir, out_dir, contract: dict | None = None) -> Path:
 
 def check_target(contract: dict, target, cache_dir=None) -> None:
     """Refuse when `target` (name, folder or hub id) is not the target the contract names."""
-    from eagle3lib.target import load_config, resolve_target
-
     cache_dir = cache_dir or default_cache_dir()
     found = target_fingerprint(load_config(resolve_target(str(target), Path(cache_dir))))
     want = contract.get("target_fingerprint")
@@ -89,14 +134,13 @@ def check_target(contract: dict, target, cache_dir=None) -> None:
 def export(checkpoint_dir, engine: str, out_dir, target=None, cache_dir=None, depth: int = 3) -> Path:
     """Write the `engine` layout of a checkpoint (any layout import_checkpoint reads) to out_dir.
 
-    `target` (optional): refuse unless its config fingerprint equals the contract's.
+    `target` (optional): refuse unless its config fingerprint equals the contract's; for a checkpoint without
+        eagle3.json, the target it was trained for, whose contract (target_contract) the export carries.
     `depth`: speculative tokens recorded in the speculators config (vLLM reads it as the default).
     """
     if engine not in ENGINES:
         raise ValueError(f"Expected engine one of {ENGINES}, found {engine!r}.")
-    config, tensors, contract = to_canonical(checkpoint_dir)
-    if target is not None:
-        check_target(contract, target, cache_dir)
+    config, tensors, contract = read_checkpoint(checkpoint_dir, target, cache_dir)
     aux = contract["aux_layer_ids"]
 
     if engine == "sglang":
@@ -114,6 +158,15 @@ def export(checkpoint_dir, engine: str, out_dir, target=None, cache_dir=None, de
     elif engine == "vllm":
         cfg = copy.deepcopy(config)
         cfg["eagle_aux_hidden_state_layer_ids"] = list(aux)
+        # eagle_config is the copy SGLang reads: in its convention, so that the folder serves the same layers there
+        try:
+            cfg["eagle_config"].update(
+                eagle_aux_hidden_state_layer_ids=sglang_config_ids(aux, contract.get("target_architecture")),
+                aux_layer_id_convention=SGLANG_CONVENTION,
+            )
+        except ValueError:  # layers SGLang cannot capture on this target: only vLLM's copy
+            for key in ("eagle_aux_hidden_state_layer_ids", "aux_layer_id_convention"):
+                cfg["eagle_config"].pop(key)
         out = dict(tensors)
     else:
         llama = llama_fields(config)
