@@ -197,10 +197,11 @@ def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dic
     own = contract is None
     if own:
         if not (src_dir / CONTRACT_FILE).is_file():
+            verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
             raise FileNotFoundError(
                 f"{src_dir} ({layout} layout) has no {CONTRACT_FILE} (target contract): pass --target TARGET_DIR, "
                 "the target this drafter was trained for (a Hugging Face folder or hub id; target= in Python), and "
-                "the contract is built from it."
+                "the contract is built from it." + (f" Its config names the verifier {verifier!r}." if verifier else "")
             )
         contract = read_contract(src_dir)
     contract = dict(contract)

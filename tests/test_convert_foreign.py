@@ -145,6 +145,7 @@ def converted_and_gated(capsys, checkpoint: Path, target: Path, out: Path, aux: 
 def test_speculators_checkpoint_converts_from_the_command_line(speculators_checkpoint, llama_target, tmp_path, capsys):
     rc, _, err = run_cli(capsys, "convert", speculators_checkpoint, "--to", "vllm", "--out", tmp_path / "x")
     assert rc == 2 and "pass --target TARGET_DIR" in err and "make_contract" not in err, err
+    assert f"Its config names the verifier {str(llama_target)!r}" in err
     exports = converted_and_gated(capsys, speculators_checkpoint, llama_target, tmp_path, SPECULATORS_AUX)
     # later steps need no --target: the contract travels with the export
     rc, _, err = run_cli(capsys, "convert", exports["vllm"], "--to", "speculators", "--out", tmp_path / "again")
