@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3lib.engines.sglang import sglang_config_ids
+from eagle3lib.aux_ids import sglang_config_ids
 from eagle3lib.extract import shards
 from eagle3lib.extract.backends import target_config_json
 
@@ -125,10 +125,12 @@ class Runner:
     def __init__(self, server_args, port_args, gpu_id: int, tp_rank: int, aux_layer_ids, architecture: str):
         from sglang.benchmark import one_batch
         from sglang.srt.layers.moe import initialize_moe_config
+        from sglang.srt.layers.quantization.fp4_utils import initialize_fp4_gemm_config
         from sglang.srt.layers.quantization.fp8_utils import initialize_fp8_gemm_config
 
-        initialize_moe_config(server_args)
+        initialize_moe_config(server_args)  # as one_batch's latency_test does before load_model
         initialize_fp8_gemm_config(server_args)
+        initialize_fp4_gemm_config(server_args)
         self.one_batch, self.tp_rank = one_batch, tp_rank
         bench, _ = one_batch.load_model(server_args, port_args, gpu_id, tp_rank)
         self.runner = bench.torch_runner
@@ -295,11 +297,22 @@ class InProcessCapture:
 
     def shard(self, tok, lengths, first, end, dtype, bar):
         n = int(tok["seq_starts"][end] - tok["seq_starts"][first])
-        out = ShardBuffers(n, self.hidden_size, self.n_aux, self.store_dtype, pin=torch.cuda.is_available())
+        cuda = torch.cuda.is_available()
+        out = ShardBuffers(n, self.hidden_size, self.n_aux, self.store_dtype, pin=cuda)
+        # the copies to the host run on their own stream, beside the next batch's forward
+        copies = torch.cuda.Stream() if cuda else None
         at = 0
         for a, b in pack_batches(lengths, first, end, self.batch_tokens):
             aux, final = self.engine.extend(self._seqs(tok, a, b), capture=True)
-            at += out.put(at, shards.store_states(aux, final, self.n_aux, self.store_dtype))
+            stored = shards.store_states(aux, final, self.n_aux, self.store_dtype)
+            if copies is None:
+                at += out.put(at, stored)
+            else:
+                copies.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(copies):
+                    at += out.put(at, stored)
+                for v in stored.values():  # not reused by the allocator before the copy has read it
+                    v.record_stream(copies)
             bar.update(int(tok["seq_starts"][b] - tok["seq_starts"][a]))
         _sync()  # the host copies are done before the writer thread reads them
         return out.tensors
@@ -400,8 +413,9 @@ def _parse(argv):
     ap.add_argument("--store-dtype", default="bfloat16")
     ap.add_argument("--dtype", default=None, help="SGLang's --dtype")
     ap.add_argument("--batch-tokens", type=int, default=16384)
-    ap.add_argument("--shard-max-tokens", type=int, default=262144)
+    ap.add_argument("--shard-max-tokens", type=int, default=None, help="default: about 1 GiB a shard")
     ap.add_argument("--plain-batches", type=int, default=4)
+    ap.add_argument("--writers", type=int, default=2, help="shards written at once (threads)")
     ap.add_argument("--no-reference", action="store_true", help="compare: skip hf (a target too big for one GPU)")
     if "--" in argv:
         i = argv.index("--")
@@ -473,11 +487,15 @@ def _compare_main(a, flags):
     kw = dict(batch_tokens=a.batch_tokens, shard_max_tokens=a.shard_max_tokens, progress=False)
     store = target.torch_dtype(a.store_dtype)
     report = {"target": a.target, "architecture": arch, "aux_layer_ids": aux_ids, "sequences": n, "tokens": end}
+    report["writers"] = a.writers
     with Engine(a.target, aux_ids, a.dtype, flags) as engine:
         report["tp"] = engine.server_args.tp_size
         cap = _capture(engine, text, aux_ids, a)
-        r = shards.extract_with(cap, tokens, aux_ids, str(out / "inprocess"), contract, store_dtype=store, **kw)
+        r = shards.extract_with(
+            cap, tokens, aux_ids, str(out / "inprocess"), contract, store_dtype=store, writers=a.writers, **kw
+        )
     keep = ("tokens_per_s", "seconds", "engine_start_s", "plain_prefill_tokens_per_s", "bytes_per_token", "shards")
+    keep += ("capture_s", "write_wait_s")
     report["inprocess"] = {k: r.get(k) for k in keep}
     pp = r.get("plain_prefill_tokens_per_s")
     report["inprocess"]["capture_over_plain_prefill"] = r["tokens_per_s"] / pp if pp and r.get("tokens_per_s") else None

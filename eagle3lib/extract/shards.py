@@ -30,6 +30,7 @@ import os
 import shutil
 import struct
 import time
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from typing import Protocol, runtime_checkable
@@ -217,14 +218,16 @@ def _fsync_dir(path):
 
 def _atomic_write(path, chunks):
     """Write bytes chunks to a temp name in the same folder, fsync, rename over path, fsync
-    the folder. Returns (sha256 hex, bytes written)."""
+    the folder. Returns (sha256 hex, bytes written). Each chunk is hashed in a thread while it is written
+    (both release the GIL)."""
     folder, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(folder, f".{name}.tmp")
     h, n = hashlib.sha256(), 0
-    with open(tmp, "wb") as f:
+    with open(tmp, "wb") as f, ThreadPoolExecutor(1) as hasher:
         for chunk in chunks:
+            hashed = hasher.submit(h.update, chunk)
             f.write(chunk)
-            h.update(chunk)
+            hashed.result()
             n += len(chunk)
         f.flush()
         os.fsync(f.fileno())
@@ -537,6 +540,7 @@ def extract_with(
     progress=True,
     free_bytes=None,
     verify_existing=True,
+    writers=2,
 ):
     """Capture aux + final hidden states for every sequence through `capture` (a backend, see Capture)
     and write them as shards.
@@ -545,7 +549,8 @@ def extract_with(
     verify are kept, bad or unlisted ones are redone. A complete extraction is not redone.
     shard_max_tokens=None means about 1 GiB per shard. free_bytes overrides the free disk space
     (for tests). verify_existing=False checks existing shards by size instead of sha256.
-    batch_tokens is recorded in the manifest (and used by the hf backend).
+    batch_tokens is recorded in the manifest (and used by the hf backend). writers: shards written (bytes,
+    sha256, fsync) at once in threads while the next one is captured.
 
     Returns {backend, sequences, tokens (done in this call), total_sequences, total_tokens, shards,
     bytes (all shards on disk), bytes_per_token, seconds, tokens_per_s (this call's capture+write,
@@ -602,25 +607,26 @@ def extract_with(
             manifest["shards"].sort(key=lambda e: e["first_sequence"])
             _write_json(os.path.join(out_dir, MANIFEST), manifest)
 
-        # Shard k is written (bytes, sha256, fsync: ~3 s a GB) in a thread while shard k+1 is captured;
+        # Shards are written (bytes, sha256, fsync: ~3 s a GB) in threads while the next one is captured;
         # on an H200 the synchronous write held the hf backend to 0.11 of the target's forward.
         with (
             tqdm(total=todo_tokens, unit="tok", unit_scale=True, disable=not progress, desc="extract") as bar,
             capture.session(tok, lengths, plan, out_dir),
-            ThreadPoolExecutor(1) as writer,
+            ThreadPoolExecutor(max(1, writers)) as writer,
         ):
-            pending = None
+            pending = deque()
             for first, end in plan:
                 t = time.perf_counter()
                 got = capture.shard(tok, lengths, first, end, capture_dtype(store_dtype), bar)
                 stored = got if isinstance(got, dict) else store_states(*got, len(aux_layer_ids), store_dtype)
                 tensors = shard_tensors(tok, first, end, stored)
                 waits["capture_s"] += time.perf_counter() - t
-                if pending is not None:
-                    listed(pending)
+                while len(pending) >= max(1, writers):
+                    listed(pending.popleft())
                 # backends return new tensors per shard, so the next capture cannot overwrite these
-                pending = writer.submit(write_shard, out_dir, tensors, first, aux_layer_ids)
-            listed(pending)
+                pending.append(writer.submit(write_shard, out_dir, tensors, first, aux_layer_ids))
+            while pending:
+                listed(pending.popleft())
         stats = {**capture.stats(), **{k: round(v, 2) for k, v in waits.items()}}
         # Engine start-up (loading the target, spawning workers) is reported apart, not as capture time.
         seconds = time.perf_counter() - t0 - stats.get("excluded_s", 0.0)

@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Issue 20 on an H200: the sglang_inprocess extraction backend (eagle3lib/extract/sglang_inprocess.py) with
+# SGLang 0.5.17, one device call:
+#   smol-check   SmolLM2's config with random weights (the server check's target): against hf on the same tokens
+#                (per layer, the layer probe) and its capture over the same engine's plain prefill
+#   smol         the same target on every sequence, no reference: capture over plain prefill, bf16 shards
+#   8b-bf16/fp8  Llama-3.1-8B's config (as published, written below), weights random (--load-format dummy: nothing
+#                downloaded or saved), bf16 and fp8 shards: capture over plain prefill, bytes per token
+#   MODE=long: 8b fp8 and bf16 over every sequence, then the smol check again.
+#   MODE=levers: the host's disk and sha256 speeds, then 8b bf16 with 1, 2 and 4 writer threads, fp8 and smol with 2.
+#   TP=2 adds 8b-tp2 (tensor parallel over 2 GPUs, on a 2-GPU host) and the smol check at --tp 2.
+# Prepare here (no GPU; .gpu = benchmarks/h200/.cache/.gpu, git-ignored):
+#   .venv/bin/python -m eagle3lib.extract.sglang --save-tokens .gpu/ip/tokens.safetensors --n 600 --max-seq-len 4096
+#   mkdir -p .gpu/ip/tok && cp ~/.cache/eagle3-workbook/smollm2-135m-instruct/{config,tokenizer,tokenizer_config}.json .gpu/ip/tok/
+# There: bash benchmarks/h200/extract_inprocess_check.sh   (carry .gpu/sglang-bundle and .gpu/ip); reports in $OUT.
+set -uo pipefail
+G=benchmarks/h200/.cache/.gpu; OUT=${OUT:-$PWD/h200-out}; mkdir -p "$OUT"
+if [ ! -f /tmp/sglang-site/.complete ]; then
+  mkdir -p /tmp/sglang-site && for t in $G/sglang-bundle/site*.tar.xz; do tar -C /tmp/sglang-site -xJf "$t" || exit 3; done
+  touch /tmp/sglang-site/.complete
+fi
+export PYTHONPATH=/tmp/sglang-site:$PWD PATH=/tmp/sglang-site/bin:$PATH HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 - <<'PY' || exit 4
+import json, os, shutil, torch, transformers
+tok = "benchmarks/h200/.cache/.gpu/ip/tok"
+if not os.path.isfile("/tmp/smol/config.json"):  # SmolLM2's config, random weights, saved (hf loads the same)
+    cfg = json.load(open(f"{tok}/config.json"))
+    keep = {k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version", "_model_name_or_path", "dtype")}
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**keep)).to(torch.bfloat16).save_pretrained("/tmp/smol")
+# meta-llama/Llama-3.1-8B-Instruct's config.json; SGLang's dummy loader makes the weights on the GPU
+llama8b = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009], "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 128256,
+}
+os.makedirs("/tmp/llama8b", exist_ok=True)
+json.dump(llama8b, open("/tmp/llama8b/config.json", "w"), indent=1)
+for d in ("/tmp/smol", "/tmp/llama8b"):  # tokenizer files: SGLang loads one; the ids come from the token file
+    for f in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{tok}/{f}", d)
+PY
+FLAGS="--attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.5"
+T=$G/ip/tokens.safetensors
+check() {  # NAME SECONDS ARGS...
+  local name=$1 secs=$2; shift 2
+  echo "=== $name"; local t0=$(date +%s)
+  timeout "$secs" python3 -m eagle3lib.extract.sglang_inprocess compare --tokens $T --out /tmp/ip-$name "$@" \
+    > "$OUT/$name.log" 2>&1; local rc=$?
+  cp /tmp/ip-$name/compare.json "$OUT/$name.json" 2>/dev/null
+  python3 - "$OUT/$name.json" "$name" "$rc" "$(( $(date +%s) - t0 ))" <<'PY'
+import json, sys
+path, name, rc, wall = sys.argv[1:]
+try:
+    r = json.load(open(path))
+except Exception:
+    print(json.dumps({"check": name, "rc": int(rc), "wall_s": int(wall), "report": None})); sys.exit()
+a = r.get("agreement") or {}
+print(json.dumps({"check": name, "rc": int(rc), "wall_s": int(wall), "ok": r.get("ok"), "tp": r.get("tp"),
+                  "writers": r.get("writers"),
+                  "tokens": r.get("tokens"), **r.get("inprocess", {}),
+                  "rel_rms": {k: v.get("rel_rms") for k, v in (a.get("layers") or {}).items()},
+                  "argmax_agree": a.get("argmax_agree"),
+                  "probe": [s.get("best") for s in (r.get("layer_probe") or {}).get("slots", [])]}))
+PY
+  [ $rc -ne 0 ] && tail -25 "$OUT/$name.log"
+  rm -rf /tmp/ip-$name
+}
+disk() {  # the host's own limits: a 4 GB write with fsync, sha256 of 1 GB in memory, one 1 GB shard through write_shard
+  echo "=== disk"
+  python3 - <<'PY' | tee "$OUT/disk.json"
+import hashlib, json, os, time, torch
+from eagle3lib.extract import shards
+d = "/tmp/disk-probe"; os.makedirs(d, exist_ok=True)
+buf = os.urandom(1 << 26)
+t = time.perf_counter()
+with open(f"{d}/raw", "wb") as f:
+    for _ in range(64):
+        f.write(buf)
+    f.flush(); os.fsync(f.fileno())
+raw = 64 * len(buf) / (time.perf_counter() - t)
+t = time.perf_counter(); h = hashlib.sha256()
+for _ in range(16):
+    h.update(buf)
+sha = 16 * len(buf) / (time.perf_counter() - t)
+n = 32768
+x = {"input_ids": torch.zeros(n, dtype=torch.int32), "loss_mask": torch.ones(n, dtype=torch.uint8),
+     "aux_hidden": torch.randn(n, 3 * 4096).bfloat16(), "final_hidden": torch.randn(n, 4096).bfloat16(),
+     "seq_starts": torch.tensor([0, n])}
+t = time.perf_counter(); e = shards.write_shard(d, x, 0, [2, 16, 29]); s = time.perf_counter() - t
+os.system(f"rm -rf {d}")
+print(json.dumps({"raw_write_fsync_GB_s": round(raw / 1e9, 3), "sha256_GB_s": round(sha / 1e9, 3),
+                  "write_shard_GB_s": round(e["bytes"] / s / 1e9, 3), "shard_GB": round(e["bytes"] / 1e9, 2)}))
+PY
+}
+E8="--target /tmp/llama8b --n 240 --no-reference --dtype bfloat16 --batch-tokens 32768"
+if [ "${MODE:-check}" = long ]; then  # every sequence (850k tokens): the last shards' write is a smaller share
+  check 8b-fp8-long 200 --target /tmp/llama8b --no-reference --dtype bfloat16 --batch-tokens 32768 --store-dtype float8_e4m3fn -- $FLAGS --load-format dummy
+  check 8b-bf16-long 200 --target /tmp/llama8b --no-reference --dtype bfloat16 --batch-tokens 32768 -- $FLAGS --load-format dummy
+  check smol-check 150 --target /tmp/smol --n 64 --dtype bfloat16 -- $FLAGS
+  exit 0
+fi
+if [ "${MODE:-check}" = levers ]; then  # what bounds the capture: the disk, the writer threads, the store dtype
+  disk
+  for w in 1 2 4; do check 8b-bf16-w$w 140 $E8 --writers $w -- $FLAGS --load-format dummy; done
+  check 8b-fp8-w2 140 $E8 --writers 2 --store-dtype float8_e4m3fn -- $FLAGS --load-format dummy
+  check smol-w2 100 --target /tmp/smol --no-reference --dtype bfloat16 --writers 2 -- $FLAGS
+  exit 0
+fi
+check smol-check 150 --target /tmp/smol --n 64 --dtype bfloat16 -- $FLAGS
+check smol 100 --target /tmp/smol --no-reference --dtype bfloat16 -- $FLAGS
+check 8b-bf16 140 --target /tmp/llama8b --n 240 --no-reference --dtype bfloat16 --batch-tokens 32768 -- $FLAGS --load-format dummy
+check 8b-fp8 140 --target /tmp/llama8b --n 240 --no-reference --dtype bfloat16 --batch-tokens 32768 --store-dtype float8_e4m3fn -- $FLAGS --load-format dummy
+if [ "${TP:-1}" = 2 ]; then
+  check smol-check-tp2 240 --target /tmp/smol --n 64 --dtype bfloat16 -- $FLAGS --tp 2
+  check 8b-tp2 240 --target /tmp/llama8b --n 240 --no-reference --dtype bfloat16 --batch-tokens 32768 -- $FLAGS --load-format dummy --tp 2
+fi
