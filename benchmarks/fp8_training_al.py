@@ -6,7 +6,7 @@ tokens/s, and fp8 / bf16.
     python benchmarks/fp8_training_al.py outputs/tiny-s9 --params params/tiny.yaml --max-tokens 150000
 
 RUN_DIR needs a finished 00_prepare and a bf16 01_extract; the two trainings write under
-RUN_DIR-fp8-al/<store dtype>/ (01_extract linked or converted, 02_train). train.max_minutes is lifted so
+RUN_DIR-<tag>/<store dtype>/ (01_extract linked or converted, 02_train). train.max_minutes is lifted so
 that the token budget, not the clock, ends both runs.
 """
 
@@ -50,14 +50,16 @@ def main():
     ap.add_argument("--params", default="params/tiny.yaml")
     ap.add_argument("--max-tokens", type=int, default=150_000)
     ap.add_argument("--set", action="append", default=[], help="more overrides, KEY=VALUE (YAML values)")
+    ap.add_argument("--store-dtypes", nargs="+", default=["bfloat16", "float8_e4m3fn"])
+    ap.add_argument("--tag", default="fp8-al", help="the runs go under RUN_DIR-TAG/")
     args = ap.parse_args()
     import yaml
 
     overrides = {"train.max_tokens": args.max_tokens, "train.max_minutes": 10_000}
     overrides |= {k: yaml.safe_load(v) for k, v in (s.split("=", 1) for s in args.set)}
-    out = args.run_dir.parent / f"{args.run_dir.name}-fp8-al"
+    out = args.run_dir.parent / f"{args.run_dir.name}-{args.tag}"
     rows = {}
-    for store_dtype in ("bfloat16", "float8_e4m3fn"):
+    for store_dtype in args.store_dtypes:
         run = prepare_run(args.run_dir, out, store_dtype)
         summary = trainer.run_stage(args.params, str(run["run_dir"]), overrides)
         ev = summary["eval"]
@@ -71,6 +73,8 @@ def main():
             "loss_per_step": [round(x, 4) for x in ev["loss_per_step"]],
         }
         print(json.dumps({"store_dtype": store_dtype, **rows[store_dtype]}), flush=True)
+    if set(rows) != {"bfloat16", "float8_e4m3fn"}:
+        return
     bf16, fp8 = rows["bfloat16"], rows["float8_e4m3fn"]
     ratio = {d: round(fp8["est_accept_len"][d] / bf16["est_accept_len"][d], 4) for d in bf16["est_accept_len"]}
     print(

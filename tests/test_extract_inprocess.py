@@ -33,6 +33,17 @@ def test_pack_batches_are_consecutive_within_the_budget():
     assert all(sum(lengths[a:b]) <= 10 or b - a == 1 for a, b in got)
 
 
+def test_causal_lm_is_the_model_or_its_language_model():
+    from types import SimpleNamespace as NS
+
+    llama = NS(logits_processor=object(), model=NS(layers_to_capture=[]))
+    assert ip.causal_lm(llama) is llama
+    kimi = NS(language_model=llama, model=NS())  # KimiK25ForConditionalGeneration's shape
+    assert ip.causal_lm(kimi) is llama
+    with pytest.raises(ip.InProcessError, match="SimpleNamespace has no logits_processor.*extract.backend: sglang"):
+        ip.causal_lm(NS(model=NS()))
+
+
 def test_captured_layers_must_be_ours():
     ip.check_captured([2, 15, 27], [2, 15, 27], "LlamaForCausalLM")
     with pytest.raises(ip.InProcessError, match=r"captures layers \[1, 14, 26\].*expected our aux ids \[2, 15, 27\]"):
@@ -127,12 +138,14 @@ SGLANG_INTERFACES = textwrap.dedent("""
     fns = {n.name: [a.arg for a in n.args.args] for n in ast.parse(src).body if isinstance(n, ast.FunctionDef)}
     classes = {n.name: [m.name for m in n.body if isinstance(m, ast.FunctionDef)] for n in ast.parse(src).body
                if isinstance(n, ast.ClassDef)}
-    llama = open(os.path.join(os.path.dirname(sglang.__file__), "srt", "models", "llama.py")).read()
-    calls = [ast.unparse(n) for n in ast.walk(ast.parse(llama)) if isinstance(n, ast.Call)
-             and ast.unparse(n.func) == "self.logits_processor"]
+    def calls(model):
+        src = open(os.path.join(os.path.dirname(sglang.__file__), "srt", "models", model + ".py")).read()
+        return [ast.unparse(n) for n in ast.walk(ast.parse(src)) if isinstance(n, ast.Call)
+                and ast.unparse(n.func) == "self.logits_processor"]
     print(json.dumps({"logits_forward": list(inspect.signature(LogitsProcessor.forward).parameters),
                       "broadcast_object": list(inspect.signature(GroupCoordinator.broadcast_object).parameters),
-                      "one_batch": fns, "bench_runner": classes.get("_TorchBenchRunner"), "llama_calls": calls}))
+                      "one_batch": fns, "bench_runner": classes.get("_TorchBenchRunner"),
+                      "calls": {m: calls(m) for m in ("llama", "deepseek_v2")}}))
 """)
 
 
@@ -148,10 +161,12 @@ def test_the_sglang_interfaces_it_calls_in_sglang_0_5_17(tmp_path):
     assert got["one_batch"]["prepare_synthetic_inputs_for_latency_test"] == ["batch_size", "input_len", "custom_inputs"]
     assert {"__init__", "clear"} <= set(got["bench_runner"])  # load_model's wrapper; Runner takes .torch_runner
     assert got["broadcast_object"][:3] == ["self", "obj", "src"]
-    # the model hands its logits processor the final normed state and the aux list, positionally
-    assert "self.logits_processor(input_ids, hidden_states, self.lm_head, forward_batch, aux_hidden_states)" in [
-        c.replace("\n", "").replace("    ", "") for c in got["llama_calls"]
-    ]
+    # Llama's and DeepSeek-V2/V3's (Kimi-K2.5's language model) hand their logits processor the final normed state
+    # and the aux list, positionally
+    for model, found in got["calls"].items():
+        assert "self.logits_processor(input_ids, hidden_states, self.lm_head, forward_batch, aux_hidden_states)" in [
+            c.replace("\n", "").replace("    ", "") for c in found
+        ], model
 
     def forward(self, input_ids, hidden_states, lm_head, logits_metadata, aux_hidden_states=None, **kw):
         pass

@@ -79,6 +79,18 @@ def check_captured(captured, aux_layer_ids, architecture: str) -> None:
         )
 
 
+def causal_lm(model):
+    """The module that holds the decoder (`.model.layers_to_capture`) and the logits processor: the model itself, or
+    a wrapper's `language_model` (Kimi-K2.5's KimiK25ForConditionalGeneration around DeepseekV3ForCausalLM)."""
+    for m in (model, getattr(model, "language_model", None)):
+        if m is not None and hasattr(m, "logits_processor") and hasattr(getattr(m, "model", None), "layers_to_capture"):
+            return m
+    raise InProcessError(
+        f"{type(model).__name__} has no logits_processor beside a decoder with layers_to_capture (nor has its "
+        f"language_model): SGLang's EAGLE-3 capture is not built for this architecture; use extract.backend: sglang"
+    )
+
+
 def logits_processor_states(forward, args, kwargs) -> tuple:
     """(final normed hidden_states [T, H], aux_hidden_states list) from the arguments a logits processor was
     called with, by its forward's parameter names (positional or keyword)."""
@@ -134,9 +146,9 @@ class Runner:
         self.one_batch, self.tp_rank = one_batch, tp_rank
         bench, _ = one_batch.load_model(server_args, port_args, gpu_id, tp_rank)
         self.runner = bench.torch_runner
-        self.model = self.runner.model
         self.tp_group = self.runner.tp_group
-        self.model.set_eagle3_layers_to_capture(sglang_config_ids(aux_layer_ids, architecture))
+        self.runner.model.set_eagle3_layers_to_capture(sglang_config_ids(aux_layer_ids, architecture))
+        self.model = causal_lm(self.runner.model)  # a wrapper delegates the call above to it
         check_captured(self.model.model.layers_to_capture, aux_layer_ids, architecture)
         self._capture_layers = list(self.model.model.layers_to_capture)
         self._seen = None

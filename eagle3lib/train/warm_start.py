@@ -17,8 +17,9 @@ from eagle3lib.drafter import Drafter
 from eagle3lib.target import CONTRACT_FILE
 from eagle3lib.train import TrainingError
 
-# What a foreign checkpoint (no eagle3.json) is checked against: the run's target.
-TARGET_KEYS = ("target", "target_fingerprint", "num_layers", "hidden_size", "vocab_size")
+# What a foreign checkpoint (no eagle3.json) is checked against: the run's target (its architecture decides how
+# an EAGLE/SpecForge config's SGLang ids translate, as in convert --target).
+TARGET_KEYS = ("target", "target_fingerprint", "target_architecture", "num_layers", "hidden_size", "vocab_size")
 
 
 def warm_start(drafter: Drafter, folder, contract: dict) -> dict:
