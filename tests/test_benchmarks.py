@@ -54,3 +54,18 @@ def test_train_levers_dry_run_prints_figures():
     assert set(r["per_layer"]) >= {"q_proj", "down_proj", "lm_head (frozen)", "fc (once)"}
     assert r["gemm_bf16_ms"] > 0 and r["gemm_fp8_ms"] > 0 and r["quantize_fp8_ms"] > 0
     assert all(v["fp8_rel_err"] < 0.1 for v in r["per_layer"].values())  # the fp8 products are the same products
+
+
+def test_batch_throughput_compares_bf16_and_fp8_shards():
+    args = ["--tokens", "20000", "--hidden", "64", "--shard-tokens", "6000", "--max-seq-len", "512", "--epochs", "1"]
+    out = subprocess.run(
+        [sys.executable, "benchmarks/batch_throughput.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    heads = {r["store_dtype"]: r for r in rows if "tokens_per_epoch" in r}
+    assert heads["bfloat16"]["tokens_per_epoch"] == heads["float8_e4m3fn"]["tokens_per_epoch"]  # the same lengths
+    assert heads["float8_e4m3fn"]["bytes_per_token"] < 4 * 64 + 21 + 200 < heads["bfloat16"]["bytes_per_token"]
+    measured = [r for r in rows if "batch_prefetch" in r]
+    assert len(measured) == 4 and all(r["tokens_per_s"] > 0 and r["vs_first_dtype"] > 0 for r in measured)
+    assert all(r["dequant_ms_per_1k_tokens"] > 0 for r in measured if r["store_dtype"] == "float8_e4m3fn")
