@@ -20,6 +20,7 @@ from pathlib import Path
 
 import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
 from eagle3lib.extract import shards
+from eagle3lib.target import torch_dtype
 from eagle3lib.train import trainer
 
 
@@ -39,7 +40,7 @@ def prepare_run(src: Path, out: Path, store_dtype: str) -> dict:
             size = sum(e["bytes"] for e in have.shards)
             figures[split] = {"bytes_per_token": size / have.num_tokens}
         else:
-            dtype = getattr(__import__("torch"), store_dtype)
+            dtype = torch_dtype(store_dtype)
             figures[split] = shards.convert_store_dtype(have.out_dir, run / "01_extract" / split, dtype)
     return {"run_dir": run, "bytes_per_token": round(figures["train"]["bytes_per_token"], 1)}
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
+from test_extract import random_tokens, tiny_model
 
 from eagle3lib import params as P
 from eagle3lib.engines.interpreter import engine_env
@@ -71,33 +71,12 @@ class HFStandIn:
 
 @pytest.fixture(scope="module")
 def model():
-    torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=256,
-    )
-    return transformers.LlamaForCausalLM(cfg).eval()
-
-
-def random_tokens(n_seqs=24, seed=3):
-    g = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(1, 50, (n_seqs,), generator=g)
-    starts = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    n = int(starts[-1])
-    return {
-        "input_ids": torch.randint(0, 256, (n,), generator=g, dtype=torch.int32),
-        "loss_mask": torch.ones(n, dtype=torch.uint8),
-        "seq_starts": starts,
-    }
+    return tiny_model()
 
 
 @pytest.mark.parametrize("store_dtype", [torch.bfloat16, shards.FP8])
 def test_inprocess_capture_writes_the_shards_hf_writes(model, tmp_path, store_dtype):
-    tokens = random_tokens()
+    tokens = random_tokens(n_seqs=24, seed=3, max_len=49)
     engine = HFStandIn(model)
     cap = ip.InProcessCapture(engine, 64, 256, AUX, store_dtype, batch_tokens=100, plain_batches=2)
     assert isinstance(cap, shards.Capture)
