@@ -41,7 +41,8 @@ The batch is one packed row as speculators' data path makes it: a sample of seq 
 with random aux hidden states [seq + 1, 3 * hidden] and random verifier last hidden states
 [seq + 1, hidden] goes through speculators' own `shift_batch` (seq tokens remain, positions 1..seq),
 then gets the batch dimension, document_ids = 0 (one document, no padding) and error_records = 0 as
-its collate function gives them.
+its collate function gives them. With train_throughput.py --docs the batches are its packed rows instead, laid
+out as speculators' collate lays out several shifted samples (batch_of_row).
 
 Two things differ from a plain `import speculators`, neither touching what is measured:
   * `speculators/__init__` imports every model family, and `speculators.models.eagle3.data` imports
@@ -207,6 +208,27 @@ def build_model(spec, shape: dict, ttt: int, device: str, attn_impl: str = "simp
     return model.to(device)
 
 
+def batch_of_row(row: dict, shape: dict, device: str, dtype) -> dict:
+    """A packed row of train_throughput.packed_rows as speculators' collate lays it out after shift_batch: the
+    same tokens, documents (document_ids -1 on padding) and loss mask, positions counted from 1 in each document
+    (shift_batch drops each sample's first token), random hidden states of the same seed as ours."""
+    g = torch.Generator(device="cpu").manual_seed(int(row["input_ids"].sum()))
+    seq, hidden = row["input_ids"].shape[1], shape["target_hidden_size"]
+    real = row["doc_ids"] >= 0
+    batch = {
+        "input_ids": row["input_ids"] % shape["vocab_size"],  # as train_throughput.synthetic_states
+        "hidden_states": torch.randn(1, seq, 3 * hidden, generator=g).to(dtype),
+        "verifier_last_hidden_states": torch.randn(1, seq, hidden, generator=g).to(dtype),
+        "loss_mask": row["loss_mask"] * real,
+        "position_ids": (row["position_ids"] + 1) * real,
+        "document_ids": row["doc_ids"],
+    }
+    batch = {k: v.to(device) for k, v in batch.items()}
+    batch["error_records"] = 0
+    batch["tokens"] = row["tokens"]
+    return batch
+
+
 def synthetic_batch(spec, shape: dict, seq: int, device: str, dtype):
     """One packed row of seq tokens, through speculators' shift_batch and its collate's extra keys."""
     g = torch.Generator(device="cpu").manual_seed(seq)
@@ -224,14 +246,23 @@ def synthetic_batch(spec, shape: dict, seq: int, device: str, dtype):
     batch = {k: v.unsqueeze(0).to(device) for k, v in shifted.items()}
     batch["document_ids"] = torch.zeros(1, seq, dtype=torch.long, device=device)
     batch["error_records"] = 0
+    batch["tokens"] = seq
     assert batch["input_ids"].shape == (1, seq) and batch["hidden_states"].shape == (1, seq, 3 * hidden)
     return batch
 
 
 def measure_speculators(
-    seq: int, ttt: int, steps: int, warmup: int, device: str, small: bool = False, shape: dict | None = None
+    seq: int,
+    ttt: int,
+    steps: int,
+    warmup: int,
+    device: str,
+    small: bool = False,
+    shape: dict | None = None,
+    rows: list[dict] | None = None,
 ) -> dict:
-    """Median tokens/s of speculators' EAGLE-3 training step (module docstring) and peak memory."""
+    """Median tokens/s (each step's real tokens over its time) of speculators' EAGLE-3 training step (module
+    docstring) and peak memory, on rows (train_throughput.packed_rows' layouts, cycled) or one synthetic row."""
     from transformers import get_linear_schedule_with_warmup
 
     shape = shape or (SMALL if small else LLAMA_8B)
@@ -256,11 +287,16 @@ def measure_speculators(
     opt = torch.optim.AdamW(model.named_parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     total = warmup + steps
     sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=total // 100, num_training_steps=total)
-    batch = synthetic_batch(spec, shape, seq, device, dtype)
+    if rows:
+        batches = [batch_of_row(r, shape, device, dtype) for r in rows]
+    else:
+        batches = [synthetic_batch(spec, shape, seq, device, dtype)]
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times = []
+    times, rates = [], []
     for i in range(total):
+        batch = dict(batches[i % len(batches)])
+        tokens = batch.pop("tokens")
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -276,15 +312,17 @@ def measure_speculators(
             torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - start)
+            rates.append(tokens / times[-1])
     out = {
         "seq": seq,
-        "tokens_per_s": round(seq / statistics.median(times), 1),
+        "rows": "packed" if rows else "one document",
+        "tokens_per_s": round(statistics.median(rates), 1),
         "step_s_median": round(statistics.median(times), 4),
         "loss": round(loss.item(), 4),
     }
     if cuda:
         out["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-    del model, opt, sched, batch, loss, metrics, _draft_tokens
+    del model, opt, sched, batch, batches, loss, metrics, _draft_tokens
     torch._dynamo.reset()  # drop the compiled graphs of this length before the next measurement
     gc.collect()
     return out

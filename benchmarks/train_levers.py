@@ -126,7 +126,7 @@ def gemms(shape: dict, seq: int, ttt: int, iters: int, device: str) -> dict:
 def attention(shape: dict, seq: int, ttt: int, iters: int, device: str) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from eagle3lib.drafter import TTT_BLOCK, _flex_attention, ttt_block_masks
+    from eagle3lib.ttt_attention import TTT_BLOCK, flex_attention_on_device, ttt_block_masks
 
     h, kvh, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
     t_pad = -(-seq // TTT_BLOCK) * TTT_BLOCK
@@ -150,7 +150,9 @@ def attention(shape: dict, seq: int, ttt: int, iters: int, device: str) -> dict:
     for step in range(ttt):
         k, v = leaf(1, kvh, t_pad * (step + 1), d), leaf(1, kvh, t_pad * (step + 1), d)
         flex_ms += timed(
-            fwd_bwd(lambda q, k, v, m=masks[step]: _flex_attention(q, k, v, block_mask=m, enable_gqa=True), q, k, v),
+            fwd_bwd(
+                lambda q, k, v, m=masks[step]: flex_attention_on_device(q, k, v, block_mask=m, enable_gqa=True), q, k, v
+            ),
             iters,
             True,
         )

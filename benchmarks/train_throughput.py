@@ -1,11 +1,19 @@
-"""Drafter training throughput and peak memory on synthetic inputs (one packed row per step).
+"""Drafter training throughput and peak memory (one packed row per step, random hidden states).
 
     python benchmarks/train_throughput.py                      # Llama-3.1-8B shape, GPU, seq 8192..131072
     python benchmarks/train_throughput.py --small --device cpu # a dry run of the same code on the CPU
+    python benchmarks/train_throughput.py --docs tokens.safetensors --impl both --seqs 8192   # packed rows
 
-Per sequence length: median tokens/s over --steps synchronized steps after --warmup
-(forward + backward + AdamW, TTT --ttt steps, bf16 autocast on GPU) and peak memory.
-A length that runs out of memory is reported as such and the sweep goes on.
+Rows: by default one document of random tokens filling the row. With --docs, the rows real training sees: the
+sequences of a prepare-stage token file (their lengths, token ids and loss masks; e.g. the embedded ShareGPT
+split through SmolLM2's chat template, `python -m eagle3lib.extract.sglang --save-tokens FILE --n 600
+--max-seq-len 4096`) in a seeded order, packed greedily into rows of the length as the trainer packs them
+(train.batches.pack_rows: whole sequences, the rest of a row padding). --impl both runs speculators on the same
+rows (its document_ids, position_ids and loss mask from the same layout).
+
+Per sequence length: the median over --steps synchronized steps after --warmup (forward + backward + AdamW, TTT
+--ttt steps, bf16 autocast on GPU) of each step's real tokens / its time, and peak memory. Steps cycle through
+--steps distinct rows. A length that runs out of memory is reported as such and the sweep goes on.
 """
 
 from __future__ import annotations
@@ -67,6 +75,54 @@ def synthetic_batch(cfg: DrafterConfig, seq: int, device, dtype):
     }
 
 
+def packed_rows(path: str, seq: int, count: int, seed: int = 0) -> list[dict]:
+    """count rows of seq tokens packed as the trainer packs them (pack_rows, make_batch) from the sequences of a
+    prepare-stage token file in a seeded order: input_ids, loss_mask, doc_ids, position_ids, tokens (real ones).
+    The states are left out (width 0); synthetic_states fills them."""
+    from eagle3lib.prepare.conversations import load_tokens
+    from eagle3lib.train.batches import Sequence, make_batch, pack_rows
+
+    tokens = load_tokens(path)
+    starts = tokens["seq_starts"].tolist()
+    order = torch.randperm(len(starts) - 1, generator=torch.Generator().manual_seed(seed)).tolist()
+
+    def sequences():
+        for i in order * (1 + count * seq // max(1, starts[-1])):  # around again if the file is short
+            a, b = starts[i], starts[i + 1]
+            no_states = torch.empty(b - a, 0)
+            yield Sequence(tokens["input_ids"][a:b].long(), tokens["loss_mask"][a:b], no_states, no_states)
+
+    rows = []
+    for row in pack_rows(sequences(), seq):
+        rows.append(make_batch([row], seq))
+        if len(rows) == count:
+            return rows
+    raise ValueError(f"{path} holds too few tokens for {count} rows of {seq}")
+
+
+def synthetic_states(cfg: DrafterConfig, row: dict, device, dtype) -> dict:
+    """A row of packed_rows with random aux and final states, on the device."""
+    g = torch.Generator(device="cpu").manual_seed(int(row["input_ids"].sum()))
+    b, seq = row["input_ids"].shape
+    out = {k: v.to(device) for k, v in row.items() if k in ("input_ids", "loss_mask", "doc_ids", "position_ids")}
+    out["input_ids"] = out["input_ids"] % cfg.vocab_size  # a token file of a larger vocab on the --small shape
+    out["aux"] = torch.randn(b, seq, 3 * cfg.target_hidden_size, generator=g).to(device, dtype)
+    out["final"] = torch.randn(b, seq, cfg.target_hidden_size, generator=g).to(device, dtype)
+    out["tokens"] = row["tokens"]
+    return out
+
+
+def row_stats(rows: list[dict]) -> dict:
+    """What the rows hold: real tokens, documents and loss-mask share per row (means)."""
+    n = len(rows)
+    return {
+        "rows": "packed",
+        "real_tokens_per_row": round(sum(r["tokens"] for r in rows) / n, 1),
+        "docs_per_row": round(sum(int(r["doc_ids"].max()) + 1 for r in rows) / n, 2),
+        "loss_mask_share": round(sum(int(r["loss_mask"].sum()) for r in rows) / sum(r["tokens"] for r in rows), 3),
+    }
+
+
 def measure(
     cfg: DrafterConfig,
     seq: int,
@@ -82,10 +138,13 @@ def measure(
     attention: str = "auto",
     float8: bool = False,
     eager_merge: bool = False,
+    rows: list[dict] | None = None,
+    all_rows: bool = False,
 ) -> dict:
-    """Median tokens/s of full training steps on one packed row of seq tokens, and peak memory.
-    Under torchrun every rank runs the step on its own row and the gradients are all-reduced
-    as eagle3lib.train.trainer does; tokens/s is then the sum over ranks."""
+    """Median tokens/s of full training steps on rows of seq tokens (rows: packed_rows' layouts; default one
+    document of random tokens), and peak memory. Under torchrun every rank runs the step on its own row and the
+    gradients are all-reduced as eagle3lib.train.trainer does; tokens/s is then the sum over ranks.
+    all_rows: the loss scores every position, valid or not (the ablation of ttt_loss_sums' only_valid_rows)."""
     cuda = device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -108,12 +167,12 @@ def measure(
     head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, device=device, dtype=dtype) * 0.02
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)  # as eagle3lib.train.trainer makes it
-    batch = synthetic_batch(cfg, seq, device, dtype)
+    batches = [synthetic_states(cfg, r, device, dtype) for r in rows] if rows else [synthetic_batch(cfg, seq, device, dtype)]
     weights = torch.tensor([0.8**k for k in range(ttt)], device=device)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
 
-    def train_step():
+    def train_step(batch):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=cuda):
             sums, counts, _, _ = ttt_loss_sums(
                 drafter,
@@ -125,6 +184,7 @@ def measure(
                 checkpoint=checkpoint,
                 fused_loss=False if eager_loss else None,
                 attention=attention,
+                only_valid_rows=not all_rows,
             )
         loss = (weights * sums / counts.clamp(min=1)).sum()
         opt.zero_grad(set_to_none=True)
@@ -134,22 +194,24 @@ def measure(
         opt.step()
         return loss
 
-    times = []
+    times, rates = [], []
     for i in range(warmup + steps):
+        batch = batches[i % len(batches)]
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
-        loss = train_step()
+        loss = train_step(batch)
         if cuda:
             torch.cuda.synchronize()
         if i >= warmup:
             times.append(time.perf_counter() - start)
+            rates.append(batch["tokens"] / times[-1])
     if profile:  # where one step's time goes, by kernel
         from torch.profiler import ProfilerActivity
         from torch.profiler import profile as profiler
 
         with profiler(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-            train_step()
+            train_step(batches[0])
             if cuda:
                 torch.cuda.synchronize()
         sort = "device_time_total" if cuda else "cpu_time_total"
@@ -165,7 +227,9 @@ def measure(
         "attention": attention,
         "float8": float8,
         "merge_compiled": drafter.compile_merge,
-        "tokens_per_s": round(world * seq / statistics.median(times), 1),
+        "loss_rows": "all" if all_rows else "valid",
+        **(row_stats(rows) if rows else {"rows": "one document"}),
+        "tokens_per_s": round(world * statistics.median(rates), 1),
         "step_s_median": round(statistics.median(times), 4),
         "loss": round(loss.item(), 4),
     }
@@ -223,6 +287,8 @@ def measure_or_oom(
     attention: str = "auto",
     float8: bool = False,
     eager_merge: bool = False,
+    rows: list[dict] | None = None,
+    all_rows: bool = False,
 ) -> dict:
     """checkpoint: "off", "on", or "auto" (off, and on again if off runs out of memory)."""
     tries = {"off": [False], "on": [True], "auto": [False, True]}[checkpoint]
@@ -244,6 +310,8 @@ def measure_or_oom(
                 attention=attention,
                 float8=float8,
                 eager_merge=eager_merge,
+                rows=rows,
+                all_rows=all_rows,
             )
         except torch.OutOfMemoryError as e:
             errors.append(f"checkpoint={ckpt}: out of memory: {str(e).splitlines()[0]}")
@@ -279,10 +347,18 @@ def main():
     )
     ap.add_argument(
         "--attention",
-        choices=["auto", "flex", "merged", "dense"],
+        choices=["auto", "flex", "merged", "varlen", "dense"],
         default="auto",
-        help="TTT attention (Drafter.ttt_forward); auto = merged (cuDNN) on these one-document rows",
+        help="TTT attention (Drafter.ttt_forward); auto = merged: cuDNN on one-document rows, flash varlen on packed"
+        " ones; varlen = flash varlen on any rows",
     )
+    ap.add_argument(
+        "--docs",
+        default=None,
+        metavar="TOKENS_FILE",
+        help="packed rows from a prepare-stage token file's sequences (see the module docstring), both impls",
+    )
+    ap.add_argument("--all-rows", action="store_true", help="the loss scores every position, valid or not (ablation)")
     ap.add_argument(
         "--eager-merge",
         action="store_true",
@@ -308,6 +384,9 @@ def main():
             torch.cuda.set_device(args.device)
     cfg = DrafterConfig(**(SMALL if args.small else LLAMA_8B))
 
+    def rows_of(seq: int) -> list[dict] | None:
+        return packed_rows(args.docs, seq, args.steps) if args.docs else None
+
     def speculators_or_error(seq: int) -> dict:
         """speculators' step at one length; an out-of-memory (or any failure) is reported, the sweep goes on."""
         import gc
@@ -326,6 +405,7 @@ def main():
                 args.device,
                 small=args.small,
                 shape=SMALL if args.small else LLAMA_8B,
+                rows=rows_of(seq),
             )
         except Exception as e:  # torch.compile can re-raise an out-of-memory wrapped in its own error
             first = (str(e).strip().splitlines() or [""])[0]
@@ -360,6 +440,8 @@ def main():
             attention=args.attention,
             float8=args.float8,
             eager_merge=args.eager_merge,
+            rows=rows_of(seq),
+            all_rows=args.all_rows,
         )
         results.append(r)
         if rank == 0:

@@ -29,6 +29,19 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from eagle3lib.ttt_attention import (
+    HALF_DTYPES,
+    TTT_BLOCK,
+    auto_attention,
+    causal_attention_with_diagonals,
+    dense_prefix_mask,
+    dense_ttt_attention,
+    flex_attention_on_device,
+    one_document_rows,
+    packed_segments,
+    ttt_block_masks,
+)
+
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 
 
@@ -290,15 +303,16 @@ class Drafter(nn.Module):
         Returns the pre-norm hidden states of each step, [B,T,H] each.
 
         Step k's query at t attends to the step-0 keys at s ≤ t (same document) and to
-        the step-1..k keys at t itself. attention:
+        the step-1..k keys at t itself (eagle3lib.ttt_attention). attention:
         - "dense" scores those diagonals as dot products beside one T×T block (simple;
           memory grows with T², fine on the CPU);
         - "flex" runs flex_attention with a block mask, which never materializes T×T
-          scores and skips other documents' blocks (packed rows on GPUs);
-        - "merged" needs rows of one document (then padding): plain causal attention over
-          step 0's keys (cuDNN on GPUs, twice as fast as flex there), merged with the
-          diagonals by log-sum-exp (causal_attention_with_diagonals);
-        - "auto": on CUDA merged for one-document rows in fp16/bf16, else flex; dense elsewhere (auto_attention).
+          scores and skips other documents' blocks;
+        - "merged": a fused causal kernel over step 0's keys, merged with the diagonals by
+          log-sum-exp (causal_attention_with_diagonals): cuDNN's for rows of one document
+          (then padding), flash attention's variable-length kernel for packed rows; fp16/bf16 on GPUs;
+        - "varlen": merged with the variable-length kernel whatever the rows (an ablation);
+        - "auto": on CUDA merged in fp16/bf16, flex in fp32; dense elsewhere (auto_attention).
         checkpoint: keep each step's inputs and recompute the step in the backward pass
         instead of holding its activations (MLP, norms) for all K steps.
         """
@@ -308,14 +322,15 @@ class Drafter(nn.Module):
             raise ValueError(f"embeds has {embeds.shape[1]} positions for {t} aux positions: expected T+K-1 ≥ T")
         half = torch.is_autocast_enabled("cuda") or self.fc.weight.dtype in HALF_DTYPES
         if attention == "auto":
-            attention = auto_attention(aux.is_cuda, one_document_rows(doc_ids), half)
-        elif attention == "merged" and aux.is_cuda and not half:
-            raise ValueError("attention='merged' runs cuDNN, which takes fp16/bf16 only; use 'flex' or 'dense' in fp32")
-        elif attention == "merged" and not one_document_rows(doc_ids):
+            attention = auto_attention(aux.is_cuda, half)
+        elif attention in ("merged", "varlen") and aux.is_cuda and not half:
             raise ValueError(
-                "attention='merged' needs rows of one document followed only by padding; "
-                "use 'flex' (or 'auto') for packed rows"
+                f"attention={attention!r} runs cuDNN or flash attention, which take fp16/bf16 only; "
+                "use 'flex' or 'dense' in fp32"
             )
+        segments = None
+        if attention == "varlen" or (attention == "merged" and not one_document_rows(doc_ids)):
+            attention, segments = "merged", packed_segments(doc_ids)
         attn, layer = self.layer.self_attn, self.layer
         groups = attn.heads // attn.kv_heads
         w_embed, w_hidden = layer.qkv_weight_halves()
@@ -324,24 +339,26 @@ class Drafter(nn.Module):
             t_pad = -(-t // TTT_BLOCK) * TTT_BLOCK  # each step's keys fill whole blocks (ttt_block_masks)
             masks = ttt_block_masks(F.pad(doc_ids, (0, t_pad - t), value=-1), t, steps)
             keep = lambda k, x: F.pad(x, (0, 0, 0, t_pad - t))  # noqa: E731
-        elif attention == "merged":
+        elif attention == "merged" and segments is None:
             keep = lambda k, x: x.repeat_interleave(groups, 1) if k == 0 else x  # noqa: E731 (cuDNN takes h heads)
+        elif attention == "merged":
+            keep = lambda k, x: x  # noqa: E731 (flash varlen takes the kv heads)
         elif attention == "dense":
-            prefix_mask = _dense_prefix_mask(doc_ids)
+            prefix_mask = dense_prefix_mask(doc_ids)
             keep = lambda k, x: x.repeat_interleave(groups, 1)  # noqa: E731
         else:
             raise ValueError(f"attention must be auto, dense, flex or merged, not {attention!r}")
 
         def attend(k, q, keys, values):
             if attention == "flex":
-                return _flex_attention(
+                return flex_attention_on_device(
                     q, torch.cat(keys, 2), torch.cat(values, 2), block_mask=masks[k], enable_gqa=groups > 1
                 )
             if attention == "merged":
                 return causal_attention_with_diagonals(
-                    q, keys[0], values[0], keys[1:], values[1:], compiled=self.compile_merge
+                    q, keys[0], values[0], keys[1:], values[1:], compiled=self.compile_merge, segments=segments
                 )
-            return _dense_ttt_attention(q, keys, values, prefix_mask)
+            return dense_ttt_attention(q, keys, values, prefix_mask)
 
         def one_step(k, hidden, *cached):
             cos, sin = self.rope(hidden, position_ids + k)
@@ -379,275 +396,6 @@ class Drafter(nn.Module):
         mask = cache.positions[:, None, :] <= position_ids[:, :, None]
         out = layer.finish(attn.attend(q, cache.keys, cache.values, mask), hidden)
         return out, self.logits(out)
-
-
-def one_document_rows(doc_ids: torch.Tensor) -> bool:
-    """Every row holds one document followed only by padding (-1): step 0's attention is then
-    plain causal attention, and the real positions never see the padding after them."""
-    real = doc_ids >= 0
-    prefix = real.cummin(1).values == real  # no real position after padding
-    same = (doc_ids == doc_ids[:, :1]) | ~real
-    return bool((prefix & same).all() and real[:, 0].all())
-
-
-def _dense_prefix_mask(doc_ids):
-    """[B,1,T,T] step-0 mask: causal within the document; a padding position sees itself."""
-    t = doc_ids.shape[1]
-    causal = torch.tril(torch.ones(t, t, dtype=torch.bool, device=doc_ids.device))
-    same_doc = (doc_ids[:, :, None] == doc_ids[:, None, :]) & (doc_ids[:, :, None] >= 0)
-    eye = torch.eye(t, dtype=torch.bool, device=doc_ids.device)
-    return ((causal & same_doc) | eye)[:, None]
-
-
-def _dense_ttt_attention(q, keys, values, prefix_mask):
-    """q [B,h,T,d]; keys/values of steps 0..k with h heads. Scores over step 0's keys under the
-    mask, and one dot product per later step's key at the query's own position, in one softmax."""
-    t = q.shape[2]
-    scale = q.shape[-1] ** -0.5
-    scores = ((q @ keys[0].transpose(-1, -2)) * scale).masked_fill(~prefix_mask, float("-inf"))
-    diag = [(q * dk).sum(-1, keepdim=True) * scale for dk in keys[1:]]  # [B,h,T,1] each
-    probs = torch.softmax(torch.cat([scores] + diag, -1), -1)
-    out = probs[..., :t] @ values[0]
-    for j, dv in enumerate(values[1:]):
-        out = out + probs[..., t + j : t + j + 1] * dv
-    return out
-
-
-# ----------------------------------------------- causal ⊕ diagonal attention ----
-# Step k of TTT on a one-document row attends causally to step 0's keys, plus one key of each
-# step 1..k at the query's own position. The causal part is a stock fused kernel (cuDNN) that
-# also returns its log-sum-exp; the k diagonal scores merge in by log-sum-exp, as ring attention
-# merges blocks. Backward: the fused kernel's backward, given the *merged* output and log-sum-exp,
-# returns exactly the causal part's share of the gradients (its softmax is recomputed as
-# exp(s - lse_merged) and its row term as dO·O_merged); the diagonal parts are elementwise.
-
-
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-
-
-def auto_attention(is_cuda: bool, one_document: bool, half_precision: bool) -> str:
-    """ttt_forward's attention="auto": on CUDA cuDNN's causal kernel merged with the diagonals for one-document
-    rows in fp16/bf16 (cuDNN takes no fp32: its raw op returns wrong scores for fp32 inputs instead of failing),
-    flex_attention otherwise; the dense reference elsewhere."""
-    if not is_cuda:
-        return "dense"
-    return "merged" if one_document and half_precision else "flex"
-
-
-def _causal_forward(q, k, v, scale):
-    """(out, lse [B,h,T,1] fp32, state for the backward) of causal attention, same heads for q, k, v."""
-    if q.is_cuda:
-        if q.dtype not in HALF_DTYPES:  # the raw op does not check: fp32 gives wrong scores silently
-            raise ValueError(f"cuDNN causal attention takes fp16/bf16, not {q.dtype}")
-        r = torch.ops.aten._scaled_dot_product_cudnn_attention(q, k, v, None, True, 0.0, True, False, scale=scale)
-        return r[0], r[1], r[2:8]
-    s = _causal_scores(q, k, scale)  # the reference, for the CPU and tests
-    lse = torch.logsumexp(s, -1, keepdim=True)
-    return (torch.exp(s - lse) @ v.float()).to(q.dtype), lse, None
-
-
-def _causal_backward(dout, q, k, v, out, lse, scale, state):
-    """dq, dk, dv of causal attention, with the softmax taken as exp(s - lse) and the row term as dO·out."""
-    if q.is_cuda:
-        cum_q, cum_k, max_q, max_k, seed, offset = state
-        return torch.ops.aten._scaled_dot_product_cudnn_attention_backward(
-            dout, q, k, v, out, lse, seed, offset, None, cum_q, cum_k, max_q, max_k, 0.0, True, scale=scale
-        )
-    df = dout.float()
-    p = torch.exp(_causal_scores(q, k, scale) - lse)  # 0 above the diagonal
-    ds = p * (df @ v.float().transpose(-1, -2) - (df * out.float()).sum(-1, keepdim=True))
-    dq, dk = ds @ k.float() * scale, ds.transpose(-1, -2) @ q.float() * scale
-    return dq.to(q.dtype), dk.to(k.dtype), (p.transpose(-1, -2) @ df).to(v.dtype)
-
-
-def _causal_scores(q, k, scale):
-    """fp32 scores q·k·scale, -inf above the diagonal (the CPU reference kernel pair)."""
-    s = (q.float() @ k.float().transpose(-1, -2)) * scale
-    return s.masked_fill(~torch.ones_like(s, dtype=torch.bool).tril(), float("-inf"))
-
-
-def _diagonal_score(qg, dk, scale):
-    """q·k at each query's own position: qg [B,kv,h/kv,T,d] against one step's keys dk [B,kv,T,d] → [B,h,T,1] fp32."""
-    return (qg.float() * dk.float()[:, :, None]).sum(-1, keepdim=True).flatten(1, 2) * scale
-
-
-def _merge_diagonals(q, out_c, lse, scale, *diag):
-    """The causal part's output and log-sum-exp merged with steps 1..k's diagonal keys (diag = keys
-    then values, [B,kv,T,d]) → (out [B,h,T,d] in out_c's dtype, merged log-sum-exp [B,h,T,1] fp32)."""
-    n = len(diag) // 2
-    qg = _by_kv_group(q, diag[0])
-    scores = [_diagonal_score(qg, dk, scale) for dk in diag[:n]]
-    merged = torch.logsumexp(torch.cat([lse] + scores, -1), -1, keepdim=True)
-    acc = torch.exp(lse - merged) * out_c.float()
-    for s, dv in zip(scores, diag[n:]):
-        acc = acc + torch.exp(s - merged) * _broadcast_kv(dv, q)
-    return acc.to(out_c.dtype), merged
-
-
-def _diagonal_grads(grad, out, merged, q, dq_causal, scale, *diag):
-    """The diagonal keys' share of the gradients: dq (the causal part's dq_causal added), then dk and
-    dv of each diagonal step. Elementwise: each query meets one key of each step."""
-    n = len(diag) // 2
-    gf, qg = grad.float(), _by_kv_group(q, diag[0]).float()
-    row = (gf * out.float()).sum(-1, keepdim=True)  # dO·O, as the fused backward takes it
-    dq = dq_causal.float()
-    dks, dvs = [], []
-    for dk, dv in zip(diag[:n], diag[n:]):
-        p = torch.exp(_diagonal_score(qg, dk, scale) - merged)  # [B,h,T,1]
-        ds = p * ((gf * _broadcast_kv(dv, q).float()).sum(-1, keepdim=True) - row)
-        dq = dq + ds * _broadcast_kv(dk, q).float() * scale
-        dks.append(_sum_groups(ds * qg.flatten(1, 2) * scale, dk))
-        dvs.append(_sum_groups(p * gf, dv))
-    return (dq.to(q.dtype), *dks, *dvs)
-
-
-_compiled_merge = None
-
-
-def merge_kernels(compiled: bool):
-    """(_merge_diagonals, _diagonal_grads), torch.compile'd when compiled: each becomes a kernel or two
-    instead of ~10 eager fp32 passes per diagonal over [B,h,T,d] (on the H200, cuDNN's causal kernel saved
-    19 ms a step over flex but the merged step only 2.4 ms; these passes are the likeliest cause, unprofiled).
-    dynamic: the row length changes from batch to batch."""
-    global _compiled_merge
-    if not compiled:
-        return _merge_diagonals, _diagonal_grads
-    if _compiled_merge is None:
-        _compiled_merge = (
-            torch.compile(_merge_diagonals, dynamic=True, fullgraph=True),
-            torch.compile(_diagonal_grads, dynamic=True, fullgraph=True),
-        )
-    return _compiled_merge
-
-
-class _CausalWithDiagonals(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k0, v0, compiled, *diag):
-        """q, k0, v0 [B,h,T,d]; diag = keys then values of steps 1..k, [B,kv,T,d] (GQA: broadcast)."""
-        scale = q.shape[-1] ** -0.5
-        out_c, lse, state = _causal_forward(q, k0, v0, scale)
-        out, merged = out_c, lse  # step 0: no diagonals, the causal part is all
-        if diag:
-            merge, _ = merge_kernels(compiled)
-            acc, merged = merge(q, out_c, lse, scale, *diag)
-            out = torch.empty_like(out_c)  # the fused kernel's layout, which its backward expects of out and dO
-            out.copy_(acc)
-        ctx.save_for_backward(q, k0, v0, out, merged, *diag)
-        ctx.state, ctx.scale, ctx.compiled = state, scale, compiled
-        return out
-
-    @staticmethod
-    def backward(ctx, dout):
-        q, k0, v0, out, merged, *diag = ctx.saved_tensors
-        grad = torch.empty_like(out)
-        grad.copy_(dout)
-        dq, dk0, dv0 = _causal_backward(grad, q, k0, v0, out, merged, ctx.scale, ctx.state)
-        if diag:
-            _, diagonal_grads = merge_kernels(ctx.compiled)
-            dq, *d_diag = diagonal_grads(grad, out, merged, q, dq, ctx.scale, *diag)
-        else:
-            d_diag = []
-        return (dq, dk0, dv0, None, *d_diag)
-
-
-def _by_kv_group(q, kv):
-    """q [B,h,T,d] as [B,kv,h/kv,T,d]: the heads that share each key/value head (repeat_interleave order)."""
-    b, h, t, d = q.shape
-    return q.view(b, kv.shape[1], h // kv.shape[1], t, d)
-
-
-def _broadcast_kv(x, q):
-    """[B,kv,T,d] → [B,h,T,d] view-expanded to q's heads."""
-    b, kvh, t, d = x.shape
-    return x[:, :, None].expand(b, kvh, q.shape[1] // kvh, t, d).flatten(1, 2)
-
-
-def _sum_groups(x, like):
-    """[B,h,T,d] gradients → [B,kv,T,d], summing the heads that share a key/value head."""
-    b, kvh, t, d = like.shape
-    return x.view(b, kvh, -1, t, d).sum(2).to(like.dtype)
-
-
-def causal_attention_with_diagonals(q, k0, v0, diag_keys, diag_values, compiled: bool = False):
-    """Step k's TTT attention on one-document rows: q, k0, v0 [B,h,T,d] (step 0's keys with q's
-    heads), diag_keys/values: steps 1..k, [B,kv,T,d]. Returns [B,h,T,d].
-    compiled: the merge torch.compile'd (merge_kernels)."""
-    return _CausalWithDiagonals.apply(q, k0, v0, compiled, *diag_keys, *diag_values)
-
-
-TTT_BLOCK = 128  # flex_attention's block size
-
-
-def ttt_block_masks(docs: torch.Tensor, t: int, steps: int) -> list:
-    """flex_attention block masks of TTT steps 0..steps-1, built from per-block facts in
-    O((T/128)²) instead of evaluating every (query, key) pair (86 G pairs at T = 131,072, K = 5).
-
-    docs [B, t_pad]: document id per position, -1 for padding (and for positions ≥ t).
-    Step k's keys are k+1 regions of t_pad: region 0 holds step 0's keys (causal, same
-    document; a padding query sees itself), region r ≥ 1 holds step r's keys, of which
-    query t sees only position t.
-    """
-    from torch.nn.attention.flex_attention import BlockMask
-
-    bsz, t_pad = docs.shape
-    n = t_pad // TTT_BLOCK
-    blocks = docs.view(bsz, n, TTT_BLOCK)
-    real = blocks >= 0
-    big = torch.iinfo(docs.dtype).max
-    lo = torch.where(real, blocks, big).amin(-1)  # [B, n] smallest document in a block
-    hi = torch.where(real, blocks, -1).amax(-1)  # largest (-1: no real position)
-    q_idx = torch.arange(n, device=docs.device)
-    below = q_idx[None, :] < q_idx[:, None]  # [q, kv]: kv block strictly before q block
-    diagonal = torch.eye(n, dtype=torch.bool, device=docs.device)
-    overlap = (hi[:, None, :] >= lo[:, :, None]) & (lo[:, None, :] <= hi[:, :, None])  # [B, q, kv]
-    one_doc = (lo == hi) & real.all(-1)
-    full0 = below & one_doc[:, :, None] & one_doc[:, None, :] & (lo[:, :, None] == lo[:, None, :])
-    partial0 = ((below & overlap) | diagonal) & ~full0
-    docs_flat = docs
-
-    def mask_mod(b, h, q, kv):
-        region, pos = kv // t_pad, kv % t_pad
-        same_doc = (docs_flat[b, q] == docs_flat[b, pos]) & (docs_flat[b, q] >= 0)
-        return torch.where(region == 0, ((pos <= q) & same_doc) | (pos == q), pos == q)
-
-    def as_indices(nonempty):  # [B, q, kv] bool → counts, indices
-        counts = nonempty.sum(-1, dtype=torch.int32)
-        order = torch.argsort((~nonempty).to(torch.int8), dim=-1, stable=True).to(torch.int32)
-        return counts[:, None], order[:, None]
-
-    masks = []
-    for k in range(steps):
-        partial = torch.cat([partial0] + [diagonal.expand(bsz, n, n)] * k, -1)
-        full = torch.cat([full0] + [torch.zeros_like(full0)] * k, -1)
-        kv_num, kv_idx = as_indices(partial)
-        full_num, full_idx = as_indices(full)
-        masks.append(
-            BlockMask.from_kv_blocks(
-                kv_num,
-                kv_idx,
-                full_num,
-                full_idx,
-                BLOCK_SIZE=TTT_BLOCK,
-                mask_mod=mask_mod,
-                seq_lengths=(t, t_pad * (k + 1)),
-            )
-        )
-    return masks
-
-
-def _flex_attention(q, k, v, **kw):
-    """flex_attention, compiled on GPUs (its fused kernel); eager elsewhere (tests, CPU)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    global _compiled_flex
-    if not q.is_cuda:
-        return flex_attention(q, k, v, **kw)
-    if _compiled_flex is None:
-        _compiled_flex = torch.compile(flex_attention)
-    return _compiled_flex(q, k, v, **kw)
-
-
-_compiled_flex = None
 
 
 class DraftCache:

@@ -69,3 +69,39 @@ def test_batch_throughput_compares_bf16_and_fp8_shards():
     measured = [r for r in rows if "batch_prefetch" in r]
     assert len(measured) == 4 and all(r["tokens_per_s"] > 0 and r["vs_first_dtype"] > 0 for r in measured)
     assert all(r["dequant_ms_per_1k_tokens"] > 0 for r in measured if r["store_dtype"] == "float8_e4m3fn")
+
+
+def test_train_throughput_packs_the_rows_of_a_token_file(tmp_path):
+    """--docs: rows packed as the trainer packs them from a prepare-stage token file (whole sequences, padding at
+    the end), reported with what they hold; the merged attention runs on them (its CPU reference here)."""
+    import torch
+
+    from eagle3lib.prepare.conversations import save_tokens
+
+    lengths = [70, 40, 120, 30, 90, 60, 50, 110] * 3
+    starts = torch.tensor([0] + lengths).cumsum(0)
+    mask = torch.zeros(int(starts[-1]), dtype=torch.uint8)
+    for a, n in zip(starts[:-1].tolist(), lengths):
+        mask[a + n // 3 : a + n] = 1  # the first third of each sequence is its prompt
+    path = save_tokens(
+        tmp_path / "tokens.safetensors",
+        {
+            "input_ids": torch.arange(len(mask), dtype=torch.int32) % 5000,
+            "loss_mask": mask,
+            "seq_starts": starts,
+            "ids": [str(i) for i in range(len(lengths))],
+        },
+    )
+    args = ["--small", "--device", "cpu", "--seqs", "256", "--steps", "2", "--warmup", "1", "--docs", str(path)]
+    out = subprocess.run(
+        [sys.executable, "benchmarks/train_throughput.py", *args, "--attention", "merged"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    (r,) = json.loads(out.stdout.strip().splitlines()[-1])["results"]
+    assert r["rows"] == "packed" and r["attention"] == "merged" and r["loss_rows"] == "valid"
+    assert 2 <= r["docs_per_row"] <= 5 and 150 < r["real_tokens_per_row"] <= 256
+    assert 0.6 < r["loss_mask_share"] < 0.7 and r["tokens_per_s"] > 0 and r["loss"] > 0

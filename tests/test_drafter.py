@@ -174,7 +174,7 @@ def several_block_case(device):
 
 
 def test_flex_block_masks_over_several_blocks_equal_the_dense_path():
-    from eagle3lib.drafter import ttt_block_masks
+    from eagle3lib.ttt_attention import ttt_block_masks
 
     drafter, aux, embeds, pos, docs = several_block_case("cpu")
     full_blocks = ttt_block_masks(torch.nn.functional.pad(docs, (0, 84), value=-1), 300, 1)[0].full_kv_num_blocks
@@ -312,7 +312,7 @@ def test_merged_attention_equals_the_dense_path_forward_and_backward():
 def test_compiled_merge_equals_the_eager_merge():
     """merge_kernels' torch.compile'd merge and diagonal gradients (train.compile_layer; here inductor's CPU
     code) compute what the eager functions do, for GQA heads and two diagonal steps."""
-    from eagle3lib.drafter import causal_attention_with_diagonals
+    from eagle3lib.ttt_attention import causal_attention_with_diagonals
 
     torch.manual_seed(3)
     b, heads, kv, t, d = 2, 4, 2, 40, 16
@@ -344,18 +344,58 @@ def test_compiled_layer_trains_as_the_eager_one():
     assert_close(eager, ttt_outputs_and_grads(drafter, aux, embeds, pos, docs, attention="merged"), 1e-4, "compiled")
 
 
-def test_one_document_rows_decides_where_the_merged_path_applies():
-    from eagle3lib.drafter import one_document_rows
+def test_one_document_rows_decides_which_fused_kernel_the_merged_path_runs():
+    from eagle3lib.ttt_attention import one_document_rows
 
     assert one_document_rows(torch.tensor([[0, 0, 0, -1, -1], [3, 3, 3, 3, 3]]))
     assert not one_document_rows(torch.tensor([[0, 0, 1, 1, -1]]))  # packed
     assert not one_document_rows(torch.tensor([[0, 0, -1, 0, 0]]))  # a real position after padding
     assert not one_document_rows(torch.tensor([[-1, -1, -1]]))  # padding only
     drafter, aux, embeds, pos, docs = several_block_case("cpu")
-    with pytest.raises(ValueError, match="one document"):
-        drafter.ttt_forward(aux, embeds, pos, docs, attention="merged")
     with pytest.raises(ValueError, match="T\\+K-1"):
         drafter.ttt_forward(aux, embeds[:, :10], pos, docs)
+
+
+def test_packed_segments_are_the_runs_of_each_row():
+    """Each row's documents and its padding run are separate sequences of the flattened rows, and no run crosses
+    from one row into the next (row 0 ends in document 1, row 1 starts with its own document 1)."""
+    from eagle3lib.ttt_attention import packed_segments
+
+    seg = packed_segments(torch.tensor([[0, 0, 0, 1, 1], [1, 1, 2, -1, -1]]))
+    assert seg.cu_seqlens.tolist() == [0, 3, 5, 7, 8, 10] and seg.cu_seqlens.dtype == torch.int32
+    assert seg.max_len == 3
+    assert seg.segment_ids.tolist() == [[0, 0, 0, 1, 1], [2, 2, 3, 4, 4]]
+
+
+def test_merged_attention_on_packed_rows_equals_the_dense_path():
+    """Packed rows (documents across 128-blocks, padding at a row's end, GQA): the variable-length causal part
+    (here its CPU reference: causal within each run of the flattened rows) merged with the diagonals computes the
+    dense path's outputs and gradients, with and without checkpointing; "varlen" forces it on one-document rows."""
+    case = several_block_case("cpu")
+    dense = ttt_outputs_and_grads(*case, attention="dense")
+    for checkpoint in (False, True):
+        got = ttt_outputs_and_grads(*case, attention="merged", checkpoint=checkpoint)
+        assert_close(dense, got, 1e-4, f"merged on packed rows, checkpoint={checkpoint}")
+    one_doc = one_document_case("cpu")
+    assert_close(
+        ttt_outputs_and_grads(*one_doc, attention="dense"),
+        ttt_outputs_and_grads(*one_doc, attention="varlen"),
+        1e-4,
+        "varlen on one-document rows",
+    )
+
+
+def test_a_document_boundary_off_by_one_changes_the_packed_merged_path():
+    """The packed path's mask matters: the same rows with one document boundary moved give other outputs at the
+    documents it touches (a kernel that ignored the segments would pass the equality test above only by luck)."""
+    drafter, aux, embeds, pos, docs = several_block_case("cpu")
+    with torch.no_grad():
+        ref = drafter.ttt_forward(aux, embeds, pos, docs, attention="merged")
+        moved = docs.clone()
+        moved[0, 90] = 0  # document 1 of row 0 now starts one position later
+        got = drafter.ttt_forward(aux, embeds, pos, moved, attention="merged")
+    assert (ref[0][0, 91:120] - got[0][0, 91:120]).abs().max() > 1e-3
+    assert (ref[0][0, :90] - got[0][0, :90]).abs().max() <= 1e-6
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN attention runs on CUDA")
@@ -374,22 +414,43 @@ def test_merged_cudnn_path_equals_the_dense_path_on_gpus():
             assert_per_position(dense_inputs, got, 8 * BF16_EPS, what)
 
 
-def test_auto_attention_keeps_fp32_off_cudnn():
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash attention runs on CUDA")
+def test_merged_varlen_path_on_packed_rows_equals_the_dense_path_on_gpus():
+    """Flash attention's variable-length causal kernel and its backward fed the merged log-sum-exp, on packed rows
+    with padding and GQA (bf16 under autocast), against the dense path in fp32, per position: a document boundary
+    off by one, or a log-sum-exp in other units, is off by O(1) at the positions it touches."""
+    case = several_block_case("cuda")
+    dense = ttt_outputs_and_grads(*case, attention="dense")
+    dense_inputs = input_gradients(*case, attention="dense")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        for compiled, checkpoint in [(False, False), (True, False), (True, True)]:
+            case[0].compile_merge = compiled
+            what = f"merged on flash varlen, compiled merge={compiled}, checkpoint={checkpoint}"
+            assert_close(dense, ttt_outputs_and_grads(*case, attention="auto", checkpoint=checkpoint), 5e-2, what)
+            got = input_gradients(*case, attention="merged", checkpoint=checkpoint)
+            assert_per_position(dense_inputs, got, 8 * BF16_EPS, what)
+    one_doc = one_document_case("cuda")
+    ref = input_gradients(*one_doc, attention="dense")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        got = input_gradients(*one_doc, attention="varlen")
+    assert_per_position(ref, got, 8 * BF16_EPS, "varlen, one document")
+
+
+def test_auto_attention_keeps_fp32_off_the_fused_kernels():
     """cuDNN takes fp16/bf16 only and its raw op returns wrong scores for fp32 instead of failing (an fp32 drafter
     evaluated on one-document rows on an H200 scored cond_acc 0.07 where dense and flex scored 0.29;
     benchmarks/README.md, 2026-12-01 session 10): auto sends fp32 to flex."""
-    from eagle3lib.drafter import auto_attention
+    from eagle3lib.ttt_attention import auto_attention
 
-    assert auto_attention(is_cuda=True, one_document=True, half_precision=True) == "merged"
-    assert auto_attention(is_cuda=True, one_document=True, half_precision=False) == "flex"
-    assert auto_attention(is_cuda=True, one_document=False, half_precision=True) == "flex"
-    assert auto_attention(is_cuda=False, one_document=True, half_precision=True) == "dense"
+    assert auto_attention(is_cuda=True, half_precision=True) == "merged"
+    assert auto_attention(is_cuda=True, half_precision=False) == "flex"
+    assert auto_attention(is_cuda=False, half_precision=True) == "dense"
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="cuDNN attention runs on CUDA")
 def test_fp32_on_gpus_is_refused_by_merged_and_right_through_auto():
     case = one_document_case("cuda")
-    with pytest.raises(ValueError, match="takes fp16/bf16 only"):
+    with pytest.raises(ValueError, match="fp16/bf16 only"):
         ttt_outputs_and_grads(*case, attention="merged")
     assert_close(ttt_outputs_and_grads(*case, attention="dense"), ttt_outputs_and_grads(*case), 1e-4, "auto, fp32")
 
@@ -399,7 +460,7 @@ def test_block_masks_built_per_block_equal_the_ones_flex_builds_pair_by_pair():
     themselves must equal create_block_mask's, partial and full blocks, for every TTT step."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from eagle3lib.drafter import ttt_block_masks
+    from eagle3lib.ttt_attention import ttt_block_masks
 
     t, t_pad = 300, 384
     docs = torch.full((2, t_pad), -1)

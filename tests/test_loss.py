@@ -14,9 +14,11 @@ def plain(h, weight, target_logits, valid, offset):
     return torch.where(valid, ce, 0.0).sum(), z.argmax(-1)
 
 
+@pytest.mark.parametrize("only_valid", [False, True], ids=["all-rows", "valid-rows"])
 @pytest.mark.parametrize("fused", [False, True], ids=["eager", "compiled"])
-def test_chunked_loss_and_gradients_equal_the_plain_soft_ce(fused):
-    """fused: the per-chunk kernel through torch.compile (as on CUDA), here compiled for the CPU."""
+def test_chunked_loss_and_gradients_equal_the_plain_soft_ce(fused, only_valid):
+    """fused: the per-chunk kernel through torch.compile (as on CUDA), here compiled for the CPU.
+    only_valid: only the valid rows scored, gathered across rows of the batch; the argmax is compared there."""
     torch.manual_seed(0)
     b, t, hdim, vocab = 2, 37, 16, 50
     h = torch.randn(b, t, hdim, dtype=torch.float64, requires_grad=True)
@@ -37,9 +39,11 @@ def test_chunked_loss_and_gradients_equal_the_plain_soft_ce(fused):
         offset=offset,
         chunk_elements=5 * vocab,  # 5-row chunks
         fused=fused,
+        only_valid=only_valid,
     )
     assert torch.allclose(loss, expected.float(), rtol=1e-6)
-    assert torch.equal(best, expected_best)
+    assert torch.equal(best[valid], expected_best[valid])
+    assert torch.equal(best, expected_best) or only_valid
     dh, dw = torch.autograd.grad(2.5 * loss, (h, weight))
     assert (dh - 2.5 * gh).abs().max() < 1e-6 * gh.abs().max(), (dh - 2.5 * gh).abs().max()
     assert (dw - 2.5 * gw).abs().max() < 1e-6 * gw.abs().max(), (dw - 2.5 * gw).abs().max()
@@ -57,7 +61,8 @@ def test_without_gradients_it_only_scores(fused):
 @pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs CUDA: bf16 through the compiled kernel and addmm's fp32 output"
 )
-def test_bf16_on_cuda_is_close_to_the_fp64_loss_and_gradients():
+@pytest.mark.parametrize("only_valid", [False, True], ids=["all-rows", "valid-rows"])
+def test_bf16_on_cuda_is_close_to_the_fp64_loss_and_gradients(only_valid):
     torch.manual_seed(0)
     n, hdim, vocab = 3000, 256, 4000  # several chunks, the last one short
     h64 = torch.randn(n, hdim, dtype=torch.float64, device="cuda") * 0.5
@@ -70,7 +75,9 @@ def test_bf16_on_cuda_is_close_to_the_fp64_loss_and_gradients():
     gh, gw = torch.autograd.grad(expected, (h64, w64))
     h, w = h64.detach().float().requires_grad_(), w64.detach().float().requires_grad_()
     probs = torch.softmax(target, -1).to(torch.bfloat16)
-    loss, _ = linear_soft_ce(h, w, probs, valid, offset=2, dtype=torch.bfloat16, chunk_elements=1024 * vocab)
+    loss, _ = linear_soft_ce(
+        h, w, probs, valid, offset=2, dtype=torch.bfloat16, chunk_elements=1024 * vocab, only_valid=only_valid
+    )
     dh, dw = torch.autograd.grad(loss, (h, w))
     assert abs(loss.item() - expected.item()) < 1e-2 * abs(expected.item())
     assert (dh - gh).norm() < 2e-2 * gh.norm(), ((dh - gh).norm() / gh.norm()).item()

@@ -71,14 +71,25 @@ def chunk_kernel(device: torch.device, fused: bool | None = None):
 
 
 class LinearSoftCE(torch.autograd.Function):
-    """(h [N,H], weight [V,H], probs [N,V], valid [N] bool, offset) → (Σ loss, argmax [N]).
+    """(h [N,H], weight [V,H], probs [N,V], valid [N] bool, offset, ..., rows) → (Σ loss, argmax [N]).
 
     Row i of h is scored against probs row i + offset (TTT step k reads the target k+1
-    positions ahead); rows whose target falls outside are expected to be invalid."""
+    positions ahead); rows whose target falls outside are expected to be invalid.
+    rows: the indices of the valid rows (int64 [M]), when given only those are scored: the invalid
+    rows' logits add nothing to the loss or the gradients, and their argmax is returned as 0."""
 
     @staticmethod
     def forward(
-        ctx, h, weight, probs, valid, offset: int, dtype: torch.dtype, chunk_elements: int, fused: bool | None = None
+        ctx,
+        h,
+        weight,
+        probs,
+        valid,
+        offset: int,
+        dtype: torch.dtype,
+        chunk_elements: int,
+        fused: bool | None = None,
+        rows: torch.Tensor | None = None,
     ):
         n, v = h.shape[0], weight.shape[0]
         want_h, want_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]  # a frozen lm_head needs no grad_w
@@ -87,20 +98,29 @@ class LinearSoftCE(torch.autograd.Function):
         # cuBLAS accumulates bf16/fp16 products into an fp32 output directly; elsewhere, an fp32 copy per chunk
         fp32_out = h.device.type == "cuda" and dtype in (torch.bfloat16, torch.float16)
         loss = torch.zeros((), dtype=torch.float32, device=h.device)
-        best = torch.empty(n, dtype=torch.long, device=h.device)
-        grad_h = torch.empty(n, h.shape[1], dtype=dtype, device=h.device) if want_h else None
+        best = torch.empty(n, dtype=torch.long, device=h.device) if rows is None else h.new_zeros(n, dtype=torch.long)
+        grad_h = None
+        if want_h:
+            grad_h = (torch.empty if rows is None else torch.zeros)(n, h.shape[1], dtype=dtype, device=h.device)
         grad_w = torch.zeros(v, h.shape[1], dtype=torch.float32, device=h.device) if want_w else None
-        rows = max(1, chunk_elements // v)
-        for a in range(0, n, rows):
-            b = min(n, a + rows)
-            x = h[a:b].to(dtype)
-            p = probs[min(probs.shape[0], a + offset) : min(probs.shape[0], b + offset)]
-            if p.shape[0] < b - a:  # rows whose target lies past the end: zero probability (and invalid)
-                p = F.pad(p, (0, 0, 0, b - a - p.shape[0]))
-            chunk_loss, best[a:b], g = kernel(x @ w.T, p, valid[a:b].float(), want_h or want_w)
+        scored = n if rows is None else rows.numel()
+        step = max(1, chunk_elements // v)
+        for a in range(0, scored, step):
+            b = min(scored, a + step)
+            if rows is None:
+                at = slice(a, b)
+                p = probs[min(probs.shape[0], a + offset) : min(probs.shape[0], b + offset)]
+                if p.shape[0] < b - a:  # rows whose target lies past the end: zero probability (and invalid)
+                    p = F.pad(p, (0, 0, 0, b - a - p.shape[0]))
+                mask = valid[a:b].float()
+            else:
+                at = rows[a:b]
+                p, mask = probs[at + offset], h.new_ones(b - a, dtype=torch.float32)
+            x = h[at].to(dtype)
+            chunk_loss, best[at], g = kernel(x @ w.T, p, mask, want_h or want_w)
             loss += chunk_loss
             if want_h:
-                grad_h[a:b] = g @ w
+                grad_h[at] = g @ w
             if want_w:
                 if fp32_out:
                     torch.addmm(grad_w, g.T, x, out_dtype=torch.float32, out=grad_w)
@@ -117,7 +137,7 @@ class LinearSoftCE(torch.autograd.Function):
         h_dtype, w_dtype = ctx.dtypes
         dh = (grad_h.to(h_dtype) * grad_loss.to(h_dtype)) if ctx.needs_input_grad[0] else None
         dw = (grad_w * grad_loss).to(w_dtype) if ctx.needs_input_grad[1] else None
-        return dh, dw, None, None, None, None, None, None
+        return dh, dw, None, None, None, None, None, None, None
 
 
 def linear_soft_ce(
@@ -129,11 +149,15 @@ def linear_soft_ce(
     dtype: torch.dtype | None = None,
     chunk_elements: int = CHUNK_ELEMENTS,
     fused: bool | None = None,
+    only_valid: bool = False,
 ):
     """Σ over valid rows of the soft CE of h·weightᵀ against probs shifted by offset, and the
     per-row argmax of the logits. h [..., H] and valid [...] are flattened together.
-    fused: compile the per-chunk kernel (default: on CUDA)."""
+    fused: compile the per-chunk kernel (default: on CUDA).
+    only_valid: score the valid rows only (the same loss and gradients for less work where many rows are
+    invalid, e.g. user turns; the argmax of an invalid row is then 0). It reads the valid count on the host."""
     dtype = compute_dtype(h.device.type, h.dtype) if dtype is None else dtype
-    flat_h = h.reshape(-1, h.shape[-1])
-    loss, best = LinearSoftCE.apply(flat_h, weight, probs, valid.reshape(-1), offset, dtype, chunk_elements, fused)
+    flat_h, flat_valid = h.reshape(-1, h.shape[-1]), valid.reshape(-1)
+    rows = flat_valid.nonzero().flatten() if only_valid else None
+    loss, best = LinearSoftCE.apply(flat_h, weight, probs, flat_valid, offset, dtype, chunk_elements, fused, rows)
     return loss, best.view(h.shape[:-1])

@@ -87,11 +87,14 @@ def ttt_loss_sums(
     checkpoint: bool = False,
     fused_loss: bool | None = None,
     attention: str = "auto",
+    only_valid_rows: bool = True,
 ):
     """Run the TTT chain on a batch. Returns, per step: Σ over valid positions of the soft CE
     against the target's distribution on the draft vocab, the valid counts, and (with_metrics)
     whether the draft's argmax is the target's argmax over the full vocab, with the valid masks.
-    fused_loss: the loss's per-chunk kernel compiled (default: on CUDA; loss.chunk_kernel)."""
+    fused_loss: the loss's per-chunk kernel compiled (default: on CUDA; loss.chunk_kernel).
+    only_valid_rows: the lm_head scores only each step's valid positions (linear_soft_ce's only_valid;
+    False scores every position, the same loss for more work: an ablation)."""
     ids, docs = batch["input_ids"], batch["doc_ids"]
     dtype = drafter.fc.weight.dtype
     aux, final = batch_states(batch, dtype)
@@ -107,7 +110,14 @@ def ttt_loss_sums(
     for k in range(steps):
         valid = valid_positions(batch, k)
         loss, best = linear_soft_ce(
-            drafter.norm(hidden[k]), drafter.lm_head.weight, probs, valid, offset=1 + k, dtype=compute, fused=fused_loss
+            drafter.norm(hidden[k]),
+            drafter.lm_head.weight,
+            probs,
+            valid,
+            offset=1 + k,
+            dtype=compute,
+            fused=fused_loss,
+            only_valid=only_valid_rows,
         )
         sums.append(loss)
         counts.append(valid.sum())
