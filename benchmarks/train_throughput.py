@@ -167,7 +167,9 @@ def measure(
     head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, device=device, dtype=dtype) * 0.02
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)  # as eagle3lib.train.trainer makes it
-    batches = [synthetic_states(cfg, r, device, dtype) for r in rows] if rows else [synthetic_batch(cfg, seq, device, dtype)]
+    batches = (
+        [synthetic_states(cfg, r, device, dtype) for r in rows] if rows else [synthetic_batch(cfg, seq, device, dtype)]
+    )
     weights = torch.tensor([0.8**k for k in range(ttt)], device=device)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
