@@ -287,15 +287,17 @@ def measure_speculators(
     opt = torch.optim.AdamW(model.named_parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     total = warmup + steps
     sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=total // 100, num_training_steps=total)
+    # On the host until each one's step (as train_throughput.measure keeps them): the peak is one row's step.
     if rows:
-        batches = [batch_of_row(r, shape, device, dtype) for r in rows]
+        batches = [batch_of_row(r, shape, "cpu", dtype) for r in rows]
     else:
-        batches = [synthetic_batch(spec, shape, seq, device, dtype)]
+        batches = [synthetic_batch(spec, shape, seq, "cpu", dtype)]
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     times, rates = [], []
     for i in range(total):
-        batch = dict(batches[i % len(batches)])
+        batch = None
+        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batches[i % len(batches)].items()}
         tokens = batch.pop("tokens")
         if cuda:
             torch.cuda.synchronize()

@@ -112,6 +112,10 @@ def synthetic_states(cfg: DrafterConfig, row: dict, device, dtype) -> dict:
     return out
 
 
+def on_device(batch: dict, device) -> dict:
+    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
 def row_stats(rows: list[dict]) -> dict:
     """What the rows hold: real tokens, documents and loss-mask share per row (means)."""
     n = len(rows)
@@ -167,8 +171,10 @@ def measure(
     head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, device=device, dtype=dtype) * 0.02
     params = [p for p in drafter.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)  # as eagle3lib.train.trainer makes it
+    # Rows wait on the host and each goes to the device before its step (untimed), so the peak memory is that of
+    # one row's step, as in training.
     batches = (
-        [synthetic_states(cfg, r, device, dtype) for r in rows] if rows else [synthetic_batch(cfg, seq, device, dtype)]
+        [synthetic_states(cfg, r, "cpu", dtype) for r in rows] if rows else [synthetic_batch(cfg, seq, "cpu", dtype)]
     )
     weights = torch.tensor([0.8**k for k in range(ttt)], device=device)
     if cuda:
@@ -198,7 +204,8 @@ def measure(
 
     times, rates = [], []
     for i in range(warmup + steps):
-        batch = batches[i % len(batches)]
+        batch = None
+        batch = on_device(batches[i % len(batches)], device)
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -213,7 +220,7 @@ def measure(
         from torch.profiler import profile as profiler
 
         with profiler(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-            train_step(batches[0])
+            train_step(batch)
             if cuda:
                 torch.cuda.synchronize()
         sort = "device_time_total" if cuda else "cpu_time_total"
