@@ -30,9 +30,10 @@ import torch.distributed as dist
 
 import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
 from eagle3lib.drafter import Drafter, DrafterConfig
+from eagle3lib.train.batches import batch_to
 from eagle3lib.train.distributed import all_reduce_grads
 from eagle3lib.train.speedups import compile_decoder_layer, convert_to_float8
-from eagle3lib.train.trainer import ttt_loss_sums
+from eagle3lib.train.trainer import ttt_loss_sums, with_host_layout
 
 LLAMA_8B = dict(
     hidden_size=4096,
@@ -112,10 +113,6 @@ def synthetic_states(cfg: DrafterConfig, row: dict, device, dtype) -> dict:
     return out
 
 
-def on_device(batch: dict, device) -> dict:
-    return {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
-
-
 def row_stats(rows: list[dict]) -> dict:
     """What the rows hold: real tokens, documents and loss-mask share per row (means)."""
     n = len(rows)
@@ -144,6 +141,7 @@ def measure(
     eager_merge: bool = False,
     rows: list[dict] | None = None,
     all_rows: bool = False,
+    device_layout: bool = False,
 ) -> dict:
     """Median tokens/s of full training steps on rows of seq tokens (rows: packed_rows' layouts; default one
     document of random tokens), and peak memory. Under torchrun every rank runs the step on its own row and the
@@ -173,9 +171,13 @@ def measure(
     opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)  # as eagle3lib.train.trainer makes it
     # Rows wait on the host and each goes to the device before its step (untimed), so the peak memory is that of
     # one row's step, as in training.
+    # with_host_layout: the rows' layout and valid rows made on the host, as the trainer makes them (device_layout:
+    # read back from the GPU inside the step, an ablation).
     batches = (
         [synthetic_states(cfg, r, "cpu", dtype) for r in rows] if rows else [synthetic_batch(cfg, seq, "cpu", dtype)]
     )
+    if not device_layout:
+        batches = [with_host_layout(b, ttt) for b in batches]
     weights = torch.tensor([0.8**k for k in range(ttt)], device=device)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -205,7 +207,7 @@ def measure(
     times, rates = [], []
     for i in range(warmup + steps):
         batch = None
-        batch = on_device(batches[i % len(batches)], device)
+        batch = batch_to(batches[i % len(batches)], device)
         if cuda:
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -237,6 +239,7 @@ def measure(
         "float8": float8,
         "merge_compiled": drafter.compile_merge,
         "loss_rows": "all" if all_rows else "valid",
+        "layout": "device" if device_layout else "host",
         **(row_stats(rows) if rows else {"rows": "one document"}),
         "tokens_per_s": round(world * statistics.median(rates), 1),
         "step_s_median": round(statistics.median(times), 4),
@@ -298,6 +301,7 @@ def measure_or_oom(
     eager_merge: bool = False,
     rows: list[dict] | None = None,
     all_rows: bool = False,
+    device_layout: bool = False,
 ) -> dict:
     """checkpoint: "off", "on", or "auto" (off, and on again if off runs out of memory)."""
     tries = {"off": [False], "on": [True], "auto": [False, True]}[checkpoint]
@@ -321,6 +325,7 @@ def measure_or_oom(
                 eager_merge=eager_merge,
                 rows=rows,
                 all_rows=all_rows,
+                device_layout=device_layout,
             )
         except torch.OutOfMemoryError as e:
             errors.append(f"checkpoint={ckpt}: out of memory: {str(e).splitlines()[0]}")
@@ -368,6 +373,11 @@ def main():
         help="packed rows from a prepare-stage token file's sequences (see the module docstring), both impls",
     )
     ap.add_argument("--all-rows", action="store_true", help="the loss scores every position, valid or not (ablation)")
+    ap.add_argument(
+        "--device-layout",
+        action="store_true",
+        help="the rows' layout and valid rows read back from the GPU inside the step, not made on the host (ablation)",
+    )
     ap.add_argument(
         "--eager-merge",
         action="store_true",
@@ -451,6 +461,7 @@ def main():
             eager_merge=args.eager_merge,
             rows=rows_of(seq),
             all_rows=args.all_rows,
+            device_layout=args.device_layout,
         )
         results.append(r)
         if rank == 0:

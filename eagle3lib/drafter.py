@@ -32,13 +32,13 @@ from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, Lla
 from eagle3lib.ttt_attention import (
     HALF_DTYPES,
     TTT_BLOCK,
+    RowLayout,
     auto_attention,
     causal_attention_with_diagonals,
     dense_prefix_mask,
     dense_ttt_attention,
     flex_attention_on_device,
-    one_document_rows,
-    packed_segments,
+    row_layout,
     ttt_block_masks,
 )
 
@@ -292,7 +292,16 @@ class Drafter(nn.Module):
         self.fc.weight[:, top * h : (top + 1) * h] = torch.eye(h)
 
     # ---------------------------------------------------------- training ----
-    def ttt_forward(self, aux, embeds, position_ids, doc_ids, attention: str = "auto", checkpoint: bool = False):
+    def ttt_forward(
+        self,
+        aux,
+        embeds,
+        position_ids,
+        doc_ids,
+        attention: str = "auto",
+        checkpoint: bool = False,
+        layout: RowLayout | None = None,
+    ):
         """Training-time test over K chain steps.
 
         aux [B,T,3H_t]: target aux states at each position t.
@@ -315,6 +324,7 @@ class Drafter(nn.Module):
         - "auto": on CUDA merged in fp16/bf16, flex in fp32; dense elsewhere (auto_attention).
         checkpoint: keep each step's inputs and recompute the step in the backward pass
         instead of holding its activations (MLP, norms) for all K steps.
+        layout: row_layout(doc_ids) made on the host (else made here from doc_ids, which waits for the GPU).
         """
         b, t = aux.shape[:2]
         steps = embeds.shape[1] - t + 1
@@ -329,8 +339,10 @@ class Drafter(nn.Module):
                 "use 'flex' or 'dense' in fp32"
             )
         segments = None
-        if attention == "varlen" or (attention == "merged" and not one_document_rows(doc_ids)):
-            attention, segments = "merged", packed_segments(doc_ids)
+        if attention in ("merged", "varlen"):
+            layout = layout or row_layout(doc_ids)
+            if attention == "varlen" or not layout.one_document:
+                attention, segments = "merged", layout.segments
         attn, layer = self.layer.self_attn, self.layer
         groups = attn.heads // attn.kv_heads
         w_embed, w_hidden = layer.qkv_weight_halves()

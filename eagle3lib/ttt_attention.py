@@ -81,6 +81,27 @@ class PackedSegments:
     max_len: int  # the longest run
     segment_ids: torch.Tensor  # [B,T] run index of each position (the CPU reference's mask)
 
+    def to(self, device) -> PackedSegments:
+        move = lambda x: x.to(device, non_blocking=True)  # noqa: E731
+        return PackedSegments(move(self.cu_seqlens), self.max_len, move(self.segment_ids))
+
+
+@dataclass(frozen=True)
+class RowLayout:
+    """What the attention reads of rows' documents on the host (a GPU would wait for it): whether every row holds
+    one document (cuDNN's kernel) and the runs of documents (flash varlen's)."""
+
+    one_document: bool
+    segments: PackedSegments
+
+    def to(self, device) -> RowLayout:
+        return RowLayout(self.one_document, self.segments.to(device))
+
+
+def row_layout(doc_ids: torch.Tensor) -> RowLayout:
+    """doc_ids [B,T]'s layout; computed from the host copy of a batch before it moves, the step never syncs."""
+    return RowLayout(one_document_rows(doc_ids), packed_segments(doc_ids))
+
 
 def packed_segments(doc_ids: torch.Tensor) -> PackedSegments:
     """doc_ids [B,T] (-1 = padding) → its runs: a run starts at each row's start and where the id changes."""

@@ -99,3 +99,19 @@ def test_learning_rate_warms_up_linearly_then_decays_by_cosine_to_a_tenth():
     decay = [trainer.lr_at(s, total, lr, warmup) for s in range(10, 111)]
     assert all(a >= b for a, b in zip(decay, decay[1:]))
     assert trainer.lr_at(0, 1, lr, 0) == pytest.approx(lr)  # no warm-up, one step
+
+
+def test_the_host_layout_changes_nothing_but_where_it_is_made(spied):
+    """with_host_layout (the rows' layout and each step's valid rows made before the batch moves, as the trainer
+    does) gives the loss, counts and metrics of the same batch without it, where they are read back inside the
+    step; its valid rows are the valid masks', and the merged attention takes its layout."""
+    drafter, batch, embed, _, _, counts, rights, valids = spied
+    hosted = trainer.with_host_layout(batch, 3)
+    assert [r.tolist() for r in hosted["loss_rows"]] == [VALID[k] for k in range(3)]  # one row: flat = position
+    assert not hosted["row_layout"].one_document and hosted["row_layout"].segments.cu_seqlens.tolist() == [0, 5, 9, 11]
+    for attention in ("dense", "merged"):
+        ref = trainer.ttt_loss_sums(drafter, batch, embed, torch.eye(VOCAB), 3, attention=attention)
+        got = trainer.ttt_loss_sums(drafter, hosted, embed, torch.eye(VOCAB), 3, attention=attention)
+        torch.testing.assert_close(got[0], ref[0])
+        for a, b in zip(got[1:], ref[1:]):
+            assert torch.equal(a, b), attention

@@ -85,6 +85,17 @@ def make_batch(rows: list[list[Sequence]], length: int) -> dict:
     return batch
 
 
+def batch_to(batch: dict, device) -> dict:
+    """A micro-batch on a device: its tensors, lists of tensors and layouts (anything with .to) moved."""
+
+    def move(v):
+        if isinstance(v, list):
+            return [move(x) for x in v]
+        return v.to(device) if hasattr(v, "to") else v
+
+    return {k: move(v) for k, v in batch.items()}
+
+
 def batch_states(batch: dict, dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(aux, final) of a micro-batch in dtype, dequantized on its device when they came from fp8 shards."""
     if "aux_scale" not in batch:

@@ -150,14 +150,19 @@ def linear_soft_ce(
     chunk_elements: int = CHUNK_ELEMENTS,
     fused: bool | None = None,
     only_valid: bool = False,
+    rows: torch.Tensor | None = None,
 ):
     """Σ over valid rows of the soft CE of h·weightᵀ against probs shifted by offset, and the
     per-row argmax of the logits. h [..., H] and valid [...] are flattened together.
     fused: compile the per-chunk kernel (default: on CUDA).
     only_valid: score the valid rows only (the same loss and gradients for less work where many rows are
-    invalid, e.g. user turns; the argmax of an invalid row is then 0). It reads the valid count on the host."""
+    invalid, e.g. user turns; the argmax of an invalid row is then 0). It reads the valid count on the host, unless
+    rows gives the valid rows' flat indices (made on the host: the step does not wait for the GPU)."""
     dtype = compute_dtype(h.device.type, h.dtype) if dtype is None else dtype
     flat_h, flat_valid = h.reshape(-1, h.shape[-1]), valid.reshape(-1)
-    rows = flat_valid.nonzero().flatten() if only_valid else None
+    if only_valid and rows is None:
+        rows = flat_valid.nonzero().flatten()
+    elif not only_valid:
+        rows = None
     loss, best = LinearSoftCE.apply(flat_h, weight, probs, flat_valid, offset, dtype, chunk_elements, fused, rows)
     return loss, best.view(h.shape[:-1])

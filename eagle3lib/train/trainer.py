@@ -32,6 +32,7 @@ from eagle3lib.drafter import Drafter, DrafterConfig
 from eagle3lib.train import TrainingError
 from eagle3lib.train.batches import (
     batch_states,
+    batch_to,
     make_batch,
     micro_batches,
     online_sequences,
@@ -50,6 +51,7 @@ from eagle3lib.train.loss import compute_dtype, linear_soft_ce, target_probs
 from eagle3lib.train.metrics import AcceptanceCounter
 from eagle3lib.train.speedups import compile_decoder_layer, convert_to_float8
 from eagle3lib.train.warm_start import warm_start
+from eagle3lib.ttt_attention import row_layout
 
 # ------------------------------------------------------------------ loss ----
 
@@ -77,6 +79,13 @@ def valid_positions(batch: dict, k: int) -> torch.Tensor:
     return shift_left(label_ok, 1 + k, fill=False) & (shift_left(docs, 1 + k, fill=-2) == docs)
 
 
+def with_host_layout(batch: dict, steps: int) -> dict:
+    """The batch with what the step would otherwise read back from the GPU, made from its host copy before it
+    moves: the rows' layout for the attention kernels (row_layout) and each TTT step's valid rows for the loss."""
+    loss_rows = [valid_positions(batch, k).flatten().nonzero().flatten() for k in range(steps)]
+    return {**batch, "row_layout": row_layout(batch["doc_ids"]), "loss_rows": loss_rows}
+
+
 def ttt_loss_sums(
     drafter: Drafter,
     batch: dict,
@@ -94,7 +103,8 @@ def ttt_loss_sums(
     whether the draft's argmax is the target's argmax over the full vocab, with the valid masks.
     fused_loss: the loss's per-chunk kernel compiled (default: on CUDA; loss.chunk_kernel).
     only_valid_rows: the lm_head scores only each step's valid positions (linear_soft_ce's only_valid;
-    False scores every position, the same loss for more work: an ablation)."""
+    False scores every position, the same loss for more work: an ablation).
+    A batch made with with_host_layout brings its row layout and valid rows; else they are read from the GPU."""
     ids, docs = batch["input_ids"], batch["doc_ids"]
     dtype = drafter.fc.weight.dtype
     aux, final = batch_states(batch, dtype)
@@ -105,7 +115,16 @@ def ttt_loss_sums(
         target_best = target_argmax(final.float(), head_full.float()) if with_metrics else None
     # Step k at t is fed token t+1+k: one tensor of the next tokens, K-1 longer, serves all steps.
     embeds = F.embedding(F.pad(ids[:, 1:], (0, steps)), embed).to(dtype)
-    hidden = drafter.ttt_forward(aux, embeds, batch["position_ids"], docs, attention=attention, checkpoint=checkpoint)
+    hidden = drafter.ttt_forward(
+        aux,
+        embeds,
+        batch["position_ids"],
+        docs,
+        attention=attention,
+        checkpoint=checkpoint,
+        layout=batch.get("row_layout"),
+    )
+    loss_rows = batch.get("loss_rows")
     sums, counts, rights, valids = [], [], [], []
     for k in range(steps):
         valid = valid_positions(batch, k)
@@ -118,6 +137,7 @@ def ttt_loss_sums(
             dtype=compute,
             fused=fused_loss,
             only_valid=only_valid_rows,
+            rows=loss_rows[k] if loss_rows else None,
         )
         sums.append(loss)
         counts.append(valid.sum())
@@ -193,7 +213,7 @@ def evaluate(setup: TrainSetup, steps: int, max_depth: int, device) -> dict:
     drafter.eval()
     with torch.no_grad():
         for row in setup.val_rows:
-            batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in row.items()}
+            batch = batch_to(with_host_layout(row, steps), device)
             sums, counts, right, valid = ttt_loss_sums(drafter, batch, setup.embed, setup.head, steps)
             loss_sum += sums.float().cpu()
             count += counts.float().cpu()
@@ -233,7 +253,7 @@ class TrainStep:
         self.optimizer.zero_grad(set_to_none=True)
         step_loss = torch.zeros((), device=device)
         for _, _, mb in group[self.rank :: self.world]:
-            batch = {k: (v.to(device) if torch.is_tensor(v) else v) for k, v in mb.items()}
+            batch = batch_to(with_host_layout(mb, train_params.ttt_steps), device)
             with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16):
                 sums, _, _, _ = ttt_loss_sums(
                     self.setup.drafter,
