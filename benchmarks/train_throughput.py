@@ -251,8 +251,8 @@ def measure(
 
 
 KERNEL_KINDS = [  # (kind, name pattern), first match wins; CUDA kernel names, or aten op names on the CPU
+    ("attention", r"cudnn|fmha|flash|attention"),  # first: flash's kernel names carry cutlass types
     ("gemm", r"nvjet|gemm|cutlass|xmma|sm90_|^aten::(mm|addmm|bmm)$"),
-    ("attention", r"cudnn|fmha|flash|attention"),
     ("compiled (triton)", r"^triton_"),
     ("copy/cast", r"copy|convert|cast"),
     ("reduce", r"reduce|norm|softmax|sum|logsumexp"),

@@ -200,8 +200,9 @@ class TrainParams(Section):
     )
     attention: Literal["auto", "flex", "merged", "dense"] = Field(
         "auto",
-        description="TTT attention: auto = on GPUs cuDNN causal attention merged with the TTT diagonals for "
-        "rows of one document (long rows), flex_attention for packed rows; dense on the CPU (drafter.ttt_forward)",
+        description="TTT attention: auto = on GPUs in bf16 the merged path (a fused causal kernel merged with the "
+        "TTT diagonals: cuDNN's for rows of one document, flash varlen's for packed rows), flex_attention in fp32; "
+        "dense on the CPU (drafter.ttt_forward, eagle3lib.ttt_attention)",
     )
     freeze_lm_head: bool = Field(
         False,
