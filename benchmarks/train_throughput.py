@@ -31,7 +31,7 @@ import torch.distributed as dist
 import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
 from eagle3lib.drafter import Drafter, DrafterConfig
 from eagle3lib.train.batches import batch_to
-from eagle3lib.train.distributed import all_reduce_grads
+from eagle3lib.train.distributed import all_reduce_grads, check_same_weights
 from eagle3lib.train.speedups import compile_decoder_layer, convert_to_float8
 from eagle3lib.train.trainer import ttt_loss_sums, with_host_layout
 
@@ -62,8 +62,8 @@ SMALL = dict(
 )
 
 
-def synthetic_batch(cfg: DrafterConfig, seq: int, device, dtype):
-    g = torch.Generator(device="cpu").manual_seed(seq)
+def synthetic_batch(cfg: DrafterConfig, seq: int, device, dtype, seed: int = 0):
+    g = torch.Generator(device="cpu").manual_seed(seq + seed)
     ids = torch.randint(0, cfg.vocab_size, (1, seq), generator=g)
     return {
         "input_ids": ids.to(device),
@@ -150,6 +150,7 @@ def measure(
     cuda = device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
     world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0  # each rank its own rows, as data parallel has them
     torch.manual_seed(0)
     drafter = Drafter(cfg).to(device)
     d2t = torch.arange(cfg.draft_vocab_size) * (cfg.vocab_size // cfg.draft_vocab_size) - torch.arange(
@@ -174,7 +175,9 @@ def measure(
     # with_host_layout: the rows' layout and valid rows made on the host, as the trainer makes them (device_layout:
     # read back from the GPU inside the step, an ablation).
     batches = (
-        [synthetic_states(cfg, r, "cpu", dtype) for r in rows] if rows else [synthetic_batch(cfg, seq, "cpu", dtype)]
+        [synthetic_states(cfg, r, "cpu", dtype) for r in rows]
+        if rows
+        else [synthetic_batch(cfg, seq, "cpu", dtype, seed=rank)]
     )
     if not device_layout:
         batches = [with_host_layout(b, ttt) for b in batches]
@@ -247,6 +250,8 @@ def measure(
     }
     if cuda:
         out["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+    if world > 1:  # data parallel must leave every rank with the same weights (check_same_weights raises if not)
+        out["rank_weight_digests_equal"] = len(set(check_same_weights(drafter, world))) == 1
     return out
 
 
@@ -404,7 +409,7 @@ def main():
     cfg = DrafterConfig(**(SMALL if args.small else LLAMA_8B))
 
     def rows_of(seq: int) -> list[dict] | None:
-        return packed_rows(args.docs, seq, args.steps) if args.docs else None
+        return packed_rows(args.docs, seq, args.steps, seed=rank) if args.docs else None
 
     def speculators_or_error(seq: int) -> dict:
         """speculators' step at one length; an out-of-memory (or any failure) is reported, the sweep goes on."""

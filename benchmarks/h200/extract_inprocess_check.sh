@@ -7,8 +7,11 @@
 #   8b-bf16/fp8  Llama-3.1-8B's config (as published, written below), weights random (--load-format dummy: nothing
 #                downloaded or saved), bf16 and fp8 shards: capture over plain prefill, bytes per token
 #   MODE=long: 8b fp8 and bf16 over every sequence, then the smol check again.
+#   MODE=tp TP=N: only the 8b fp8 capture on one GPU, then over N GPUs (benchmarks/h200/four_gpu.sh).
 #   MODE=levers: the host's disk and sha256 speeds, then 8b bf16 with 1, 2 and 4 writer threads, fp8 and smol with 2.
-#   TP=2 adds 8b-tp2 (tensor parallel over 2 GPUs, on a 2-GPU host) and the smol check at --tp 2.
+#   TP=N (2, 4, 8 on a host with N GPUs) adds 8b-tpN: the 8b capture tensor parallel over N GPUs, against the same
+#   engine's plain prefill. (SmolLM2's 9 heads split over no N of these.) Agreement with the 1-GPU capture needs the
+#   same weights in both, which --load-format dummy does not give under tensor parallelism: not measured yet.
 # Prepare here (no GPU; .gpu = benchmarks/h200/.cache/.gpu, git-ignored):
 #   .venv/bin/python -m eagle3lib.extract.sglang --save-tokens .gpu/ip/tokens.safetensors --n 600 --max-seq-len 4096
 #   mkdir -p .gpu/ip/tok && cp ~/.cache/eagle3-workbook/smollm2-135m-instruct/{config,tokenizer,tokenizer_config}.json .gpu/ip/tok/
@@ -107,6 +110,11 @@ if [ "${MODE:-check}" = long ]; then  # every sequence (850k tokens): the last s
   check smol-check 150 --target /tmp/smol --n 64 --dtype bfloat16 -- $FLAGS
   exit 0
 fi
+if [ "${MODE:-check}" = tp ]; then  # tensor parallel against one GPU, the 8b target only (four_gpu.sh)
+  check 8b-fp8 140 --target /tmp/llama8b --n 240 --no-reference --dtype bfloat16 --batch-tokens 32768 --store-dtype float8_e4m3fn -- $FLAGS --load-format dummy
+  check 8b-fp8-tp$TP 240 --target /tmp/llama8b --n 240 --no-reference --dtype bfloat16 --batch-tokens 32768 --store-dtype float8_e4m3fn -- $FLAGS --load-format dummy --tp $TP
+  exit 0
+fi
 if [ "${MODE:-check}" = levers ]; then  # what bounds the capture: the disk, the writer threads, the store dtype
   disk
   for w in 1 2 4; do check 8b-bf16-w$w 140 $E8 --writers $w -- $FLAGS --load-format dummy; done
@@ -118,7 +126,6 @@ check smol-check 150 --target /tmp/smol --n 64 --dtype bfloat16 -- $FLAGS
 check smol 100 --target /tmp/smol --no-reference --dtype bfloat16 -- $FLAGS
 check 8b-bf16 140 --target /tmp/llama8b --n 240 --no-reference --dtype bfloat16 --batch-tokens 32768 -- $FLAGS --load-format dummy
 check 8b-fp8 140 --target /tmp/llama8b --n 240 --no-reference --dtype bfloat16 --batch-tokens 32768 --store-dtype float8_e4m3fn -- $FLAGS --load-format dummy
-if [ "${TP:-1}" = 2 ]; then
-  check smol-check-tp2 240 --target /tmp/smol --n 64 --dtype bfloat16 -- $FLAGS --tp 2
-  check 8b-tp2 240 --target /tmp/llama8b --n 240 --no-reference --dtype bfloat16 --batch-tokens 32768 -- $FLAGS --load-format dummy --tp 2
+if [ "${TP:-1}" != 1 ]; then
+  check 8b-tp$TP 240 --target /tmp/llama8b --n 240 --no-reference --dtype bfloat16 --batch-tokens 32768 -- $FLAGS --load-format dummy --tp $TP
 fi
