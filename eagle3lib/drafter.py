@@ -359,7 +359,7 @@ class Drafter(nn.Module):
             prefix_mask = dense_prefix_mask(doc_ids)
             keep = lambda k, x: x.repeat_interleave(groups, 1)  # noqa: E731
         else:
-            raise ValueError(f"attention must be auto, dense, flex or merged, not {attention!r}")
+            raise ValueError(f"attention must be auto, dense, flex, merged or varlen, not {attention!r}")
 
         def attend(k, q, keys, values):
             if attention == "flex":
