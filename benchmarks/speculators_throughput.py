@@ -12,7 +12,7 @@ every eagle3 default of its `TrainConfig`: a llama draft decoder of 1 layer, nor
 norm_before_fc and norm_output on, fc_norm off, frozen embed_tokens / lm_head / verifier_lm_head /
 verifier_norm, `simple_flex_attention`, loss `kl_div` through the fused Triton kernels
 (`loss_implementation="fused"`), ttt_step_loss_decay 1.0, AdamW lr 1e-3 weight decay 0.01 and a
-linear LR schedule. The shape is the one of train_throughput.py (LLAMA_8B / SMALL): hidden 4096,
+linear LR schedule. The shape is train_throughput.py's (drafter_shapes.py: LLAMA_8B / SMALL): hidden 4096,
 32 heads, 8 kv heads, head_dim 128, intermediate 14336, target vocab 128256, draft vocab 32000 (the same
 regular t2d/d2t mapping as ours), 3 aux states, default RoPE theta 500000, and full causal attention
 (layer_types=["full_attention"]; speculators' own default would be a 2048-token sliding window).
@@ -70,11 +70,10 @@ import typing
 
 import torch
 
-# The shapes of train_throughput.py, so the two measurements always share one.
 try:
-    from benchmarks.train_throughput import LLAMA_8B, SMALL
+    from benchmarks.drafter_shapes import LLAMA_8B, SMALL
 except ImportError:  # run as a script from benchmarks/
-    from train_throughput import LLAMA_8B, SMALL
+    from drafter_shapes import LLAMA_8B, SMALL
 
 # speculators' eagle3 defaults (speculators.train.config.schema.TrainConfig), AdamW chosen.
 LR, WEIGHT_DECAY, GRAD_CLIP, TTT_STEP_LOSS_DECAY, LOSS_FN = 1e-3, 0.01, 1.0, 1.0, "kl_div"

@@ -126,7 +126,7 @@ def gemms(shape: dict, seq: int, ttt: int, iters: int, device: str) -> dict:
 def attention(shape: dict, seq: int, ttt: int, iters: int, device: str) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    from eagle3lib.ttt_attention import TTT_BLOCK, flex_attention_on_device, ttt_block_masks
+    from eagle3lib.drafter.ttt_attention import TTT_BLOCK, flex_attention_on_device, ttt_block_masks
 
     h, kvh, d = shape["heads"], shape["kv_heads"], shape["head_dim"]
     t_pad = -(-seq // TTT_BLOCK) * TTT_BLOCK

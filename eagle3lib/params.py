@@ -167,9 +167,7 @@ class TrainParams(Section):
     )
     eval_every: int = Field(200, gt=0)
     eval_max_tokens: int = Field(50_000, gt=0, description="validation tokens per evaluation")
-    init_lm_head_from_target: bool = Field(
-        True, description="start lm_head/norm from the target's rows of the draft vocab"
-    )
+    init_lm_head_from_target: bool = Field(True, description="lm_head/norm start as the target's draft-vocab rows")
     init_layer_from_target: bool = Field(
         False,
         description="start the decoder layer as the target's last layer and fc as the top aux state passed "
@@ -185,9 +183,7 @@ class TrainParams(Section):
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto", description="compute dtype: auto = bf16 autocast where the device has native bf16, else fp32"
     )
-    activation_checkpointing: bool = Field(
-        False, description="recompute each TTT step in the backward pass: long rows fit, ~25% slower"
-    )
+    activation_checkpointing: bool = Field(False, description="recompute TTT steps in backward: long rows, ~25% slower")
     compile_layer: bool = Field(
         False,
         description="torch.compile each TTT step's elementwise work: norms, q/k/v + rotary, "
@@ -202,7 +198,7 @@ class TrainParams(Section):
         "auto",
         description="TTT attention: auto = on GPUs in bf16 the merged path (a fused causal kernel merged with the "
         "TTT diagonals: cuDNN's for rows of one document, flash varlen's for packed rows), flex_attention in fp32; "
-        "dense on the CPU (drafter.ttt_forward, eagle3lib.ttt_attention)",
+        "dense on the CPU (drafter.ttt_forward, eagle3lib/drafter/ttt_attention.py)",
     )
     freeze_lm_head: bool = Field(
         False,

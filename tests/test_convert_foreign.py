@@ -19,9 +19,9 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
 from eagle3lib.__main__ import main as cli
 from eagle3lib.convert import layouts
+from eagle3lib.drafter.vocab import build_draft_vocab
 from eagle3lib.engines.interpreter import engine_env
 from eagle3lib.target import chat_template_hash, load_config, target_fingerprint
-from eagle3lib.vocab import build_draft_vocab
 
 HIDDEN, LAYERS, VOCAB, DRAFT_VOCAB = 64, 8, 49152, 512
 SPECULATORS_AUX = [1, 4, 6]  # not the default [2, 4, 5]: the ids come from the checkpoint

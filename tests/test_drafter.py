@@ -174,7 +174,7 @@ def several_block_case(device):
 
 
 def test_flex_block_masks_over_several_blocks_equal_the_dense_path():
-    from eagle3lib.ttt_attention import ttt_block_masks
+    from eagle3lib.drafter.ttt_attention import ttt_block_masks
 
     drafter, aux, embeds, pos, docs = several_block_case("cpu")
     full_blocks = ttt_block_masks(torch.nn.functional.pad(docs, (0, 84), value=-1), 300, 1)[0].full_kv_num_blocks
@@ -312,7 +312,7 @@ def test_merged_attention_equals_the_dense_path_forward_and_backward():
 def test_compiled_merge_equals_the_eager_merge():
     """merge_kernels' torch.compile'd merge and diagonal gradients (train.compile_layer; here inductor's CPU
     code) compute what the eager functions do, for GQA heads and two diagonal steps."""
-    from eagle3lib.ttt_attention import causal_attention_with_diagonals
+    from eagle3lib.drafter.ttt_attention import causal_attention_with_diagonals
 
     torch.manual_seed(3)
     b, heads, kv, t, d = 2, 4, 2, 40, 16
@@ -345,7 +345,7 @@ def test_compiled_layer_trains_as_the_eager_one():
 
 
 def test_one_document_rows_decides_which_fused_kernel_the_merged_path_runs():
-    from eagle3lib.ttt_attention import one_document_rows
+    from eagle3lib.drafter.ttt_attention import one_document_rows
 
     assert one_document_rows(torch.tensor([[0, 0, 0, -1, -1], [3, 3, 3, 3, 3]]))
     assert not one_document_rows(torch.tensor([[0, 0, 1, 1, -1]]))  # packed
@@ -359,7 +359,7 @@ def test_one_document_rows_decides_which_fused_kernel_the_merged_path_runs():
 def test_packed_segments_are_the_runs_of_each_row():
     """Each row's documents and its padding run are separate sequences of the flattened rows, and no run crosses
     from one row into the next (row 0 ends in document 1, row 1 starts with its own document 1)."""
-    from eagle3lib.ttt_attention import packed_segments
+    from eagle3lib.drafter.ttt_attention import packed_segments
 
     seg = packed_segments(torch.tensor([[0, 0, 0, 1, 1], [1, 1, 2, -1, -1]]))
     assert seg.cu_seqlens.tolist() == [0, 3, 5, 7, 8, 10] and seg.cu_seqlens.dtype == torch.int32
@@ -440,7 +440,7 @@ def test_auto_attention_keeps_fp32_off_the_fused_kernels():
     """cuDNN takes fp16/bf16 only and its raw op returns wrong scores for fp32 instead of failing (an fp32 drafter
     evaluated on one-document rows on an H200 scored cond_acc 0.07 where dense and flex scored 0.29;
     benchmarks/README.md, 2026-12-01 session 10): auto sends fp32 to flex."""
-    from eagle3lib.ttt_attention import auto_attention
+    from eagle3lib.drafter.ttt_attention import auto_attention
 
     assert auto_attention(is_cuda=True, half_precision=True) == "merged"
     assert auto_attention(is_cuda=True, half_precision=False) == "flex"
@@ -460,7 +460,7 @@ def test_block_masks_built_per_block_equal_the_ones_flex_builds_pair_by_pair():
     themselves must equal create_block_mask's, partial and full blocks, for every TTT step."""
     from torch.nn.attention.flex_attention import create_block_mask
 
-    from eagle3lib.ttt_attention import ttt_block_masks
+    from eagle3lib.drafter.ttt_attention import ttt_block_masks
 
     t, t_pad = 300, 384
     docs = torch.full((2, t_pad), -1)

@@ -21,6 +21,7 @@ from drafters import MAX_TOKENS
 
 from eagle3lib import engines
 from eagle3lib.convert import layouts as ex
+from eagle3lib.drafter.vocab import d2t_sha256
 from eagle3lib.engines import EngineError, alive_in_group
 from eagle3lib.engines.interpreter import engine_env, run_inside
 from eagle3lib.engines.sglang import check_sglang_args, sglang_launch_args
@@ -28,7 +29,6 @@ from eagle3lib.engines.vllm import vllm_launch_args
 from eagle3lib.params import EngineParams
 from eagle3lib.target import EMBEDDED_TARGET, make_contract
 from eagle3lib.train.checkpoint import save_drafter
-from eagle3lib.vocab import d2t_sha256
 
 need = need_engine
 AUX = [2, 15, 27]  # the embedded target's default aux ids (SmolLM2: 30 layers)

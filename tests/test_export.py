@@ -15,16 +15,15 @@ import torch
 from conftest import need_engine
 from safetensors.torch import load_file, save_file
 
-from eagle3lib import drafter_formats
 from eagle3lib.__main__ import main as cli
 from eagle3lib.convert import gate
 from eagle3lib.convert import layouts as ex
-from eagle3lib.drafter import Drafter, DrafterConfig
+from eagle3lib.drafter import Drafter, DrafterConfig, formats
+from eagle3lib.drafter.vocab import build_draft_vocab, d2t_sha256
 from eagle3lib.engines.interpreter import run_inside
 from eagle3lib.engines.sglang import sglang_launch_args
 from eagle3lib.target import EMBEDDED_TARGET, make_contract
 from eagle3lib.train.checkpoint import save_drafter
-from eagle3lib.vocab import build_draft_vocab, d2t_sha256
 
 AUX = [2, 15, 27]
 DRAFT_VOCAB = 2048
@@ -102,7 +101,7 @@ def test_exports_carry_contract_and_engine_conventions(ckpt, exports):
 def test_round_trip_is_bit_identical(ckpt, exports, engine, tmp_path):
     back = ex.import_checkpoint(exports[engine], tmp_path / "back")
     assert (
-        drafter_formats.detect_layout(exports[engine])
+        formats.detect_layout(exports[engine])
         == {"sglang": "specforge", "vllm": "canonical", "speculators": "speculators"}[engine]
     )
     same_tensors(ckpt[0], back)
@@ -163,7 +162,7 @@ def test_a_cut_short_checkpoint_is_named_with_what_to_do(ckpt, tmp_path):
     with pytest.raises(ValueError, match=r"cut/model.safetensors is not a readable safetensors file .*rerun the train"):
         ex.export(folder, "vllm", tmp_path / "out")
     with pytest.raises(ValueError, match="not a readable safetensors file"):
-        drafter_formats.read_tensors(folder)
+        formats.read_tensors(folder)
     assert not (tmp_path / "out").exists()
 
 

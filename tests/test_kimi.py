@@ -9,7 +9,7 @@ from test_data import masked_runs as runs  # the decoded text of each run of mas
 
 from eagle3lib import target
 from eagle3lib.prepare import conversations as D
-from eagle3lib.tool_declarations import typescript_declaration
+from eagle3lib.target.tool_declarations import typescript_declaration
 
 # published in public tokenizer test suites (../shared/fixtures/kimi-k2.5/SOURCES.md)
 GOLDEN_IDS = {

@@ -3,12 +3,14 @@
     __main__ (the CLI) -> workbook -> stages -> engines -> base -> engines/inside
 
 Stages are prepare, extract, train, convert, deploy, bench; a stage may import the stages before it in the pipeline
-(train reads extract's shards), never one after it. The base modules (params, target, drafter, ttt_attention, vocab, run_folder,
-the package itself) import no stage, engine or workbook module. engines/inside runs in an engine's own
+(train reads extract's shards), never one after it. The base (params, run_folder, hardware, the package itself, and
+the drafter/ and target/ folders) imports no stage, engine or workbook module. engines/inside runs in an engine's own
 interpreter: the standard library, torch, safetensors and the engine it serves only, nothing of eagle3lib.
+No two modules of eagle3lib/ or benchmarks/ import each other, directly or around a circle.
 """
 
 import ast
+import graphlib
 import sys
 from pathlib import Path
 
@@ -16,17 +18,17 @@ import pytest
 
 PACKAGE = Path(__file__).resolve().parent.parent / "eagle3lib"
 STAGES = ("prepare", "extract", "train", "convert", "deploy", "bench")  # pipeline order
-BASE = ("__init__", "params", "target", "drafter", "ttt_attention", "drafter_formats", "vocab", "run_folder",
-        "hardware", "aux_ids", "tiny_target", "tiktoken_tokenizer", "tool_declarations")  # fmt: skip
+BASE = ("__init__", "params", "run_folder", "hardware", "drafter", "target")
+MAX_TOP_MODULES = 8  # modules directly under eagle3lib/: the rest lives in the folder of its stage or part
 # Known imports against the layers, each with why it is still there; empty when there are none.
 ALLOWED: set[tuple[str, str]] = set()
 
 
-def modules() -> dict[str, Path]:
+def modules(package: Path = PACKAGE) -> dict[str, Path]:
     """{dotted module name: file} of every module of the package."""
     found = {}
-    for path in sorted(PACKAGE.rglob("*.py")):
-        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    for path in sorted(package.rglob("*.py")):
+        parts = path.relative_to(package.parent).with_suffix("").parts
         found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
     return found
 
@@ -34,9 +36,9 @@ def modules() -> dict[str, Path]:
 MODULES = modules()
 
 
-def imports(name: str, path: Path) -> list[tuple[str, int]]:
+def imports(name: str, path: Path, known: dict[str, Path] = MODULES) -> list[tuple[str, int]]:
     """(imported module, line) for every import in the file; `from eagle3lib import x` names the module x when
-    x is one, relative imports resolved."""
+    x is one of `known`, relative imports resolved."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
@@ -49,7 +51,7 @@ def imports(name: str, path: Path) -> list[tuple[str, int]]:
                 base = ".".join(anchor + ([base] if base else []))
             for alias in node.names:
                 sub = f"{base}.{alias.name}"
-                found.append((sub if sub in MODULES else base, node.lineno))
+                found.append((sub if sub in known else base, node.lineno))
     return found
 
 
@@ -99,6 +101,42 @@ def test_no_module_imports_upward():
                 if (name, target) not in ALLOWED:
                     wrong.append(f"{where}: {name} ({what(name)}) imports {target} ({what(target)})")
     assert not wrong, "imports against the layers:\n" + "\n".join(wrong)
+
+
+def circles(known: dict[str, Path]) -> list[str]:
+    """An import circle among `known` (module names, one after the other, back to the first), or []. A module's
+    import of its own package (its __init__) is no edge: Python runs the package first anyway."""
+    graph = {
+        name: {t for t, _ in imports(name, path, known) if t in known and t != name and not name.startswith(t + ".")}
+        for name, path in known.items()
+    }
+    try:
+        graphlib.TopologicalSorter(graph).prepare()
+    except graphlib.CycleError as e:
+        return e.args[1]
+    return []
+
+
+@pytest.mark.parametrize("folder", ["eagle3lib", "benchmarks"])
+def test_no_import_circles(folder):
+    circle = circles(modules(PACKAGE.parent / folder))
+    assert not circle, "import circle: " + " -> ".join(circle) + "; move the shared name down to a module both import"
+
+
+def test_the_circle_finder_sees_a_circle(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "a.py").write_text("from pkg.sub import b\n")
+    (package / "sub" / "__init__.py").write_text("from pkg.sub.b import x\n")  # a package's own __init__: no edge
+    (package / "sub" / "b.py").write_text("import pkg.sub\ndef f():\n    from pkg import a\n")
+    assert set(circles(modules(package))) == {"pkg.a", "pkg.sub.b"}
+    (package / "sub" / "b.py").write_text("import pkg.sub\n")
+    assert circles(modules(package)) == []
+
+
+def test_few_modules_directly_under_the_package():
+    top = sorted(p.name for p in PACKAGE.glob("*.py"))
+    assert len(top) <= MAX_TOP_MODULES, f"{len(top)} modules directly under eagle3lib/ ({top}): put them in a folder"
 
 
 def engine_side_allowed(stem: str) -> set[str]:

@@ -8,10 +8,9 @@ import pytest
 import torch
 from test_extract import tiny_model
 
-from eagle3lib import vocab
 from eagle3lib.bench.predict import predict_per_set, predicted_for
 from eagle3lib.bench.replay import greedy_decode
-from eagle3lib.drafter import Drafter, DrafterConfig
+from eagle3lib.drafter import Drafter, DrafterConfig, vocab
 from eagle3lib.extract.hf import capture_hidden_states
 from eagle3lib.params import TrainParams
 from eagle3lib.train import trainer

@@ -21,7 +21,7 @@ from test_export import ckpt  # noqa: F401  (a random drafter for the embedded t
 
 from eagle3lib.convert import gate
 from eagle3lib.convert import layouts as ex
-from eagle3lib.drafter_formats import read_config, read_tensors
+from eagle3lib.drafter.formats import read_config, read_tensors
 from eagle3lib.engines.interpreter import run_inside
 from eagle3lib.engines.sglang import sglang_captured_ids, sglang_config_ids
 from eagle3lib.target import EMBEDDED_TARGET

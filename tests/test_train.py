@@ -431,8 +431,8 @@ def test_init_from_warm_starts_from_each_layout_and_refuses_what_does_not_fit(tm
     export back into the run's drafter, vocabulary included; another target, other aux layers or another draft
     vocabulary size are refused, naming both sides."""
     from eagle3lib.convert import layouts
+    from eagle3lib.drafter.vocab import build_draft_vocab, d2t_sha256
     from eagle3lib.train.checkpoint import save_drafter
-    from eagle3lib.vocab import build_draft_vocab, d2t_sha256
 
     run_dir = make_run(tmp_path, *small_target, {"max_tokens": 128 * 4, "eval_every": 4})
     p = load_params(params_file(tmp_path))

@@ -12,9 +12,9 @@ import torch
 from transformers import LlamaConfig
 
 from eagle3lib.drafter import Drafter, DrafterConfig
+from eagle3lib.drafter.vocab import build_draft_vocab
 from eagle3lib.train import trainer
 from eagle3lib.train.batches import Sequence, make_batch
-from eagle3lib.vocab import build_draft_vocab
 
 VOCAB = HIDDEN = 16
 # two documents packed in one row of 11 (two padding slots at the end); tokens distinct so each names its position

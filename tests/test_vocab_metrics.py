@@ -3,8 +3,8 @@
 import pytest
 import torch
 
+from eagle3lib.drafter.vocab import build_draft_vocab, coverage, d2t_sha256, draft_ids_to_target, token_counts
 from eagle3lib.train.metrics import AcceptanceCounter, acceptance_summary
-from eagle3lib.vocab import build_draft_vocab, coverage, d2t_sha256, draft_ids_to_target, token_counts
 
 
 def test_draft_vocab_is_the_most_frequent_loss_masked_tokens():

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # SGLang 0.5.17 on one H200 serving a tiny random-weight copy of Kimi-K2.5 (DeepseekV3ForCausalLM: MLA with Kimi's
-# 512 + 64 latent, 8 MoE experts, YaRN; eagle3lib/tiny_target.py) with an EAGLE-3 export of this project, token ids in
+# 512 + 64 latent, 8 MoE experts, YaRN; eagle3lib/target/tiny.py) with an EAGLE-3 export of this project, token ids in
 # and out (--skip-tokenizer-init: SGLang cannot load Kimi's tokenizer without its remote code); without and with
 # speculation (depth 3), the same prompts. Random weights: the check is that the launch works, the drafter binds and
 # the engine verifies drafts (spec_verify_ct), not the acceptance.
@@ -28,7 +28,7 @@ fi
 OUT=${OUT:-$PWD/h200-out}; mkdir -p "$OUT"
 mkdir -p /tmp/sglang-site; [ -f /tmp/sglang-site/.complete ] || { for t in $B/site*.tar.xz; do tar -C /tmp/sglang-site -xJf $t; done; touch /tmp/sglang-site/.complete; }
 export PYTHONPATH=/tmp/sglang-site:$PWD PATH=/tmp/sglang-site/bin:$PATH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-T=$(python3 -c "from eagle3lib import tiny_target; print(tiny_target.build('$G/kimi', '/tmp/tinycache'))") || exit 5
+T=$(python3 -c "from eagle3lib.target import tiny; print(tiny.build('$G/kimi', '/tmp/tinycache'))") || exit 5
 echo "tiny target: $T"; python3 -c "import json;c=json.load(open('$T/config.json'));print({k:c[k] for k in ('architectures','hidden_size','num_hidden_layers','kv_lora_rank','qk_rope_head_dim','n_routed_experts','vocab_size')})"
 COMMON="--model-path $T --host 127.0.0.1 --port 30000 --attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.3 --context-length 2048 --disable-cuda-graph --skip-tokenizer-init --dtype bfloat16"
 for mode in base spec; do

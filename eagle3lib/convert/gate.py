@@ -14,7 +14,7 @@ from pathlib import Path
 
 from eagle3lib.convert.layouts import check_target, read_checkpoint
 from eagle3lib.drafter import ARCHITECTURE
-from eagle3lib.drafter_formats import VARIANT_FLAGS, aux_copies_disagree, read_config, read_tensors
+from eagle3lib.drafter.formats import VARIANT_FLAGS, aux_copies_disagree, read_config, read_tensors
 from eagle3lib.engines.interpreter import engine_python, run_inside
 from eagle3lib.engines.sglang import SGLANG_VERSION, sglang_captured_ids
 from eagle3lib.engines.sglang import preflight as sglang_preflight
@@ -23,7 +23,7 @@ from eagle3lib.target import CONTRACT_FILE, default_cache_dir, read_contract
 
 
 def _contract_problems(folder, tensors: dict, contract: dict) -> list[str]:
-    from eagle3lib.vocab import d2t_sha256
+    from eagle3lib.drafter.vocab import d2t_sha256
 
     problems = []
     d2t = tensors.get("d2t")

@@ -27,7 +27,7 @@ from types import SimpleNamespace
 
 from safetensors.torch import save_file
 
-from eagle3lib.drafter_formats import WEIGHTS, llama_fields, read_config, to_canonical
+from eagle3lib.drafter.formats import WEIGHTS, llama_fields, read_config, to_canonical
 from eagle3lib.engines.sglang import SGLANG_CONVENTION, sglang_config_ids
 from eagle3lib.target import (
     CONTRACT_FILE,
@@ -82,7 +82,7 @@ def target_contract(target, checkpoint_dir, cache_dir=None) -> dict:
     `target` (name, folder or hub id), the target it was trained for: fingerprint, architecture, hidden size,
     vocabulary and layer count from its config, the chat-template hash from its tokenizer where it has one (else
     None: not checked). The aux ids are left to the checkpoint's own config, translated from its format's
-    convention by drafter_formats.to_canonical, which also refuses a target the drafter does not fit."""
+    convention by drafter/formats.py to_canonical, which also refuses a target the drafter does not fit."""
     where = resolve_target(str(target), Path(cache_dir or default_cache_dir()))
     config = load_config(where)
     try:

@@ -77,7 +77,7 @@ def http_text(url: str, timeout: float = 30) -> str:
 
 
 class Server:
-    """One engine process. Subclasses (engines.vllm.VLLM, engines.sglang.SGLang) add generate() and stats().
+    """One engine process. Subclasses (engines.vllm.VLLM, engines.sglang.SGLang) add complete() and stats().
 
     command: the launch command without host/port flags (the subclass adds them);
     env: variables over engine_env's (engine.env); log_path: stdout+stderr of the server.
@@ -109,6 +109,35 @@ class Server:
     # -- subclasses -----------------------------------------------------------------------
     def address_args(self, host: str, port: int) -> list[str]:
         return ["--host", host, "--port", str(port)]
+
+    def complete(self, prompt_ids: list[int], sampling: dict) -> dict:
+        """One completion request in the engine's own API. sampling: {temperature, top_p, max_tokens, ignore_eos,
+        stop_token_ids (when given)}. Returns {token_ids, text, completion_tokens, finish_reason, meta}."""
+        raise NotImplementedError(f"{type(self).__name__} does not serve completions")
+
+    # -- requests -------------------------------------------------------------------------
+    def generate(
+        self,
+        prompt_ids: list[int],
+        max_tokens: int,
+        ignore_eos: bool = True,
+        stop_token_ids: list[int] | None = None,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+    ) -> dict:
+        """Completion of token ids, greedy unless temperature > 0 (then sampled, with speculation by the engine's
+        rejection sampling): {token_ids, text, completion_tokens, seconds, finish_reason, meta}."""
+        sampling = {
+            "temperature": float(temperature),
+            "top_p": float(top_p),
+            "max_tokens": max_tokens,
+            "ignore_eos": ignore_eos,
+        }
+        if stop_token_ids:
+            sampling["stop_token_ids"] = list(stop_token_ids)
+        t0 = time.perf_counter()
+        out = self.complete(prompt_ids, sampling)
+        return {**out, "seconds": time.perf_counter() - t0}
 
     # -- lifecycle ------------------------------------------------------------------------
     @property

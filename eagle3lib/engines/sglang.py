@@ -20,9 +20,8 @@ default. DeepSeek-V2/V3 (Kimi-K2.5) and GLM-4-MoE-Lite add 1 only when the first
 from __future__ import annotations
 
 import json
-import time
 
-from eagle3lib.aux_ids import SGLANG_FIRST_ID_RULE, sglang_captured_ids, sglang_config_ids  # noqa: F401
+from eagle3lib.drafter.aux_ids import SGLANG_FIRST_ID_RULE, sglang_captured_ids, sglang_config_ids  # noqa: F401
 from eagle3lib.engines.interpreter import run_inside
 from eagle3lib.engines.server import EngineError, Server, http_json
 
@@ -165,35 +164,16 @@ class SGLang(Server):
             raise EngineError("SGLang launch flags for an EAGLE-3 drafter are wrong:\n  " + "\n  ".join(problems))
         return super().start()
 
-    def generate(
-        self,
-        prompt_ids: list[int],
-        max_tokens: int,
-        ignore_eos: bool = True,
-        stop_token_ids: list[int] | None = None,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-    ) -> dict:
-        """Completion of token ids, greedy unless temperature > 0 (then sampled, with speculation by the engine's
-        rejection sampling): {token_ids, text, completion_tokens, seconds, finish_reason, meta}."""
-        t0 = time.perf_counter()
-        sampling = {
-            "temperature": float(temperature),
-            "top_p": float(top_p),
-            "max_new_tokens": max_tokens,
-            "ignore_eos": ignore_eos,
-        }
-        if stop_token_ids:
-            sampling["stop_token_ids"] = list(stop_token_ids)
-        r = http_json(self.url + "/generate", {"input_ids": prompt_ids, "sampling_params": sampling})
-        seconds = time.perf_counter() - t0
+    def complete(self, prompt_ids: list[int], sampling: dict) -> dict:
+        """SGLang's /generate on token ids (max_tokens is its max_new_tokens)."""
+        params = {("max_new_tokens" if k == "max_tokens" else k): v for k, v in sampling.items()}
+        r = http_json(self.url + "/generate", {"input_ids": prompt_ids, "sampling_params": params})
         meta = r.get("meta_info", {})
         finish = meta.get("finish_reason")
         return {
             "token_ids": r.get("output_ids"),
             "text": r["text"],
             "completion_tokens": meta.get("completion_tokens"),
-            "seconds": seconds,
             "finish_reason": finish.get("type") if isinstance(finish, dict) else finish,
             "meta": meta,
         }

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import time
 
 from eagle3lib.engines.server import Server, http_json, http_text
 
@@ -103,37 +102,15 @@ class VLLM(Server):
         self.model = http_json(self.url + "/v1/models", timeout=30)["data"][0]["id"]
         return ready
 
-    def generate(
-        self,
-        prompt_ids: list[int],
-        max_tokens: int,
-        ignore_eos: bool = True,
-        stop_token_ids: list[int] | None = None,
-        temperature: float = 0.0,
-        top_p: float = 1.0,
-    ) -> dict:
-        """Completion of token ids, greedy unless temperature > 0 (then sampled, with speculation by the engine's
-        rejection sampling): {token_ids, text, completion_tokens, seconds, finish_reason}."""
-        t0 = time.perf_counter()
-        body = {
-            "model": self.model,
-            "prompt": prompt_ids,
-            "max_tokens": max_tokens,
-            "temperature": float(temperature),
-            "top_p": float(top_p),
-            "ignore_eos": ignore_eos,
-            "return_token_ids": True,
-        }
-        if stop_token_ids:
-            body["stop_token_ids"] = list(stop_token_ids)
+    def complete(self, prompt_ids: list[int], sampling: dict) -> dict:
+        """vLLM's OpenAI /v1/completions on token ids, the ids returned."""
+        body = {"model": self.model, "prompt": prompt_ids, **sampling, "return_token_ids": True}
         r = http_json(self.url + "/v1/completions", body)
-        seconds = time.perf_counter() - t0
         choice = r["choices"][0]
         return {
             "token_ids": choice.get("token_ids"),
             "text": choice["text"],
             "completion_tokens": r["usage"]["completion_tokens"],
-            "seconds": seconds,
             "finish_reason": choice.get("finish_reason"),
             "meta": {},
         }

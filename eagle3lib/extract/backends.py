@@ -15,27 +15,10 @@ Whatever the backend: the same shards, manifest, contract and HF hidden_states i
 
 from __future__ import annotations
 
-import json
-import os
-
 from eagle3lib import params as P
 from eagle3lib import target
 from eagle3lib.engines.interpreter import engine_python
 from eagle3lib.extract import hf, shards
-
-
-def target_config_json(target_dir):
-    """(the text model's config dict, architecture) read from target_dir/config.json as JSON, without
-    importing the model's code (engines load the target in their own processes)."""
-    path = os.path.join(str(target_dir), "config.json")
-    if not os.path.isfile(path):
-        raise FileNotFoundError(
-            f"{path} not found: an engine backend needs the target as a local Hugging Face "
-            f"folder (the embedded target resolves to its cache folder)"
-        )
-    with open(path) as f:
-        cfg = json.load(f)
-    return (cfg.get("text_config") or cfg), (cfg.get("architectures") or ["?"])[0]
 
 
 def setup(p) -> dict:
@@ -53,7 +36,7 @@ def setup(p) -> dict:
         config, target_dir = model.config, None
     else:
         target_dir = target.resolve_target(p.target.name, cache)
-        target_config_json(target_dir)  # a local folder: the engine and we read the same files
+        target.target_config_json(target_dir)  # a local folder: the engine and we read the same files
         info, tokenizer = target.load_target_info(target_dir, cache, trust_remote_code=p.target.trust_remote_code)
         config, model = info.config, None
     layers = target.num_layers(config)

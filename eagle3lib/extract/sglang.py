@@ -58,7 +58,7 @@ import torch
 from eagle3lib.engines.interpreter import engine_python
 from eagle3lib.engines.sglang import SGLANG_CONVENTION, SGLANG_VERSION, preflight, server_flags, sglang_config_ids
 from eagle3lib.extract import compare, hf, shards
-from eagle3lib.extract.backends import target_config_json
+from eagle3lib.target.config import target_config_json
 
 try:  # the GPU bundle has orjson; a float list decodes ~3x faster with it
     import orjson as _fastjson

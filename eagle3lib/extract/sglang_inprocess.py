@@ -33,13 +33,15 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
-from eagle3lib.aux_ids import sglang_config_ids
+from eagle3lib.drafter.aux_ids import sglang_config_ids
 from eagle3lib.extract import shards
-from eagle3lib.extract.backends import target_config_json
+from eagle3lib.target.config import target_config_json
 
 PREFIX = "@@eagle3lib "
 # Not needed for extend batches, and capturing decode graphs costs a minute at start-up.
@@ -341,27 +343,25 @@ def _say(obj):
     sys.stdout.flush()
 
 
+@dataclass
 class SGLangInProcess:
     """The notebook's handle on the backend: runs this module in SGLang's interpreter over every split (the model
     loads once) and returns {split: extract_with's result}. A failure raises with the log's last lines."""
 
-    name = "sglang_inprocess"
+    target_dir: str
+    aux_layer_ids: list[int]
+    python: str
+    dtype: str | None = None
+    extra_args: list[str] = field(default_factory=list)
+    env: dict | None = None
+    log_dir: str | None = None
+    batch_tokens: int = 16384
+    plain_batches: int = 4
+    name: ClassVar[str] = "sglang_inprocess"
 
-    def __init__(
-        self,
-        target_dir,
-        aux_layer_ids,
-        python,
-        dtype=None,
-        extra_args=(),
-        env=None,
-        log_dir=None,
-        batch_tokens=16384,
-        plain_batches=4,
-    ):
-        self.target_dir, self.aux_layer_ids, self.python = str(target_dir), list(aux_layer_ids), python
-        self.dtype, self.extra_args, self.env = dtype, list(extra_args), dict(env or {})
-        self.log_dir, self.batch_tokens, self.plain_batches = log_dir, batch_tokens, plain_batches
+    def __post_init__(self):
+        self.target_dir, self.aux_layer_ids = str(self.target_dir), list(self.aux_layer_ids)
+        self.extra_args, self.env = list(self.extra_args), dict(self.env or {})
 
     def __enter__(self):
         return self

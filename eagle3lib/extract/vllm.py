@@ -47,8 +47,8 @@ from safetensors.torch import load_file, save_file
 
 from eagle3lib.engines.interpreter import INSIDE, engine_env, engine_python
 from eagle3lib.engines.server import GUARD, alive_in_group, log_tail
-from eagle3lib.extract.backends import target_config_json
 from eagle3lib.extract.shards import plan_batches
+from eagle3lib.target.config import target_config_json
 
 SCRIPT = INSIDE / "vllm_capture.py"
 PREFIX = "@@eagle3lib "

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from eagle3lib import hardware
 from eagle3lib.drafter import Drafter, DrafterConfig
+from eagle3lib.drafter.ttt_attention import row_layout
 from eagle3lib.train import TrainingError
 from eagle3lib.train.batches import (
     batch_states,
@@ -51,7 +52,6 @@ from eagle3lib.train.loss import compute_dtype, linear_soft_ce, target_probs
 from eagle3lib.train.metrics import AcceptanceCounter
 from eagle3lib.train.speedups import compile_decoder_layer, convert_to_float8
 from eagle3lib.train.warm_start import warm_start
-from eagle3lib.ttt_attention import row_layout
 
 # ------------------------------------------------------------------ loss ----
 
@@ -393,7 +393,7 @@ def train(setup: TrainSetup, train_params, seed: int = 0, device="cpu", max_dept
 
 
 def draft_vocab_from_tokens(train_tokens: dict, val_tokens: dict, vocab_size: int, draft_vocab_size: int):
-    from eagle3lib import vocab
+    from eagle3lib.drafter import vocab
 
     counts = vocab.token_counts(train_tokens["input_ids"], train_tokens["loss_mask"], vocab_size)
     all_counts = vocab.token_counts(train_tokens["input_ids"], torch.ones_like(train_tokens["loss_mask"]), vocab_size)
@@ -412,7 +412,8 @@ def draft_vocab_from_tokens(train_tokens: dict, val_tokens: dict, vocab_size: in
 
 def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
     """Everything 02_train needs from the params and the earlier stages; returns (setup, vocab stats)."""
-    from eagle3lib import run_folder, target, vocab
+    from eagle3lib import run_folder, target
+    from eagle3lib.drafter import vocab
     from eagle3lib.extract.shards import ShardSet
     from eagle3lib.params import cache_dir
     from eagle3lib.prepare import conversations

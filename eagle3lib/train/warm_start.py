@@ -12,8 +12,7 @@ from pathlib import Path
 
 import torch
 
-from eagle3lib import drafter_formats
-from eagle3lib.drafter import Drafter
+from eagle3lib.drafter import Drafter, formats
 from eagle3lib.target import CONTRACT_FILE
 from eagle3lib.train import TrainingError
 
@@ -31,11 +30,11 @@ def warm_start(drafter: Drafter, folder, contract: dict) -> dict:
             f"train.init_from: {folder} has no config.json; expected a drafter checkpoint folder "
             "(config.json + model.safetensors: 02_train/drafter, a speculators or an EAGLE/SpecForge drafter)"
         )
-    layout = drafter_formats.detect_layout(folder)
+    layout = formats.detect_layout(folder)
     own_contract = (folder / CONTRACT_FILE).is_file()
     given = None if own_contract else {k: contract[k] for k in TARGET_KEYS if k in contract}
     try:
-        _, tensors, theirs = drafter_formats.to_canonical(folder, given)
+        _, tensors, theirs = formats.to_canonical(folder, given)
     except ValueError as e:
         raise TrainingError(f"train.init_from: {e}") from e
     problems = []

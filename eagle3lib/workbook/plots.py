@@ -32,6 +32,14 @@ def read_log(path: str | Path) -> tuple[list[dict], list[dict]]:
     return train, evals
 
 
+def _finished(fig, ax, **legend):
+    """How the figures here end: a light grid, the legend, a tight layout."""
+    ax.grid(alpha=0.3)
+    ax.legend(**legend)
+    fig.tight_layout()
+    return fig
+
+
 def loss_curve(train_entries: list[dict], eval_entries: list[dict]):
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot(
@@ -127,10 +135,7 @@ def bench_throughput(rows: list[dict]):
     ax.set_ylabel("output tokens/s")
     ax.set_ylim(0, 1.15 * max(r["tokens_per_s"] for r in rows))
     ax.set_xticks(sorted({r["depth"] for r in rows if r["depth"]}))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+    return _finished(fig, ax, fontsize=8)
 
 
 def bench_speedup_model(cost_model: dict | None, rows: list[dict]):
@@ -169,10 +174,7 @@ def bench_speedup_model(cost_model: dict | None, rows: list[dict]):
     ax.set_xlabel("speculative depth (draft tokens per step)")
     ax.set_ylabel("speedup over no speculation")
     ax.set_ylim(0, 1.15 * max([1.0] + [r["speedup"] for r in rows] + [r["speedup"] for r in cost_model["predicted"]]))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    return fig
+    return _finished(fig, ax, fontsize=7, ncol=2)
 
 
 def bench_acceptance(rows: list[dict]):
@@ -195,10 +197,7 @@ def bench_acceptance(rows: list[dict]):
     ax.set_xticks(sorted({r["depth"] for r in spec}))
     ax.set_xlabel("speculative depth")
     ax.set_ylabel("acceptance length (tokens per target step)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+    return _finished(fig, ax, fontsize=8)
 
 
 def _by_position(ax, values, fmt: str, **style) -> None:
@@ -225,10 +224,7 @@ def bench_per_position(rows: list[dict], eval_summary: dict | None = None):
     ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
     ax.set_ylabel("acceptance (share of drafts)")
     ax.set_ylim(0, 1)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+    return _finished(fig, ax, fontsize=8)
 
 
 def bench_context(context: list[dict]):
@@ -249,7 +245,4 @@ def bench_context(context: list[dict]):
     ax.axhline(1, color="grey", lw=0.8)
     ax.set_xlabel("prompt length (tokens, mean of the bucket; labels: requests)")
     ax.set_ylabel("acceptance length")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    return fig
+    return _finished(fig, ax, fontsize=8)

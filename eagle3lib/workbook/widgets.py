@@ -16,10 +16,10 @@ import ipywidgets as W
 
 from eagle3lib.bench import sweep
 from eagle3lib.bench.replay import TARGET
-from eagle3lib.workbook import plots, report
+from eagle3lib.workbook import html_pieces, plots
 
 STYLE = (
-    f"<style>{report.CSS.strip()}"
+    f"<style>{html_pieces.CSS.strip()}"
     + """
 .e3-tokens{white-space:pre-wrap;font-family:system-ui,sans-serif;line-height:1.7;border:1px solid #ddd;
  border-radius:4px;padding:.5em .7em;background:#fff;max-height:32em;overflow-y:auto}
@@ -102,8 +102,8 @@ def accuracy_html(ev: dict, title: str = "") -> str:
     ]
     fig = figure_html(plots.acceptance_vs_depth(ev, title))
     return (
-        f"{STYLE}<div class='e3-side'><div>{fig}</div><div>{report.table_html(per_pos)}</div>"
-        f"<div>{report.table_html(est)}</div></div>"
+        f"{STYLE}<div class='e3-side'><div>{fig}</div><div>{html_pieces.table_html(per_pos)}</div>"
+        f"<div>{html_pieces.table_html(est)}</div></div>"
     )
 
 
@@ -124,7 +124,7 @@ def evals_table_html(evals: list[dict], depths=(1, 3, 5, 7, 10, 16)) -> str:
         rows.append(row)
     return (
         f"{STYLE}<p>Each validation during training (step 0: before training); est. len = estimated "
-        f"acceptance length 1 + &Sigma; joint_acc for a chain of that depth.</p>{report.table_html(rows)}"
+        f"acceptance length 1 + &Sigma; joint_acc for a chain of that depth.</p>{html_pieces.table_html(rows)}"
     )
 
 
@@ -201,7 +201,7 @@ def provenance_html(record: dict, depth: int) -> str:
     r = record["replays"][str(depth)]
     drafted = sum(1 for s in r["source"] if s != TARGET)
     left = (
-        f"<h4>EAGLE-3, depth {depth}: acceptance length {report.fmt(r['accept_len'])}</h4>"
+        f"<h4>EAGLE-3, depth {depth}: acceptance length {html_pieces.fmt(r['accept_len'])}</h4>"
         f"<div class='e3-dim'>{r['rounds']} verify steps; {drafted} of {len(r['token_ids'])} tokens were accepted "
         f"drafts</div>{tokens_html(r['pieces'], r['source'], depth)}"
     )
@@ -273,7 +273,7 @@ def provenance_table_html(prov: dict, rows: list[dict]) -> str:
     """Per depth: the replay's acceptance against the engine's measured and the training's predicted one."""
     from eagle3lib.bench.replay import compare_with_engine
 
-    return f"{STYLE}{report.table_html(compare_with_engine(prov, rows))}"
+    return f"{STYLE}{html_pieces.table_html(compare_with_engine(prov, rows))}"
 
 
 def speed_html(rows: list[dict], concurrency: int, recommendation: dict | None = None) -> str:
@@ -284,9 +284,9 @@ def speed_html(rows: list[dict], concurrency: int, recommendation: dict | None =
     if rec:
         line = (
             f"<p>Fastest at concurrency {concurrency}: <b>{html.escape(rec['config'])}</b>, "
-            f"{report.fmt(rec['tokens_per_s'])} tokens/s ({report.fmt(rec['speedup'])}x the baseline).</p>"
+            f"{html_pieces.fmt(rec['tokens_per_s'])} tokens/s ({html_pieces.fmt(rec['speedup'])}x the baseline).</p>"
         )
-    return f"{STYLE}{report.table_html(sweep.table(sel))}{line}"
+    return f"{STYLE}{html_pieces.table_html(sweep.table(sel))}{line}"
 
 
 def speed_explorer(rows: list[dict], recommendation: dict | None = None) -> W.VBox:
@@ -375,4 +375,4 @@ def grouped_acceptance_html(groups: list[dict], title: str) -> str:
         for d in depths:
             rec[f"AL depth {d}"] = _al(g["cells"].get(d, {}).get("accept_len"))
         records.append(rec)
-    return STYLE + report.table_html(records)
+    return STYLE + html_pieces.table_html(records)

@@ -58,7 +58,7 @@ def tiny_config(raw: dict):
     """The transformers config of the tiny copy of a config.json (see the module docstring)."""
     from transformers import AutoConfig
 
-    from eagle3lib.target import TEXT_MODEL_FAMILY
+    from eagle3lib.target.config import TEXT_MODEL_FAMILY
 
     text = dict(raw.get("text_config") or raw)
     family = TEXT_MODEL_FAMILY.get(text.get("model_type"), text.get("model_type"))

@@ -29,7 +29,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from eagle3lib.ttt_attention import (
+from eagle3lib.drafter.ttt_attention import (
     HALF_DTYPES,
     TTT_BLOCK,
     RowLayout,
@@ -312,7 +312,7 @@ class Drafter(nn.Module):
         Returns the pre-norm hidden states of each step, [B,T,H] each.
 
         Step k's query at t attends to the step-0 keys at s ≤ t (same document) and to
-        the step-1..k keys at t itself (eagle3lib.ttt_attention). attention:
+        the step-1..k keys at t itself (drafter/ttt_attention.py). attention:
         - "dense" scores those diagonals as dot products beside one T×T block (simple;
           memory grows with T², fine on the CPU);
         - "flex" runs flex_attention with a block mask, which never materializes T×T

@@ -2,7 +2,7 @@
 indices, id i = the residual stream after i decoder layers. SGLang 0.5.17's draft-config ids are turned into
 captured layers by the target class's `set_eagle3_layers_to_capture` (docs/design.md §4): the two functions
 below hold that rule, one the inverse of the other. A base module, so that reading a foreign checkpoint
-(drafter_formats) and the SGLang engine code share it.
+(drafter/formats.py) and the SGLang engine code share it.
 """
 
 from __future__ import annotations

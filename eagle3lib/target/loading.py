@@ -1,10 +1,5 @@
-"""The target model: load it (HF folder, hub id, or the embedded SmolLM2), aux-layer ids, the target contract.
-
-Aux layer ids use Hugging Face `hidden_states` indexing (docs/design.md §4): id i is the residual
-stream after i decoder layers, 0 is the embeddings, L (the last one) the final pre-norm state.
-
-The contract (`eagle3.json`) is written beside every shard set and checkpoint; later stages
-compare it with what they expect and refuse inputs made for another target.
+"""Load the target (HF folder, hub id, the embedded SmolLM2, or a tiny copy): the model, its tokenizer, its
+config without weights, and the few frozen tensors a drafter takes from it.
 """
 
 import hashlib
@@ -18,36 +13,12 @@ from pathlib import Path
 
 import torch
 
+from eagle3lib.target.config import WrapperConfig, load_config, text_config
+
 EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
 EMBEDDED_DIR_NAME = "smollm2-135m-instruct"
 CACHE_FORMAT_VERSION = 1
 CACHE_MARKER = "eagle3lib-cache.json"
-CONTRACT_FILE = "eagle3.json"
-AUX_LAYER_ID_CONVENTION = "hf_hidden_states"
-
-# Config fields that say nothing about the network itself (library version, where it was
-# loaded from, storage dtype, how it was quantized on disk, runtime switches).
-VOLATILE_CONFIG_FIELDS = {
-    "transformers_version",
-    "_name_or_path",
-    "name_or_path",
-    "_model_name_or_path",
-    "torch_dtype",
-    "dtype",
-    "quantization_config",
-    "architectures",
-    "use_cache",
-    "_commit_hash",
-    "_attn_implementation",
-    "_attn_implementation_autoset",
-    "_experts_implementation",
-    "attn_implementation",
-    "output_hidden_states",
-    "output_attentions",
-    "return_dict",
-    "torchscript",
-    "auto_map",
-}
 
 
 # ---------------------------------------------------------------------------------------
@@ -168,13 +139,13 @@ def embedded_target_dir(cache_dir: Path) -> Path:
 
 def resolve_target(name: str, cache_dir: Path) -> str:
     """Embedded name -> its cache folder; `tiny:<folder or hub id>` -> its tiny random-weight copy in the cache
-    (tiny_target.py); an existing folder -> itself; else a hub id as is."""
+    (target/tiny.py); an existing folder -> itself; else a hub id as is."""
     if name == EMBEDDED_TARGET:
         return str(embedded_target_dir(cache_dir))
     if name.startswith("tiny:"):
-        from eagle3lib import tiny_target
+        from eagle3lib.target import tiny
 
-        return str(tiny_target.build(name.removeprefix("tiny:"), cache_dir))
+        return str(tiny.build(name.removeprefix("tiny:"), cache_dir))
     if name.startswith("embedded:"):
         raise ValueError(f"Unknown embedded target {name!r}; the only embedded target is {EMBEDDED_TARGET!r}.")
     path = Path(name).expanduser()
@@ -240,61 +211,11 @@ def load_tokenizer(target_dir, trust_remote_code: bool = False):
     tokenizer is built here (tiktoken_tokenizer.py), without its remote code."""
     from transformers import AutoTokenizer
 
-    from eagle3lib import tiktoken_tokenizer
+    from eagle3lib.target import tiktoken_tokenizer
 
     if tiktoken_tokenizer.is_tiktoken_folder(target_dir):
         return tiktoken_tokenizer.TikTokenTokenizer(target_dir)
     return AutoTokenizer.from_pretrained(target_dir, trust_remote_code=trust_remote_code)
-
-
-# Text models of multimodal wrappers that transformers knows under another name (same weights and shapes).
-TEXT_MODEL_FAMILY = {"kimi_k2": "deepseek_v3"}
-
-
-class WrapperConfig:
-    """A multimodal wrapper's config read without its remote code (e.g. Kimi-K2.5's kimi_k25): the wrapper's
-    own fields as they are in config.json, and `text_config`, the language model's config as the transformers
-    class of its family (kimi_k2 -> DeepseekV3Config)."""
-
-    def __init__(self, raw: dict):
-        from transformers import AutoConfig
-
-        self.raw = raw
-        self.model_type = raw.get("model_type")
-        self.architectures = raw.get("architectures") or [None]
-        text = dict(raw["text_config"])
-        family = TEXT_MODEL_FAMILY.get(text.get("model_type"), text.get("model_type"))
-        fields = {k: v for k, v in text.items() if k not in ("model_type", "auto_map", "architectures")}
-        try:
-            self.text_config = AutoConfig.for_model(family, **fields)
-        except ValueError as e:
-            raise ValueError(
-                f"Expected the text_config of {self.model_type} to be a model type transformers knows (or one of "
-                f"{sorted(TEXT_MODEL_FAMILY)}), found {text.get('model_type')!r}: {e}"
-            ) from e
-        self.text_config.architectures = text.get("architectures")
-        self.quantization_config = text.get("quantization_config") or raw.get("quantization_config")
-
-    def to_dict(self) -> dict:
-        return self.raw
-
-
-def load_config(where, trust_remote_code: bool = False):
-    """The target's config: AutoConfig's, or where transformers does not know the model type and the folder's
-    config.json wraps a text model (Kimi-K2.5), a WrapperConfig read without remote code."""
-    from transformers import AutoConfig
-
-    try:
-        return AutoConfig.from_pretrained(where, trust_remote_code=trust_remote_code)
-    except (ValueError, KeyError, OSError) as e:
-        path = Path(where) / "config.json"
-        raw = json.loads(path.read_text()) if path.is_file() else {}
-        if "text_config" not in raw:
-            raise
-        try:
-            return WrapperConfig(raw)
-        except ValueError as inner:
-            raise inner from e
 
 
 def load_target_info(name_or_path: str, cache_dir: Path, trust_remote_code: bool = False):
@@ -316,141 +237,6 @@ def load_target_info(name_or_path: str, cache_dir: Path, trust_remote_code: bool
             bos_token_id=getattr(text, "bos_token_id", None), eos_token_id=getattr(text, "eos_token_id", None)
         )
     return SimpleNamespace(config=config, generation_config=generation_config), tokenizer
-
-
-# ---------------------------------------------------------------------------------------
-# Aux layer ids (HF hidden_states indexing)
-
-
-def text_config(config):
-    """The language model's config of a multimodal wrapper (text_config), else the config itself."""
-    return getattr(config, "text_config", None) or config
-
-
-def num_layers(config) -> int:
-    """Number of decoder layers of the (text) model."""
-    n = getattr(text_config(config), "num_hidden_layers", None)
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"Expected the config to have num_hidden_layers >= 1, found {n!r} in {type(config).__name__}.")
-    return n
-
-
-def default_aux_layer_ids(num_layers: int) -> list[int]:
-    """EAGLE-3's capture points [2, L//2, L-3] in HF hidden_states indexing."""
-    ids = [2, num_layers // 2, num_layers - 3]
-    check_aux_layer_ids(ids, num_layers)
-    return ids
-
-
-def check_aux_layer_ids(ids, num_layers: int) -> list[int]:
-    """Aux ids must be 3 distinct increasing ints in 1..L-1; returns them as a list.
-
-    0 is the token embeddings (the drafter has them already) and L is the final pre-norm
-    state, which EAGLE-3 feeds separately, not as an aux layer.
-    """
-    ids = list(ids)
-    if (
-        len(ids) != 3
-        or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
-        or not all(a < b for a, b in zip(ids, ids[1:]))
-        or ids[0] < 1
-        or ids[-1] > num_layers - 1
-    ):
-        raise ValueError(
-            f"Expected aux_layer_ids to be 3 distinct increasing integers in 1..{num_layers - 1} "
-            f"(Hugging Face hidden_states indexing: id i = residual stream after i of the target's "
-            f"{num_layers} layers; 0 is the embeddings and {num_layers} the final state, neither is an "
-            f"aux layer), found {ids!r}. Use the default {[2, num_layers // 2, num_layers - 3]} or fix the params."
-        )
-    return ids
-
-
-def aux_layer_ids(requested, num_layers: int) -> list[int]:
-    """The aux ids a run captures: `requested` (target.aux_layer_ids in the params) when given, else the
-    default; checked against the target's layer count either way."""
-    return check_aux_layer_ids(requested or default_aux_layer_ids(num_layers), num_layers)
-
-
-# ---------------------------------------------------------------------------------------
-# The target contract (eagle3.json)
-
-
-def _strip_volatile(d):
-    if isinstance(d, dict):
-        return {k: _strip_volatile(v) for k, v in d.items() if k not in VOLATILE_CONFIG_FIELDS}
-    if isinstance(d, (list, tuple)):
-        return [_strip_volatile(v) for v in d]
-    return d
-
-
-def target_fingerprint(config) -> str:
-    """sha256 of the config's architecture-defining fields (volatile fields dropped) as sorted JSON."""
-    fields = _strip_volatile(config.to_dict())
-    return hashlib.sha256(json.dumps(fields, sort_keys=True, default=str).encode()).hexdigest()
-
-
-def chat_template_hash(tokenizer) -> str:
-    """sha256 of the tokenizer's chat template (a string, or a dict of named templates)."""
-    return hashlib.sha256(json.dumps(tokenizer.chat_template, sort_keys=True).encode()).hexdigest()
-
-
-def make_contract(target_name: str, model, tokenizer, aux_layer_ids, dtype) -> dict:
-    config = text_config(model.config)
-    layers = num_layers(model.config)
-    return {
-        "target": target_name,
-        "target_fingerprint": target_fingerprint(model.config),
-        "target_architecture": (getattr(model.config, "architectures", None) or [None])[0],  # engines' layer-id rules
-        "hidden_size": config.hidden_size,
-        "vocab_size": config.vocab_size,
-        "num_layers": layers,
-        "aux_layer_ids": check_aux_layer_ids(aux_layer_ids, layers),
-        "aux_layer_id_convention": AUX_LAYER_ID_CONVENTION,
-        "dtype": dtype_name(dtype),
-        "chat_template_hash": chat_template_hash(tokenizer),
-        "draft_vocab_size": None,
-        "d2t_sha256": None,
-    }
-
-
-def write_contract(dir, contract: dict) -> Path:
-    """Write `dir/eagle3.json` atomically."""
-    path = Path(dir) / CONTRACT_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{CONTRACT_FILE}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(contract, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
-    return path
-
-
-def read_contract(dir) -> dict:
-    path = Path(dir) / CONTRACT_FILE
-    if not path.is_file():
-        raise FileNotFoundError(
-            f"Expected a target contract {path}, found none. The folder was not written by this "
-            "pipeline or its stage did not finish; rerun the stage that produces it."
-        )
-    return json.loads(path.read_text())
-
-
-def check_contract(expected: dict, found: dict, where: str) -> None:
-    """Raise ValueError listing every key whose expected (non-None) value differs in `found`."""
-    missing = object()
-    bad = []
-    for key, want in expected.items():
-        if want is None:
-            continue
-        got = found.get(key, missing)
-        # Compare through JSON so tuples and lists (or a contract read from disk) compare equal.
-        if got is missing or json.dumps(want, sort_keys=True) != json.dumps(got, sort_keys=True):
-            bad.append(f"  {key}: expected {want!r}, found {'(missing)' if got is missing else repr(got)}")
-    if bad:
-        raise ValueError(
-            f"{where} was made for a different target setup ({CONTRACT_FILE} does not match):\n"
-            + "\n".join(bad)
-            + f"\nRerun the stage that produced {where} with the current params, or point this stage "
-            "at inputs made with the same target, aux layers, dtype and chat template."
-        )
 
 
 # ---------------------------------------------------------------------------------------

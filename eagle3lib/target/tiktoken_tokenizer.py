@@ -185,7 +185,7 @@ class TikTokenTokenizer:
         Template switches (e.g. `thinking=False`) pass through."""
         from transformers.utils.chat_template_utils import render_jinja_template
 
-        from eagle3lib.tool_declarations import typescript_declaration
+        from eagle3lib.target.tool_declarations import typescript_declaration
 
         if not self.chat_template:
             raise ValueError(f"Expected a chat template in {self.folder} (chat_template.jinja), found none.")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from eagle3lib.drafter import ARCHITECTURE
+from eagle3lib.drafter.model import ARCHITECTURE
 from eagle3lib.target import AUX_LAYER_ID_CONVENTION, CONTRACT_FILE, check_aux_layer_ids, read_contract
 
 LAYOUTS = ("canonical", "speculators", "specforge")
@@ -106,7 +106,7 @@ def engine_aux_ids(config: dict, architecture: str | None = None, num_layers: in
     """The target layers (HF hidden_states indices) each engine captures for a drafter config, for each copy of
     the ids it has: vLLM reads the top-level `eagle_aux_hidden_state_layer_ids` (HF indices, as speculators writes
     them), SGLang 0.5.17 reads `eagle_config`'s through the target class's rule (aux_ids.sglang_captured_ids)."""
-    from eagle3lib.aux_ids import sglang_captured_ids
+    from eagle3lib.drafter.aux_ids import sglang_captured_ids
 
     out = {}
     if config.get("eagle_aux_hidden_state_layer_ids") is not None:
@@ -137,7 +137,7 @@ def _aux_ids_from_config(config: dict, architecture: str | None = None, num_laye
     ids (EAGLE/SpecForge checkpoints, our SGLang export) mean what SGLang 0.5.17 captures for them on the
     target's class (`architecture`): +1 on Llama-like targets, as they are on DeepSeek-V3 and Kimi-K2.5
     unless the first is 1. Refused when the config's two copies disagree (aux_copies_disagree)."""
-    from eagle3lib.aux_ids import sglang_captured_ids
+    from eagle3lib.drafter.aux_ids import sglang_captured_ids
 
     problem = aux_copies_disagree(config, architecture, num_layers)
     if problem:
@@ -265,7 +265,7 @@ def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dic
             f"{src_dir}: its config reads target layers {aux} (HF hidden_states indexing) but the "
             f"contract says {contract['aux_layer_ids']}; fix the config or the contract."
         )
-    from eagle3lib.vocab import d2t_sha256
+    from eagle3lib.drafter.vocab import d2t_sha256
 
     found = {
         "draft_vocab_size": int(draft_vocab),

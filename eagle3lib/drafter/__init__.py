@@ -1,0 +1,14 @@
+"""The EAGLE-3 drafter, as every stage sees it:
+
+    model.py          the draft model (one Llama decoder layer over fc(aux states)), TTT forward and engine-style steps
+    ttt_attention.py  the training-time-test attention kernels: dense (reference), flex, merged (cuDNN / flash varlen)
+    vocab.py          the draft vocabulary (d2t, t2d)
+    formats.py        the checkpoint layouts we read (canonical, speculators, EAGLE/SpecForge) into the canonical form
+    aux_ids.py        aux layer ids in each engine's convention (SGLang's rule per architecture)
+
+`from eagle3lib.drafter import Drafter, DrafterConfig` is the model's public name.
+"""
+
+from eagle3lib.drafter.model import ARCHITECTURE, DraftCache, Drafter, DrafterConfig
+
+__all__ = ["ARCHITECTURE", "DraftCache", "Drafter", "DrafterConfig"]
