@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from eagle3lib.drafter import DraftCache, Drafter, DrafterConfig
+from eagle3lib.drafter.formats import variant_tensors
 from eagle3lib.extract.hf import capture_hidden_states
 from eagle3lib.target import default_aux_layer_ids, num_layers
 
@@ -63,6 +64,41 @@ def test_ttt_equals_chain_on_real_states(real_states):
                 diff = (drafter.logits(hidden[k])[0, t] - chain[k]).abs().max().item()
                 worst = max(worst, diff)
     assert worst <= 1e-4, f"TTT and chain logits differ by {worst}"
+
+
+SPECULATORS_DEFAULT = {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}
+
+
+@pytest.mark.parametrize("variants", [SPECULATORS_DEFAULT, {"fc_norm": True}, {"norm_output": True}])
+def test_eagle31_variants_ttt_equals_chain_and_change_the_drafter(real_states, variants):
+    """EAGLE-3.1's norms (speculators' eagle3 defaults among them): TTT and the engine's chain agree, each flag
+    changes the logits (it is not ignored), and the flags survive config.json."""
+    ids, aux, base, embed = real_states
+    cfg = DrafterConfig(**{**base.cfg.as_dict(), **variants})
+    assert DrafterConfig.from_hf_dict(cfg.to_hf_dict()) == cfg and cfg.variants == variants
+    torch.manual_seed(1)
+    drafter = Drafter(cfg).eval()
+    state = base.state_dict()
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
+    assert not unexpected and set(missing) == set(variant_tensors(variants))
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if "norm" in name and name not in state:
+                param.uniform_(0.5, 1.5)  # an RMSNorm at its init (ones) would hide a misplaced norm's weight
+    n = ids.shape[1] - STEPS - 1
+    pos = torch.arange(n)[None]
+    embeds = embed[ids[:, 1 : n + STEPS]]
+    with torch.no_grad():
+        hidden = drafter.ttt_forward(aux[:, :n], embeds, pos, torch.zeros_like(pos))
+        plain = base.ttt_forward(aux[:, :n], embeds, pos, torch.zeros_like(pos))
+        for t in (0, n // 2, n - 1):
+            chain = chain_logits(drafter, embed, ids, aux, t, STEPS)
+            for k in range(STEPS):
+                assert (drafter.logits(hidden[k])[0, t] - chain[k]).abs().max().item() <= 1e-4, (t, k)
+        # step 0 differs from the plain drafter unless only norm_output is on (it acts from step 1)
+        first_changed = 0 if set(variants) != {"norm_output"} else 1
+        diff = (drafter.logits(hidden[first_changed]) - base.logits(plain[first_changed])).abs().max().item()
+        assert diff > 1e-3, f"{variants} left the logits unchanged"
 
 
 def test_packed_documents_do_not_see_each_other(real_states):

@@ -132,10 +132,16 @@ def test_import_specforge_and_speculators_foreign_checkpoints(ckpt, exports, tmp
         tensors=lambda t: {**t, "embed_tokens.weight": torch.zeros(49152, 576)},
     )
     same_tensors(ckpt[0], ex.import_checkpoint(sp, tmp_path / "sp-back"))
-    # speculators default norm_before_residual=true when absent: refused, not silently mis-imported
+    # speculators' norm_before_residual is true when absent: imported as that EAGLE-3.1 variant, which SGLang
+    # 0.5.17 does not serve (refused for it, not exported to serve another function)
     nb = edited(exports["speculators"], tmp_path / "spec-nbr", config=lambda c: c.pop("norm_before_residual"))
+    back = ex.import_checkpoint(nb, tmp_path / "y")
+    assert json.loads((back / "config.json").read_text())["norm_before_residual"] is True
     with pytest.raises(ValueError, match="norm_before_residual"):
-        ex.import_checkpoint(nb, tmp_path / "y")
+        ex.export(back, "sglang", tmp_path / "y-sglang")
+    assert json.loads((ex.export(back, "vllm", tmp_path / "y-vllm") / "config.json").read_text())[
+        "norm_before_residual"
+    ]
 
 
 def test_export_refuses_another_target(ckpt, tmp_path):
@@ -246,21 +252,31 @@ need = need_engine  # the engine's own code judges the export
 
 
 @pytest.mark.slow
-def test_vllm_forward_equals_our_drafter_step(ckpt, exports, embedded_target, tmp_path):
+@pytest.mark.parametrize(
+    "variants",
+    [{}, {"norm_before_fc": True, "norm_output": True, "norm_before_residual": True}],
+    ids=["eagle3", "eagle31-speculators-defaults"],
+)
+def test_vllm_forward_equals_our_drafter_step(ckpt, exports, embedded_target, tmp_path, variants):
     """vLLM's own Eagle3LlamaForCausalLM, loaded from our export, against Drafter.step on the same 9 positions of
-    the target's embeddings and random aux states: same pre-norm hidden state, same logits over the target's
+    the target's embeddings and random aux states: same state for the next step, same logits over the target's
     vocabulary (fc on the aux states, the embeds/hidden order, norms, q/k/v split, rotary, MLP and d2t; the
-    attention kernel is a plain causal softmax on vLLM's side: engines/inside/load_check.py)."""
+    attention kernel is a plain causal softmax on vLLM's side: engines/inside/load_check.py). Also with
+    EAGLE-3.1's norms as speculators' eagle3 defaults set them (vLLM implements each of them)."""
     from eagle3lib.drafter import DraftCache
     from eagle3lib.train.checkpoint import load_drafter
 
     py = need("vllm")
     model = embedded_target[0]
-    drafter = load_drafter(ckpt[0]).eval()
+    base = load_drafter(ckpt[0])
+    drafter = Drafter(DrafterConfig(**{**base.cfg.as_dict(), **variants})).eval()
+    drafter.load_state_dict(base.state_dict(), strict=False)
     with torch.no_grad():  # norms near 1, as trained ones are (the fixture's are ~0.02: logits near zero)
         for norm in (drafter.norm, drafter.layer.input_layernorm, drafter.layer.hidden_norm):
             norm.weight.add_(1.0)
         drafter.layer.post_attention_layernorm.weight.add_(1.0)
+        if variants.get("norm_before_fc"):
+            drafter.input_norm.weight.uniform_(0.5, 1.5)
     folder = save_drafter(drafter, tmp_path / "drafter", json.loads((ckpt[0] / "eagle3.json").read_text()))
     export = ex.export(folder, "vllm", tmp_path / "vllm", target=EMBEDDED_TARGET, cache_dir=ckpt[1])
     torch.manual_seed(1)

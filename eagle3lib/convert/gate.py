@@ -14,7 +14,7 @@ from pathlib import Path
 
 from eagle3lib.convert.layouts import check_target, read_checkpoint
 from eagle3lib.drafter import ARCHITECTURE
-from eagle3lib.drafter.formats import VARIANT_FLAGS, aux_copies_disagree, read_config, read_tensors
+from eagle3lib.drafter.formats import aux_copies_disagree, read_config, read_tensors, read_variants
 from eagle3lib.engines.interpreter import engine_python, run_inside
 from eagle3lib.engines.sglang import SGLANG_VERSION, sglang_captured_ids
 from eagle3lib.engines.sglang import preflight as sglang_preflight
@@ -42,7 +42,9 @@ def sglang_expected_params(config: dict) -> dict:
     with the target at run time: not expected from the draft), fc [H, 3*H_t], layers.0 (legacy name
     midlayer) with input_layernorm, hidden_norm, post_attention_layernorm, self_attn.qkv_proj (q, k, v shards
     over a 2H input), o_proj, mlp.gate_up_proj (shards 0, 1), down_proj; norm; lm_head [draft_vocab, H] when
-    tie_word_embeddings is false; d2t becomes hot_token_id; t2d is read and dropped.
+    tie_word_embeddings is false; d2t becomes hot_token_id; t2d is read and dropped. EAGLE-3.1's norms before
+    fc: input_norm [3*H_t] (norm_before_fc, read flat or under eagle_config) or fc_norm.0-2 [H_t] (fc_norm or
+    use_aux_norm, read flat).
     """
     h, ht = config["hidden_size"], config.get("target_hidden_size") or config["hidden_size"]
     heads, kv = config["num_attention_heads"], config.get("num_key_value_heads") or config["num_attention_heads"]
@@ -50,7 +52,14 @@ def sglang_expected_params(config: dict) -> dict:
     inter, nv = config["intermediate_size"], config.get("draft_vocab_size") or config["vocab_size"]
     n_aux = len((config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") or [0, 0, 0])
     p = "model.layers.0."
+    eagle = config.get("eagle_config") or {}
+    norms = {}
+    if eagle.get("norm_before_fc", config.get("norm_before_fc", False)):
+        norms["model.input_norm.weight"] = (n_aux * ht,)
+    if config.get("fc_norm") or config.get("use_aux_norm"):
+        norms.update({f"model.fc_norm.{i}.weight": (ht,) for i in range(n_aux)})
     return {
+        **norms,
         "model.fc.weight": (h, n_aux * ht),
         p + "input_layernorm.weight": (h,),
         p + "hidden_norm.weight": (h,),
@@ -121,9 +130,12 @@ def check_sglang(folder, contract: dict | None = None) -> dict:
             f"config hidden_size is {config.get('hidden_size')!r}, the target's is {contract['hidden_size']!r}: "
             "SGLang shares the target's embeddings only with a drafter of the target's width."
         )
-    for flag in VARIANT_FLAGS:
-        if config.get(flag) or (config.get("eagle_config") or {}).get(flag):
-            problems.append(f"config sets {flag}; our drafter has no such variant. Remove it.")
+    if read_variants(config).get("norm_before_residual"):
+        problems.append(
+            f"config sets norm_before_residual: SGLang {SGLANG_VERSION}'s llama_eagle3 takes the layer's residual "
+            "before hidden_norm whatever the config says, so it would serve another function than the one trained "
+            "(vLLM serves it). Serve this drafter with vLLM, or train with norm_before_residual off."
+        )
     eagle = config.get("eagle_config") or {}
     ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     layers = contract.get("num_layers")

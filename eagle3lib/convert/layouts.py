@@ -27,8 +27,9 @@ from types import SimpleNamespace
 
 from safetensors.torch import save_file
 
-from eagle3lib.drafter.formats import WEIGHTS, llama_fields, read_config, to_canonical
-from eagle3lib.engines.sglang import SGLANG_CONVENTION, sglang_config_ids
+from eagle3lib.drafter.formats import WEIGHTS, llama_fields, read_config, read_variants, to_canonical
+from eagle3lib.drafter.model import VARIANTS
+from eagle3lib.engines.sglang import SGLANG_CONVENTION, SGLANG_VERSION, sglang_config_ids
 from eagle3lib.target import (
     CONTRACT_FILE,
     default_cache_dir,
@@ -143,7 +144,15 @@ def export(checkpoint_dir, engine: str, out_dir, target=None, cache_dir=None, de
     config, tensors, contract = read_checkpoint(checkpoint_dir, target, cache_dir)
     aux = contract["aux_layer_ids"]
 
+    variants = read_variants(config)
     if engine == "sglang":
+        if variants.get("norm_before_residual"):
+            raise ValueError(
+                f"{checkpoint_dir}: the drafter was trained with norm_before_residual (speculators' default), "
+                f"which SGLang {SGLANG_VERSION}'s llama_eagle3 does not model: it takes the layer's residual before "
+                "hidden_norm and would serve another function at a lower acceptance. Export it for vllm or "
+                "speculators (vLLM serves it), or train with norm_before_residual off."
+            )
         cfg = copy.deepcopy(config)
         ids = sglang_config_ids(aux, contract.get("target_architecture"))
         cfg["eagle_config"] = {
@@ -179,11 +188,8 @@ def export(checkpoint_dir, engine: str, out_dir, target=None, cache_dir=None, de
             "draft_vocab_size": config["draft_vocab_size"],
             "target_hidden_size": config["target_hidden_size"],
             "eagle_aux_hidden_state_layer_ids": list(aux),
-            # written explicitly: speculators/vLLM default norm_before_residual to true when absent
-            "norm_before_residual": False,
-            "norm_before_fc": False,
-            "fc_norm": False,
-            "norm_output": False,
+            # every flag written: speculators/vLLM default norm_before_residual to true when absent
+            **{flag: bool(variants.get(flag)) for flag in VARIANTS},
             "speculators_config": {
                 "algorithm": "eagle3",
                 "default_proposal_method": "greedy",

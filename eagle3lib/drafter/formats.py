@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from eagle3lib.drafter.model import ARCHITECTURE
+from eagle3lib.drafter.model import ARCHITECTURE, VARIANTS
 from eagle3lib.target import AUX_LAYER_ID_CONVENTION, CONTRACT_FILE, check_aux_layer_ids, read_contract
 
 LAYOUTS = ("canonical", "speculators", "specforge")
@@ -39,9 +39,30 @@ LAYER_TENSORS = (
 )
 TOP_TENSORS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
 CANONICAL_TENSORS = tuple("layers.0." + n for n in LAYER_TENSORS) + TOP_TENSORS
-# Config flags of EAGLE-3 variants our drafter does not have; an engine reading one as true would
-# build extra modules (and leave them at their init values) or change the computation.
-VARIANT_FLAGS = ("norm_before_fc", "fc_norm", "use_aux_norm", "norm_output", "norm_before_residual")
+# The config flags of EAGLE-3.1's norms (drafter/model.py VARIANTS); use_aux_norm is fc_norm's older name.
+VARIANT_FLAGS = (*VARIANTS, "use_aux_norm")
+
+
+def variant_tensors(variants: dict, n_aux: int = 3) -> tuple[str, ...]:
+    """The tensors a drafter with these EAGLE-3.1 flags has beyond CANONICAL_TENSORS."""
+    if variants.get("norm_before_fc"):
+        return ("input_norm.weight",)
+    if variants.get("fc_norm"):
+        return tuple(f"fc_norm.{i}.weight" for i in range(n_aux))
+    return ()
+
+
+def read_variants(config: dict, speculators: bool = False) -> dict:
+    """{flag: True} of the EAGLE-3.1 flags a drafter config turns on (flat, under eagle_config, or as
+    use_aux_norm). A speculators config without norm_before_residual means True (its default)."""
+    nested = config.get("eagle_config") or {}
+    on = {f: bool(config.get(f, nested.get(f, False))) for f in VARIANTS}
+    on["fc_norm"] = on["fc_norm"] or bool(config.get("use_aux_norm", nested.get("use_aux_norm", False)))
+    if speculators and "norm_before_residual" not in config:
+        on["norm_before_residual"] = True
+    if on["norm_before_fc"] and on["fc_norm"]:
+        raise ValueError("the config sets both norm_before_fc and fc_norm; a drafter has one or the other")
+    return {f: True for f, v in on.items() if v}
 
 
 def read_tensors(folder) -> dict:
@@ -172,7 +193,9 @@ def llama_fields(config: dict) -> dict:
     return {k: v for k, v in config.items() if k not in drop}
 
 
-def _canonical_config(llama: dict, draft_vocab_size: int, target_hidden_size: int, aux_ids: list[int]) -> dict:
+def _canonical_config(
+    llama: dict, draft_vocab_size: int, target_hidden_size: int, aux_ids: list[int], variants: dict
+) -> dict:
     d = dict(llama)
     d.update(
         architectures=[ARCHITECTURE],
@@ -185,6 +208,7 @@ def _canonical_config(llama: dict, draft_vocab_size: int, target_hidden_size: in
             "eagle_aux_hidden_state_layer_ids": list(aux_ids),
             "aux_layer_id_convention": AUX_LAYER_ID_CONVENTION,
         },
+        **variants,
     )
     return d
 
@@ -210,28 +234,19 @@ def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dic
         llama = dict(config.get("transformer_layer_config") or {})
         draft_vocab = config.get("draft_vocab_size")
         target_hidden = config.get("target_hidden_size") or llama.get("hidden_size")
-        if config.get("norm_before_residual", True):  # speculators' default when absent is True
-            raise ValueError(
-                f"{src_dir}: norm_before_residual is {config.get('norm_before_residual', '(absent = True)')}: "
-                "the drafter takes its residual after hidden_norm, which our drafter does not model. "
-                "Only norm_before_residual: false checkpoints can be imported."
-            )
     else:
         llama = llama_fields(config)
         draft_vocab = config.get("draft_vocab_size")
         target_hidden = config.get("target_hidden_size") or config.get("hidden_size")
-    bad_flags = [f for f in VARIANT_FLAGS if f != "norm_before_residual" and config.get(f)]
-    if bad_flags:
-        raise ValueError(
-            f"{src_dir}: config sets {bad_flags}, an EAGLE-3 variant our drafter does not have; "
-            "expected these flags absent or false."
-        )
+    variants = read_variants(config, speculators=layout == "speculators")
 
     renamed = {}
     for name, t in tensors.items():
         name = name.removeprefix("model.")
         if name.startswith("midlayer."):
             name = "layers.0." + name.removeprefix("midlayer.")
+        for legacy, i in (("aux_norm_low", 0), ("aux_norm_mid", 1), ("aux_norm_high", 2)):  # SGLang's old names
+            name = name.replace(legacy, f"fc_norm.{i}")
         if name == "embed_tokens.weight":
             continue
         renamed[name] = t
@@ -243,12 +258,14 @@ def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dic
         t2d = torch.zeros(llama["vocab_size"], dtype=torch.bool)
         t2d[torch.arange(renamed["d2t"].numel()) + renamed["d2t"]] = True
         renamed["t2d"] = t2d
-    missing = [n for n in CANONICAL_TENSORS if n not in renamed]
-    extra = sorted(n for n in renamed if n not in CANONICAL_TENSORS)
+    wanted = CANONICAL_TENSORS + variant_tensors(variants)
+    missing = [n for n in wanted if n not in renamed]
+    extra = sorted(n for n in renamed if n not in wanted)
     if missing or extra:
         raise ValueError(
-            f"{src_dir} ({layout} layout): expected the tensors {list(CANONICAL_TENSORS)} after renaming, "
-            f"missing {missing}, unexpected {extra}. It is not a 1-layer EAGLE-3 drafter of the layout we read."
+            f"{src_dir} ({layout} layout): expected the tensors {list(wanted)} after renaming, "
+            f"missing {missing}, unexpected {extra} (EAGLE-3.1 flags: {sorted(variants) or 'none'}). It is not a "
+            "1-layer EAGLE-3 drafter of the layout we read."
         )
 
     aux = _aux_ids_from_config(config, contract.get("target_architecture"), contract.get("num_layers") or 0)
@@ -296,5 +313,5 @@ def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dic
             "was trained for."
         )
     contract.update(found, aux_layer_ids=aux, aux_layer_id_convention=AUX_LAYER_ID_CONVENTION)
-    out = {n: renamed[n] for n in CANONICAL_TENSORS}
-    return _canonical_config(llama, int(draft_vocab), int(target_hidden), aux), out, contract
+    out = {n: renamed[n] for n in wanted}
+    return _canonical_config(llama, int(draft_vocab), int(target_hidden), aux, variants), out, contract

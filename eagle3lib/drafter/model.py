@@ -43,6 +43,7 @@ from eagle3lib.drafter.ttt_attention import (
 )
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
+VARIANTS = ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")
 
 
 @dataclass
@@ -60,6 +61,20 @@ class DrafterConfig:
     hidden_act: str = "silu"
     max_position_embeddings: int = 8192
     rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    # EAGLE-3.1's norms (speculators' eagle3 defaults turn on the first three): all off is the original EAGLE-3.
+    norm_before_fc: bool = False  # one RMSNorm over the concatenated aux states before fc
+    fc_norm: bool = False  # an RMSNorm per aux state before fc (exclusive with norm_before_fc)
+    norm_output: bool = False  # the next chain step takes norm(h), not the pre-norm h
+    norm_before_residual: bool = False  # the layer's residual is hidden_norm(h), not h
+
+    def __post_init__(self):
+        if self.norm_before_fc and self.fc_norm:
+            raise ValueError("norm_before_fc and fc_norm are exclusive: one norm over the aux states, or one each")
+
+    @property
+    def variants(self) -> dict[str, bool]:
+        """The EAGLE-3.1 flags that are on."""
+        return {f: True for f in VARIANTS if getattr(self, f)}
 
     @classmethod
     def from_target(cls, target_config, draft_vocab_size: int, aux_layer_ids: list[int]) -> DrafterConfig:
@@ -119,6 +134,7 @@ class DrafterConfig:
                 "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
                 "aux_layer_id_convention": "hf_hidden_states",
             },
+            **self.variants,
         )
         return d
 
@@ -144,6 +160,7 @@ class DrafterConfig:
             hidden_act=d.get("hidden_act", "silu"),
             max_position_embeddings=d.get("max_position_embeddings", 8192),
             rope_parameters=rope,
+            **{f: bool(d.get(f, False)) for f in VARIANTS},
         )
 
     def as_dict(self) -> dict:
@@ -189,6 +206,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         llama = cfg.llama_config()
+        self.norm_before_residual = cfg.norm_before_residual
         self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.self_attn = Attention(cfg)
@@ -217,8 +235,9 @@ class DecoderLayer(nn.Module):
         return a.heads_with_rope(q, k, v, cos, sin)
 
     def finish(self, attn_out, hidden):
-        """Residual from h, then post-attention norm and MLP; returns the pre-norm output state."""
-        h = hidden + attn_out
+        """Residual from h (hidden_norm(h) with norm_before_residual), then post-attention norm and MLP; returns
+        the pre-norm output state."""
+        h = (self.hidden_norm(hidden) if self.norm_before_residual else hidden) + attn_out
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -226,7 +245,14 @@ class Drafter(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.cfg = cfg
-        self.fc = nn.Linear(len(cfg.aux_layer_ids) * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        n_aux = len(cfg.aux_layer_ids)
+        self.fc = nn.Linear(n_aux * cfg.target_hidden_size, cfg.hidden_size, bias=False)
+        if cfg.norm_before_fc:
+            self.input_norm = LlamaRMSNorm(n_aux * cfg.target_hidden_size, eps=cfg.rms_norm_eps)
+        if cfg.fc_norm:
+            self.fc_norm = nn.ModuleList(
+                [LlamaRMSNorm(cfg.target_hidden_size, eps=cfg.rms_norm_eps) for _ in range(n_aux)]
+            )
         self.layers = nn.ModuleList([DecoderLayer(cfg)])
         self.norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
@@ -248,6 +274,19 @@ class Drafter(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden))
+
+    def project(self, aux: torch.Tensor) -> torch.Tensor:
+        """fc over the target's concatenated aux states, after their norm(s) where the config has them."""
+        if self.cfg.norm_before_fc:
+            aux = self.input_norm(aux)
+        elif self.cfg.fc_norm:
+            aux = torch.cat([norm(a) for norm, a in zip(self.fc_norm, aux.chunk(len(self.fc_norm), -1))], -1)
+        return self.fc(aux)
+
+    def next_state(self, out: torch.Tensor) -> torch.Tensor:
+        """What the next chain step takes as its hidden state: the layer's pre-norm output, or with
+        norm_output its final norm (the logits read norm(out) either way)."""
+        return self.norm(out) if self.cfg.norm_output else out
 
     def rope(self, x, position_ids):
         return self.rotary(x, position_ids)
@@ -309,7 +348,8 @@ class Drafter(nn.Module):
             takes embeds[:, t+k] (the ground-truth token t+1+k). K = embeds' length - T + 1.
         position_ids [B,T]: positions within each document; doc_ids [B,T]: document
             of each position in a packed row (-1 = padding).
-        Returns the pre-norm hidden states of each step, [B,T,H] each.
+        Returns the pre-norm hidden states of each step, [B,T,H] each (logits: self.logits); the next step
+        takes next_state of each.
 
         Step k's query at t attends to the step-0 keys at s ≤ t (same document) and to
         the step-1..k keys at t itself (drafter/ttt_attention.py). attention:
@@ -379,18 +419,19 @@ class Drafter(nn.Module):
             keys, values = cached[: len(cached) // 2] + (key,), cached[len(cached) // 2 :] + (value,)
             return layer.finish(attn.output(attend(k, q, keys, values)), hidden), key, value
 
-        hidden = self.fc(aux)
+        hidden = self.project(aux)
         keys, values, outputs = [], [], []
         for k in range(steps):
             if checkpoint:
-                hidden, key, value = torch.utils.checkpoint.checkpoint(
+                out, key, value = torch.utils.checkpoint.checkpoint(
                     one_step, k, hidden, *keys, *values, use_reentrant=False
                 )
             else:
-                hidden, key, value = one_step(k, hidden, *keys, *values)
+                out, key, value = one_step(k, hidden, *keys, *values)
             keys.append(key)
             values.append(value)
-            outputs.append(hidden)
+            outputs.append(out)
+            hidden = self.next_state(out)
         return outputs
 
     # --------------------------------------------------------- inference ----
@@ -398,16 +439,16 @@ class Drafter(nn.Module):
         """Append n entries (embeds [B,n,H], positions [B,n]) to the cache, attending causally to
         everything cached. hidden is the target's concatenated aux states [B,n,3H_t] when
         from_target (the first step after verification), else the draft's own output [B,n,H].
-        Returns (pre-norm output hidden [B,n,H], logits [B,n,V_draft])."""
+        Returns (the state the next step takes [B,n,H] (next_state), logits [B,n,V_draft])."""
         if from_target:
-            hidden = self.fc(hidden)
+            hidden = self.project(hidden)
         attn, layer = self.layer.self_attn, self.layer
         cos, sin = self.rope(hidden, position_ids)
         q, key, value = attn.qkv(layer.attn_input(embeds, hidden), cos, sin)
         cache.append(key, value, position_ids)
         mask = cache.positions[:, None, :] <= position_ids[:, :, None]
         out = layer.finish(attn.attend(q, cache.keys, cache.values, mask), hidden)
-        return out, self.logits(out)
+        return self.next_state(out), self.logits(out)
 
 
 class DraftCache:

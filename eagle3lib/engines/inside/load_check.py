@@ -35,6 +35,19 @@ def _load_ours(folder):
     return load_file(os.path.join(folder, "model.safetensors"))
 
 
+def _written_flags(folder):
+    """The EAGLE-3.1 flags config.json states explicitly (flat), as a reader that assumes no default sees them."""
+    import json
+
+    with open(os.path.join(folder, "config.json")) as f:
+        config = json.load(f)
+    return {
+        k: bool(v)
+        for k, v in config.items()
+        if k in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+    }
+
+
 def _expected_vllm_params(ours):
     """{vLLM parameter name: [our tensor names whose concatenation it must hold]} (q/k/v and gate/up fused)."""
     p, a, m = "model.layers.0.", "layers.0.self_attn.", "layers.0.mlp."
@@ -49,6 +62,10 @@ def _expected_vllm_params(ours):
     }
     if "d2t" in ours:  # a full-vocabulary draft has no map, and vLLM no parameter for one
         want["draft_id_to_target_id"] = ["d2t"]
+    if "input_norm.weight" in ours:  # EAGLE-3.1 norm_before_fc
+        want["model.input_norm.weight"] = ["input_norm.weight"]
+    for name in (n for n in ours if n.startswith("fc_norm.")):  # EAGLE-3.1 fc_norm
+        want["model." + name] = [name]
     for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
         want[p + n + ".weight"] = [f"layers.0.{n}.weight"]
     return want
@@ -127,11 +144,13 @@ def check_vllm(draft, target, depth):
         )
 
     hf = draft_cfg.hf_config
+    written = _written_flags(draft)
     for flag in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
-        if getattr(hf, flag, False):
+        if bool(getattr(hf, flag, False)) != written.get(flag, False):
             problems.append(
-                f"vLLM reads {flag}=true from the draft config; our drafter has no such variant "
-                "(speculators configs must say false explicitly: norm_before_residual defaults to true)."
+                f"vLLM reads {flag}={bool(getattr(hf, flag, False))} from the draft config, which says "
+                f"{written.get(flag, '(absent)')}: write every EAGLE-3.1 flag explicitly "
+                "(speculators and vLLM take an absent norm_before_residual as true)."
             )
     ours = _load_ours(draft)
     want = _expected_vllm_params(ours)
