@@ -1,0 +1,229 @@
+"""Served acceptance of several drafters in one engine, beside our offline prediction of each: the same target,
+prompts, depths and greedy decoding at batch size 1 for every drafter, so that two trainers' drafters compare.
+
+    python benchmarks/served_al.py RUN_DIR --params params/tiny-h200.yaml \
+        --drafter ours=RUN_DIR/02_train/drafter --drafter speculators=DIR --drafter specforge=DIR \
+        --depths 3,5 --sets held_out,mt_bench,humaneval,../shared/benchsets/gsm8k/question.jsonl \
+        --per-set 20 --out summary.json
+
+A drafter is any checkpoint `convert` reads (ours, speculators, EAGLE/SpecForge `midlayer.*`); each is imported
+into the canonical form against the run's target (`--target` semantics), exported for the params' engine, and
+served at every depth (top-k 1, depth + 1 draft tokens). Every (drafter, depth) gets its own server; the servers
+start and run side by side (on one GPU: engine memory split by --mem-fraction), each sending its prompts one at a
+time, so concurrency between servers changes their speed, not their acceptance. RUN_DIR needs a finished
+00_prepare (held-out prompts). Predicted AL: the target's states on each served reply (prompt + the engine's own
+tokens), the drafter's TTT evaluation (bench.predict, train.ttt_steps steps, extrapolated past them), per set.
+Rows: {trainer, config, depth, set, served_al, predicted_al, requests, completion_tokens} + --meta NAME=JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from pathlib import Path
+
+import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
+from eagle3lib import engines, target
+from eagle3lib.bench import predict, sweep
+from eagle3lib.bench import steps as bench_steps
+from eagle3lib.convert import layouts
+from eagle3lib.params import cache_dir, load_params
+from eagle3lib.prepare.conversations import load_bench_prompts
+from eagle3lib.train.checkpoint import load_drafter
+
+MEM_FLAG = "--mem-fraction-static"
+
+
+def named(items: list[str], what: str) -> dict[str, str]:
+    """['a=x', 'b=y'] -> {'a': 'x', 'b': 'y'}, refusing a malformed or repeated name."""
+    out = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise SystemExit(f"--{what} {item!r}: expected NAME=VALUE")
+        if name in out:
+            raise SystemExit(f"--{what} {name!r} given twice")
+        out[name] = value
+    return out
+
+
+def engine_args(extra_args: list[str], mem_fraction: float | None) -> list[str]:
+    """The params' engine flags with the memory fraction replaced (several servers share one GPU)."""
+    args = list(extra_args)
+    if mem_fraction is None:
+        return args
+    if MEM_FLAG in args:
+        i = args.index(MEM_FLAG)
+        del args[i : i + 2]
+    return args + [MEM_FLAG, str(mem_fraction)]
+
+
+def prepare_drafters(drafters: dict[str, str], target_dir: str, cache, engine: str, work: Path) -> dict[str, dict]:
+    """{name: {canonical, export}}: each checkpoint imported against the target and exported for the engine."""
+    out = {}
+    for name, src in drafters.items():
+        canonical = layouts.import_checkpoint(src, work / name / "canonical", target=target_dir, cache_dir=cache)
+        export = layouts.export(canonical, engine, work / name / engine, target=target_dir, cache_dir=cache)
+        out[name] = {"source": str(src), "canonical": str(canonical), "export": str(export)}
+        print(f"{name}: {src} -> {export}", flush=True)
+    return out
+
+
+def serve_all(p, target_dir, drafters: dict, depths: list[int], prompts_by_set: dict, max_tokens: int, work: Path):
+    """{(name, depth): {set: measure_set's result}}, every server started and measured in its own thread."""
+    results, errors = {}, {}
+
+    def one(name: str, depth: int):
+        try:
+            server = engines.make(p.engine, target_dir, drafters[name]["export"], depth, work / name / "logs")
+            with server:
+                by_set = {}
+                for set_name, prompts in prompts_by_set.items():
+                    by_set[set_name] = sweep.measure_set(server, prompts, max_tokens, 1, {})
+                results[(name, depth)] = by_set
+            print(f"{name} depth {depth}: measured", flush=True)
+        except Exception as e:  # one failing server must not hide the others' figures
+            errors[(name, depth)] = f"{type(e).__name__}: {e}"
+            print(f"{name} depth {depth}: FAILED {errors[(name, depth)][:2000]}", flush=True)
+
+    threads = [threading.Thread(target=one, args=(n, d)) for n in drafters for d in depths]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results, errors
+
+
+def predicted_per_set(p, target_dir, cache, canonical: str, measured: dict, max_depth: int) -> dict:
+    """{set: {depth: predicted AL}} of one drafter on its own served replies (the deepest depth's)."""
+    model, _ = target.load_target(target_dir, cache, dtype=p.target.dtype, device=p.target.device)
+    drafter = load_drafter(Path(canonical), device=p.target.device)
+    sequences = [
+        {"id": pr["id"], "set": set_name, "prompt_ids": pr["prompt_ids"], "token_ids": out["token_ids"]}
+        for set_name, m in measured.items()
+        for pr, out in zip(m["prompts"], m["outputs"])
+        if out.get("token_ids")
+    ]
+    per_set = predict.predict_per_set(
+        model, drafter, sequences, drafter.cfg.aux_layer_ids, max_depth, p.train.ttt_steps, p.target.device
+    )
+    del model, drafter
+    return {s: {int(d): v for d, v in summary["accept_len_at"].items()} for s, summary in per_set.items()}
+
+
+def rows_of(results: dict, predicted: dict, meta: dict) -> list[dict]:
+    """One row per trainer x depth x set, and each trainer x depth over all sets ('all')."""
+    rows = []
+    for (name, depth), by_set in sorted(results.items()):
+        for set_name, m in by_set.items():
+            spec = sweep.spec_over(m["engine"], m["parts"])
+            rows.append(
+                {
+                    "trainer": name.split(":")[0],
+                    "config": name.split(":")[1] if ":" in name else "defaults",
+                    "depth": depth,
+                    "set": set_name,
+                    "served_al": spec.get("accept_len"),
+                    "predicted_al": (predicted.get(name, {}).get(set_name) or {}).get(depth),
+                    "requests": len(m["outputs"]),
+                    "completion_tokens": sum(o["completion_tokens"] or 0 for o in m["outputs"]),
+                    **meta.get(name, {}),
+                }
+            )
+    return rows
+
+
+def mean_over_sets(rows: list[dict]) -> list[dict]:
+    """Each trainer x config x depth: the mean of the sets' served and predicted AL (the issue's goal)."""
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["trainer"], r["config"], r["depth"]), []).append(r)
+    out = []
+    for (trainer, config, depth), group in sorted(groups.items()):
+        served = [r["served_al"] for r in group if r["served_al"] is not None]
+        pred = [r["predicted_al"] for r in group if r["predicted_al"] is not None]
+        out.append(
+            {
+                "trainer": trainer,
+                "config": config,
+                "depth": depth,
+                "sets": len(group),
+                "served_al_mean": sum(served) / len(served) if served else None,
+                "predicted_al_mean": sum(pred) / len(pred) if pred else None,
+            }
+        )
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("run_dir", type=Path, help="a run folder with a finished 00_prepare")
+    ap.add_argument("--params", required=True, help="the run's params file (target, engine, bench)")
+    ap.add_argument("--drafter", action="append", default=[], help="NAME=CHECKPOINT (NAME may be trainer:config)")
+    ap.add_argument("--meta", action="append", default=[], help="NAME=JSON file merged into that drafter's rows")
+    ap.add_argument("--depths", default="3,5")
+    ap.add_argument("--sets", default="held_out,mt_bench,humaneval")
+    ap.add_argument("--per-set", type=int, default=20, help="questions per set (first turns)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="tokens per reply (default: bench.max_tokens)")
+    ap.add_argument("--mem-fraction", type=float, default=None, help="each server's share of the GPU's memory")
+    ap.add_argument("--no-predict", action="store_true", help="served AL only")
+    ap.add_argument("--work", type=Path, default=None, help="exports and logs (default: OUT's folder/served)")
+    ap.add_argument("--out", type=Path, required=True)
+    a = ap.parse_args(argv)
+
+    drafters = named(a.drafter, "drafter")
+    if not drafters:
+        ap.error("give at least one --drafter NAME=CHECKPOINT")
+    meta = {n: json.loads(Path(f).read_text()) for n, f in named(a.meta, "meta").items()}
+    depths = [int(d) for d in a.depths.split(",")]
+    sets = [s.strip() for s in a.sets.split(",") if s.strip()]
+    p = load_params(a.params, {"bench.prompts": sets, "bench.num_prompts": a.per_set, "bench.context_lengths": []})
+    p.engine.extra_args = engine_args(p.engine.extra_args, a.mem_fraction)
+    cache = cache_dir(p)
+    target_dir = target.resolve_target(p.target.name, cache)
+    tokenizer = target.load_tokenizer(target_dir, p.target.trust_remote_code)
+    held_out = load_bench_prompts(a.run_dir / "00_prepare" / "bench.jsonl")
+    prompts = [pr for pr in bench_steps.bench_prompts(p, tokenizer, held_out) if pr.get("turn", 1) == 1]
+    by_set = {}
+    for pr in prompts:
+        by_set.setdefault(pr["set"], []).append(pr)
+    print({s: len(v) for s, v in by_set.items()}, flush=True)
+    max_tokens = a.max_tokens or p.bench.max_tokens
+
+    work = a.work or a.out.parent / "served"
+    prepared = prepare_drafters(drafters, target_dir, cache, p.engine.name, work)
+    results, errors = serve_all(p, target_dir, prepared, depths, by_set, max_tokens, work)
+    for by in results.values():
+        for set_name, m in by.items():
+            m["prompts"], m["engine"] = by_set[set_name], p.engine.name
+    predicted = {}
+    if not a.no_predict:
+        for name, info in prepared.items():
+            deepest = max((d for n, d in results if n == name), default=None)
+            if deepest is not None:
+                predicted[name] = predicted_per_set(
+                    p, target_dir, cache, info["canonical"], results[(name, deepest)], max(depths)
+                )
+    rows = rows_of(results, predicted, meta)
+    summary = {
+        "what": "served AL per set (batch size 1, greedy, top-k 1) and our offline predicted AL, same engine",
+        "engine": p.engine.name,
+        "target": str(target_dir),
+        "sets": {s: len(v) for s, v in by_set.items()},
+        "max_tokens": max_tokens,
+        "drafters": prepared,
+        "errors": {f"{n}@{d}": e for (n, d), e in errors.items()},
+        "means": mean_over_sets(rows),
+        "rows": rows,
+    }
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(summary, indent=2, default=str))
+    for m in summary["means"]:
+        print(json.dumps(m), flush=True)
+    return 1 if errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
