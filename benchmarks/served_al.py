@@ -8,9 +8,10 @@ prompts, depths and greedy decoding at batch size 1 for every drafter, so that t
 
 A drafter is any checkpoint `convert` reads (ours, speculators, EAGLE/SpecForge `midlayer.*`); each is imported
 into the canonical form against the run's target (`--target` semantics), exported for the params' engine, and
-served at every depth (top-k 1, depth + 1 draft tokens). Every (drafter, depth) gets its own server; the servers
-start and run side by side (on one GPU: engine memory split by --mem-fraction), each sending its prompts one at a
-time, so concurrency between servers changes their speed, not their acceptance. RUN_DIR needs a finished
+served at every depth (top-k 1, depth + 1 draft tokens). Every (drafter, depth) gets its own server, one after
+the other (--parallel N runs N at once, each sending its prompts one at a time: concurrency between servers
+changes their speed, not their acceptance; SGLang sizes its memory from the GPU's total, so on one GPU several
+need --mem-fraction small enough for all). RUN_DIR needs a finished
 00_prepare (held-out prompts). Predicted AL: the target's states on each served reply (prompt + the engine's own
 tokens), the drafter's TTT evaluation (bench.predict, train.ttt_steps steps, extrapolated past them), per set.
 Rows: {trainer, config, depth, set, served_al, predicted_al, requests, completion_tokens} + --meta NAME=JSON.
@@ -21,7 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
@@ -71,12 +72,15 @@ def prepare_drafters(drafters: dict[str, str], target_dir: str, cache, engine: s
     return out
 
 
-def serve_all(p, target_dir, drafters: dict, depths: list[int], prompts_by_set: dict, max_tokens: int, work: Path):
-    """{(name, depth): {set: measure_set's result}}, every server started and measured in its own thread."""
+def serve_all(
+    p, target_dir, drafters: dict, depths: list[int], prompts_by_set: dict, max_tokens: int, work: Path, parallel: int
+):
+    """{(name, depth): {set: measure_set's result}}, `parallel` servers at a time; ({...}, {(name, depth): error})."""
     results, errors = {}, {}
 
     def one(name: str, depth: int):
         try:
+            (work / name / "logs").mkdir(parents=True, exist_ok=True)
             server = engines.make(p.engine, target_dir, drafters[name]["export"], depth, work / name / "logs")
             with server:
                 by_set = {}
@@ -88,11 +92,8 @@ def serve_all(p, target_dir, drafters: dict, depths: list[int], prompts_by_set: 
             errors[(name, depth)] = f"{type(e).__name__}: {e}"
             print(f"{name} depth {depth}: FAILED {errors[(name, depth)][:2000]}", flush=True)
 
-    threads = [threading.Thread(target=one, args=(n, d)) for n in drafters for d in depths]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(max_workers=parallel) as pool:
+        list(pool.map(lambda nd: one(*nd), [(n, d) for n in drafters for d in depths]))
     return results, errors
 
 
@@ -168,6 +169,8 @@ def main(argv=None) -> int:
     ap.add_argument("--per-set", type=int, default=20, help="questions per set (first turns)")
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens per reply (default: bench.max_tokens)")
     ap.add_argument("--mem-fraction", type=float, default=None, help="each server's share of the GPU's memory")
+    ap.add_argument("--parallel", type=int, default=1, help="servers at a time")
+    ap.add_argument("--engine-flag", action="append", default=[], help="an extra engine flag (repeatable)")
     ap.add_argument("--no-predict", action="store_true", help="served AL only")
     ap.add_argument("--work", type=Path, default=None, help="exports and logs (default: OUT's folder/served)")
     ap.add_argument("--out", type=Path, required=True)
@@ -180,7 +183,7 @@ def main(argv=None) -> int:
     depths = [int(d) for d in a.depths.split(",")]
     sets = [s.strip() for s in a.sets.split(",") if s.strip()]
     p = load_params(a.params, {"bench.prompts": sets, "bench.num_prompts": a.per_set, "bench.context_lengths": []})
-    p.engine.extra_args = engine_args(p.engine.extra_args, a.mem_fraction)
+    p.engine.extra_args = engine_args(p.engine.extra_args, a.mem_fraction) + a.engine_flag
     cache = cache_dir(p)
     target_dir = target.resolve_target(p.target.name, cache)
     tokenizer = target.load_tokenizer(target_dir, p.target.trust_remote_code)
@@ -194,7 +197,7 @@ def main(argv=None) -> int:
 
     work = a.work or a.out.parent / "served"
     prepared = prepare_drafters(drafters, target_dir, cache, p.engine.name, work)
-    results, errors = serve_all(p, target_dir, prepared, depths, by_set, max_tokens, work)
+    results, errors = serve_all(p, target_dir, prepared, depths, by_set, max_tokens, work, a.parallel)
     for by in results.values():
         for set_name, m in by.items():
             m["prompts"], m["engine"] = by_set[set_name], p.engine.name

