@@ -141,6 +141,11 @@ class TrainParams(Section):
         "shards", description="shards: read 01_extract; online: run the target in the loop"
     )
     ttt_steps: int = Field(7, gt=0)
+    eagle31_norms: list[Literal["norm_before_fc", "fc_norm", "norm_output", "norm_before_residual"]] = Field(
+        default_factory=list,
+        description="EAGLE-3.1's norms in the drafter (speculators' defaults: norm_before_fc, norm_output, "
+        "norm_before_residual); SGLang 0.5.17 serves all but norm_before_residual, vLLM 0.32 all",
+    )
     max_seq_len: int = Field(2048, gt=0)
     draft_vocab_size: int = Field(32000, gt=0)
     max_tokens: int = Field(1_000_000, gt=0, description="training budget in tokens")

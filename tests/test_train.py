@@ -483,3 +483,27 @@ def test_init_from_warm_starts_from_each_layout_and_refuses_what_does_not_fit(tm
         trainer.build_setup(small, run_dir)
     with pytest.raises(TrainingError, match="no config.json"):
         trainer.build_setup(load_params(params_file(tmp_path), {"train.init_from": str(tmp_path)}), run_dir)
+    normed = load_params(params_file(tmp_path), {"train.eagle31_norms": ["norm_output"], "train.init_from": str(ours)})
+    with pytest.raises(TrainingError, match=r"EAGLE-3.1 norms are none, this run's .*\['norm_output'\]"):
+        trainer.build_setup(normed, run_dir)
+
+
+def test_eagle31_norms_train_and_reach_the_checkpoint(tmp_path, small_target):
+    """train.eagle31_norms builds the drafter with speculators' default norms: it learns, its checkpoint carries
+    the flags and their weights and loads back as the same drafter; exclusive flags are refused by name."""
+    norms = ["norm_before_fc", "norm_output", "norm_before_residual"]
+    run_dir = make_run(tmp_path, *small_target, {"max_tokens": 128 * 20, "eval_every": 20, "eagle31_norms": norms})
+    p = load_params(params_file(tmp_path))
+    setup, _ = trainer.build_setup(p, run_dir)
+    assert setup.drafter.cfg.variants == dict.fromkeys(norms, True)
+    before = trainer.evaluate(setup, 3, 5, "cpu")
+    summary = trainer.train(setup, p.train, log=lambda *a: None)
+    assert summary["eval"]["loss_per_step"][0] < 0.9 * before["loss_per_step"][0]
+    folder = run_dir / "02_train" / "drafter"
+    assert all(json.loads((folder / "config.json").read_text())[n] is True for n in norms)
+    loaded = state(folder)
+    assert "input_norm.weight" in loaded
+    assert all(torch.equal(loaded[k], v) for k, v in setup.drafter.state_dict().items())
+    both = load_params(params_file(tmp_path), {"train.eagle31_norms": ["norm_before_fc", "fc_norm"]})
+    with pytest.raises(TrainingError, match="train.eagle31_norms: norm_before_fc and fc_norm are exclusive"):
+        trainer.build_setup(both, run_dir)

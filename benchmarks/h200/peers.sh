@@ -87,7 +87,7 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     pip_target /tmp/arrow-site $A $G/arrow-b/pandas-*.whl || exit 3; exit 0 ;;
   stage4)
     pip_target /tmp/peer-site $G/peers/*.whl || exit 3
-    PYTHONPATH=/tmp/peer-site:/tmp/arrow-site python3 -c "import speculators, specforge, datasets; print('peers ready', datasets.__version__)" || exit 6
+    PYTHONPATH=/tmp/peer-site:/tmp/arrow-site:/tmp/extra-site python3 -c "import speculators, specforge, datasets; print('peers ready', datasets.__version__)" || exit 6
     exit 0 ;;
   data)
     ours_env
@@ -121,9 +121,13 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
       --draft-vocab-size "$DRAFT_VOCAB" --epochs "$EPOCHS" --train-data-ratio "$RATIO" \
       > "$OUT/train_speculators.log" 2>&1; rc=$?; tail -n 15 "$OUT/train_speculators.log"; exit $rc ;;
   serve)
-    ours_env; DR=(--drafter ours=$W/run/02_train/drafter)
+    ours_env; export PYTHONPATH=$PYTHONPATH:/tmp/peer-site; DR=(--drafter ours=$W/run/02_train/drafter)
     [ -d $W/sf/export ] && DR+=(--drafter specforge=$W/sf/export)
-    LAST=$(ls -d $W/spec-out/[0-9]* 2>/dev/null | sort -V | tail -1); [ -n "$LAST" ] && DR+=(--drafter speculators="$LAST")
+    [ -d $W/sf/export ] || python3 -m specforge.cli export --to sglang --checkpoint $W/sf/output --draft-config $W/sf/draft.json \
+      --output-dir $W/sf/export > "$OUT/specforge_export.log" 2>&1 && DR+=(--drafter specforge=$W/sf/export)
+    # speculators' default drafter has norm_before_residual, which SGLang 0.5.17 does not serve (the export refuses it)
+    LAST=$(ls -d $W/spec-out/[0-9]* 2>/dev/null | sort -V | tail -1)
+    [ -n "$LAST" ] && [ "${SERVE_SPECULATORS:-0}" = 1 ] && DR+=(--drafter speculators="$LAST")
     for t in ours specforge speculators; do [ -f "$OUT/train_$t.json" ] && DR+=(--meta "$t=$OUT/train_$t.json"); done
     timeout -k 20 "${BUDGET_S:-540}" python3 benchmarks/served_al.py $W/run --params params/tiny-h200.yaml "${DR[@]}" \
       --depths 3,5 --sets "held_out,mt_bench,humaneval,/tmp/data/gsm8k.jsonl" --per-set "${PER_SET:-10}" \

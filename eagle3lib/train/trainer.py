@@ -20,7 +20,7 @@ import json
 import math
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -471,6 +471,10 @@ def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
 
     torch.manual_seed(p.run.seed)
     cfg = DrafterConfig.from_target(tcfg, train_params.draft_vocab_size, aux_ids)
+    try:
+        cfg = replace(cfg, **dict.fromkeys(train_params.eagle31_norms, True))
+    except ValueError as e:
+        raise TrainingError(f"train.eagle31_norms: {e}") from e
     drafter = Drafter(cfg)
     drafter.set_vocab(d2t, t2d)
     if train_params.init_lm_head_from_target:

@@ -34,10 +34,15 @@ def warm_start(drafter: Drafter, folder, contract: dict) -> dict:
     own_contract = (folder / CONTRACT_FILE).is_file()
     given = None if own_contract else {k: contract[k] for k in TARGET_KEYS if k in contract}
     try:
-        _, tensors, theirs = formats.to_canonical(folder, given)
+        config, tensors, theirs = formats.to_canonical(folder, given)
     except ValueError as e:
         raise TrainingError(f"train.init_from: {e}") from e
     problems = []
+    if formats.read_variants(config) != drafter.cfg.variants:
+        problems.append(
+            f"its EAGLE-3.1 norms are {sorted(formats.read_variants(config)) or 'none'}, this run's "
+            f"(train.eagle31_norms) {sorted(drafter.cfg.variants) or 'none'}"
+        )
     if theirs.get("target_fingerprint") != contract.get("target_fingerprint"):
         problems.append(
             f"it was trained for target {theirs.get('target')!r} (fingerprint {theirs.get('target_fingerprint')}), "
