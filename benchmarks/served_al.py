@@ -14,7 +14,12 @@ changes their speed, not their acceptance; SGLang sizes its memory from the GPU'
 need --mem-fraction small enough for all). RUN_DIR needs a finished
 00_prepare (held-out prompts). Predicted AL: the target's states on each served reply (prompt + the engine's own
 tokens), the drafter's TTT evaluation (bench.predict, train.ttt_steps steps, extrapolated past them), per set.
-Rows: {trainer, config, depth, set, served_al, predicted_al, requests, completion_tokens} + --meta NAME=JSON.
+Offline AL, for every drafter that imports (served or not: SGLang 0.5.17 cannot serve norm_before_residual):
+our trainer's own evaluation (trainer.evaluate: TTT over the run's validation rows, estimated AL per depth), the
+one metric every trainer's drafter is measured by here. Servers run in the target's dtype (--dtype; SGLang 0.5.17
+feeds the target's states to the draft's fc uncast, so a draft in another dtype than the target fails).
+Rows: {trainer, config, depth, set, served_al, predicted_al, requests, completion_tokens} + --meta NAME=JSON, and
+set "val" rows with offline_al. OUT is rewritten after every step, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -62,38 +67,65 @@ def engine_args(extra_args: list[str], mem_fraction: float | None) -> list[str]:
 
 
 def prepare_drafters(drafters: dict[str, str], target_dir: str, cache, engine: str, work: Path) -> dict[str, dict]:
-    """{name: {canonical, export}}: each checkpoint imported against the target and exported for the engine."""
+    """{name: {source, canonical, export, error}}: each checkpoint imported against the target and exported for
+    the engine; what fails is recorded (a drafter the engine cannot serve keeps its offline figures)."""
     out = {}
     for name, src in drafters.items():
-        canonical = layouts.import_checkpoint(src, work / name / "canonical", target=target_dir, cache_dir=cache)
-        export = layouts.export(canonical, engine, work / name / engine, target=target_dir, cache_dir=cache)
-        out[name] = {"source": str(src), "canonical": str(canonical), "export": str(export)}
-        print(f"{name}: {src} -> {export}", flush=True)
+        info = out[name] = {"source": str(src), "canonical": None, "export": None, "error": None}
+        try:
+            info["canonical"] = str(layouts.import_checkpoint(src, work / name / "canonical", target=target_dir,
+                                                              cache_dir=cache))  # fmt: skip
+            info["export"] = str(layouts.export(info["canonical"], engine, work / name / engine, target=target_dir,
+                                                cache_dir=cache))  # fmt: skip
+        except (ValueError, FileNotFoundError) as e:
+            info["error"] = f"{type(e).__name__}: {e}"
+        print(f"{name}: {src} -> {info['export'] or info['error']}", flush=True)
     return out
 
 
+def offline_al(p, run_dir: Path, canonical: str, steps: int) -> dict:
+    """Our trainer's validation of a drafter (any trainer's, imported): {depth: estimated AL}, step_acc, cond_acc."""
+    from eagle3lib.train import trainer
+
+    setup, _ = trainer.build_setup(p, run_dir, p.target.device)
+    setup.drafter = load_drafter(Path(canonical), device=p.target.device)
+    summary = trainer.evaluate(setup, steps, steps, p.target.device)
+    return {
+        "accept_len_at": {int(d): v for d, v in summary["est_accept_len"].items()},
+        "step_acc": summary["step_acc"],
+        "cond_acc": summary["cond_acc"],
+        "positions": summary.get("positions"),
+    }
+
+
 def serve_all(
-    p, target_dir, drafters: dict, depths: list[int], prompts_by_set: dict, max_tokens: int, work: Path, parallel: int
-):
-    """{(name, depth): {set: measure_set's result}}, `parallel` servers at a time; ({...}, {(name, depth): error})."""
+    p, target_dir, drafters: dict, depths: list[int], prompts_by_set: dict, max_tokens: int, work: Path, parallel: int,
+    dtype: str | None, done=lambda results, errors: None,
+):  # fmt: skip
+    """{(name, depth): {set: measure_set's result}}, `parallel` servers at a time; ({...}, {(name, depth): error}).
+    done(results, errors) after each server."""
     results, errors = {}, {}
 
     def one(name: str, depth: int):
         try:
             (work / name / "logs").mkdir(parents=True, exist_ok=True)
-            server = engines.make(p.engine, target_dir, drafters[name]["export"], depth, work / name / "logs")
+            export = drafters[name]["export"]
+            server = engines.make(p.engine, target_dir, export, depth, work / name / "logs", dtype=dtype)
             with server:
                 by_set = {}
                 for set_name, prompts in prompts_by_set.items():
                     by_set[set_name] = sweep.measure_set(server, prompts, max_tokens, 1, {})
                 results[(name, depth)] = by_set
-            print(f"{name} depth {depth}: measured", flush=True)
+            spec = {s: sweep.spec_over(p.engine.name, m["parts"]).get("accept_len") for s, m in by_set.items()}
+            print(f"{name} depth {depth}: served AL {json.dumps(spec)}", flush=True)
         except Exception as e:  # one failing server must not hide the others' figures
             errors[(name, depth)] = f"{type(e).__name__}: {e}"
-            print(f"{name} depth {depth}: FAILED {errors[(name, depth)][:2000]}", flush=True)
+            print(f"{name} depth {depth}: FAILED {errors[(name, depth)][-3000:]}", flush=True)
+        done(results, errors)
 
+    servable = [(n, d) for n in drafters if drafters[n]["export"] for d in depths]
     with ThreadPoolExecutor(max_workers=parallel) as pool:
-        list(pool.map(lambda nd: one(*nd), [(n, d) for n in drafters for d in depths]))
+        list(pool.map(lambda nd: one(*nd), servable))
     return results, errors
 
 
@@ -114,12 +146,25 @@ def predicted_per_set(p, target_dir, cache, canonical: str, measured: dict, max_
     return {s: {int(d): v for d, v in summary["accept_len_at"].items()} for s, summary in per_set.items()}
 
 
-def rows_of(results: dict, predicted: dict, meta: dict) -> list[dict]:
-    """One row per trainer x depth x set, and each trainer x depth over all sets ('all')."""
+def rows_of(results: dict, predicted: dict, offline: dict, depths: list[int], meta: dict, engine: str) -> list[dict]:
+    """One row per trainer x depth x served set, and per trainer x depth the offline AL on validation (set 'val')."""
     rows = []
+    for name, figures in sorted(offline.items()):
+        for depth in depths:
+            rows.append(
+                {
+                    "trainer": name.split(":")[0],
+                    "config": name.split(":")[1] if ":" in name else "defaults",
+                    "depth": depth,
+                    "set": "val",
+                    "served_al": None,
+                    "offline_al": figures["accept_len_at"].get(depth),
+                    **meta.get(name, {}),
+                }
+            )
     for (name, depth), by_set in sorted(results.items()):
         for set_name, m in by_set.items():
-            spec = sweep.spec_over(m["engine"], m["parts"])
+            spec = sweep.spec_over(engine, m["parts"])
             rows.append(
                 {
                     "trainer": name.split(":")[0],
@@ -140,7 +185,8 @@ def mean_over_sets(rows: list[dict]) -> list[dict]:
     """Each trainer x config x depth: the mean of the sets' served and predicted AL (the issue's goal)."""
     groups = {}
     for r in rows:
-        groups.setdefault((r["trainer"], r["config"], r["depth"]), []).append(r)
+        if r["set"] != "val":
+            groups.setdefault((r["trainer"], r["config"], r["depth"]), []).append(r)
     out = []
     for (trainer, config, depth), group in sorted(groups.items()):
         served = [r["served_al"] for r in group if r["served_al"] is not None]
@@ -172,6 +218,8 @@ def main(argv=None) -> int:
     ap.add_argument("--parallel", type=int, default=1, help="servers at a time")
     ap.add_argument("--engine-flag", action="append", default=[], help="an extra engine flag (repeatable)")
     ap.add_argument("--no-predict", action="store_true", help="served AL only")
+    ap.add_argument("--offline-only", action="store_true", help="no engine: the offline AL of every drafter")
+    ap.add_argument("--dtype", default=None, help="the engine's dtype for target and drafter (default: target.dtype)")
     ap.add_argument("--work", type=Path, default=None, help="exports and logs (default: OUT's folder/served)")
     ap.add_argument("--out", type=Path, required=True)
     a = ap.parse_args(argv)
@@ -197,32 +245,49 @@ def main(argv=None) -> int:
 
     work = a.work or a.out.parent / "served"
     prepared = prepare_drafters(drafters, target_dir, cache, p.engine.name, work)
-    results, errors = serve_all(p, target_dir, prepared, depths, by_set, max_tokens, work, a.parallel)
-    for by in results.values():
-        for set_name, m in by.items():
-            m["prompts"], m["engine"] = by_set[set_name], p.engine.name
-    predicted = {}
-    if not a.no_predict:
-        for name, info in prepared.items():
-            deepest = max((d for n, d in results if n == name), default=None)
-            if deepest is not None:
-                predicted[name] = predicted_per_set(
-                    p, target_dir, cache, info["canonical"], results[(name, deepest)], max(depths)
-                )
-    rows = rows_of(results, predicted, meta)
     summary = {
-        "what": "served AL per set (batch size 1, greedy, top-k 1) and our offline predicted AL, same engine",
+        "what": "served AL per set (batch size 1, greedy, top-k 1), our offline predicted AL beside it, and every "
+        "drafter's AL by our trainer's validation (set 'val'), one engine",
         "engine": p.engine.name,
         "target": str(target_dir),
         "sets": {s: len(v) for s, v in by_set.items()},
         "max_tokens": max_tokens,
         "drafters": prepared,
-        "errors": {f"{n}@{d}": e for (n, d), e in errors.items()},
-        "means": mean_over_sets(rows),
-        "rows": rows,
     }
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(summary, indent=2, default=str))
+    results, errors, predicted, offline = {}, {}, {}, {}
+
+    def write():
+        rows = rows_of(results, predicted, offline, depths, meta, p.engine.name)
+        summary.update(errors={f"{n}@{d}": e for (n, d), e in errors.items()}, means=mean_over_sets(rows), rows=rows)
+        a.out.parent.mkdir(parents=True, exist_ok=True)
+        a.out.write_text(json.dumps(summary, indent=2, default=str))
+
+    for name, info in prepared.items():
+        if info["canonical"]:
+            offline[name] = offline_al(p, a.run_dir, info["canonical"], max(depths))
+            print(f"{name}: offline AL {json.dumps(offline[name]['accept_len_at'])}", flush=True)
+            write()
+    if not a.offline_only:
+
+        def done(r, e):
+            results.update(r)
+            errors.update(e)
+            write()
+
+        dtype = a.dtype or p.target.dtype
+        serve_all(p, target_dir, prepared, depths, by_set, max_tokens, work, a.parallel, dtype, done)
+        for by in results.values():
+            for set_name, m in by.items():
+                m["prompts"], m["engine"] = by_set[set_name], p.engine.name
+        if not a.no_predict and results:
+            reference = results[max(results)]  # greedy replies are the target's, whichever drafter served them
+            for name, info in prepared.items():
+                if info["canonical"]:
+                    own = max((d for n, d in results if n == name), default=None)
+                    measured = results[(name, own)] if own is not None else reference
+                    predicted[name] = predicted_per_set(p, target_dir, cache, info["canonical"], measured, max(depths))
+                    write()
+    write()
     for m in summary["means"]:
         print(json.dumps(m), flush=True)
     return 1 if errors else 0

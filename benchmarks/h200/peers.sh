@@ -17,6 +17,8 @@
 #   bash benchmarks/h200/peers.sh arrow1   carry $G/arrow-a;   bash benchmarks/h200/peers.sh arrow2   carry $G/arrow-b
 #   bash benchmarks/h200/peers.sh data     prepare (regeneration) + extract, then the peers' data formats
 #   bash benchmarks/h200/peers.sh ours | specforge | speculators   one trainer each: GPU time, peak memory
+#                                          (SpecForge's batch of 1 makes ~11 steps/s here: 4 epochs of 1,317 need a
+#                                          call of their own, TIMEOUT_S=560)
 #   bash benchmarks/h200/peers.sh serve    served AL of every trained drafter, summary.json into $OUT
 # ($G = benchmarks/h200/.cache/.gpu.) Results: $OUT (the device's folder that comes back).
 set -uo pipefail
@@ -107,7 +109,8 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
   specforge)
     ours_env; T=$(target_dir); export PYTHONPATH=/tmp/peer-site:/tmp/arrow-site:$PYTHONPATH HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
     rm -rf $W/sf; python3 benchmarks/peers.py specforge-setup "$T" $W/sf-data $W/sf --draft-vocab "$DRAFT_VOCAB" --epochs "$EPOCHS" || exit 6
-    python3 benchmarks/peers.py measure "$OUT/train_specforge.json" -- python3 -m specforge.cli train -c $W/sf/run.yaml \
+    python3 benchmarks/peers.py measure "$OUT/train_specforge.json" -- timeout -k 10 "${TIMEOUT_S:-560}" \
+      python3 -m specforge.cli train -c $W/sf/run.yaml \
       > "$OUT/train_specforge.log" 2>&1; rc=$?; tail -n 15 "$OUT/train_specforge.log"
     python3 -m specforge.cli export --to sglang --checkpoint $W/sf/output --draft-config $W/sf/draft.json --output-dir $W/sf/export \
       >> "$OUT/train_specforge.log" 2>&1 || { tail -n 15 "$OUT/train_specforge.log"; exit 7; }
@@ -125,9 +128,9 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     [ -d $W/sf/export ] && DR+=(--drafter specforge=$W/sf/export)
     [ -d $W/sf/export ] || python3 -m specforge.cli export --to sglang --checkpoint $W/sf/output --draft-config $W/sf/draft.json \
       --output-dir $W/sf/export > "$OUT/specforge_export.log" 2>&1 && DR+=(--drafter specforge=$W/sf/export)
-    # speculators' default drafter has norm_before_residual, which SGLang 0.5.17 does not serve (the export refuses it)
-    LAST=$(ls -d $W/spec-out/[0-9]* 2>/dev/null | sort -V | tail -1)
-    [ -n "$LAST" ] && [ "${SERVE_SPECULATORS:-0}" = 1 ] && DR+=(--drafter speculators="$LAST")
+    # speculators' default drafter has norm_before_residual, which SGLang 0.5.17 does not serve: served_al.py records
+    # the export's refusal and still measures its offline AL
+    LAST=$(ls -d $W/spec-out/[0-9]* 2>/dev/null | sort -V | tail -1); [ -n "$LAST" ] && DR+=(--drafter speculators="$LAST")
     for t in ours specforge speculators; do [ -f "$OUT/train_$t.json" ] && DR+=(--meta "$t=$OUT/train_$t.json"); done
     timeout -k 20 "${BUDGET_S:-540}" python3 benchmarks/served_al.py $W/run --params params/tiny-h200.yaml "${DR[@]}" \
       --depths 3,5 --sets "held_out,mt_bench,humaneval,/tmp/data/gsm8k.jsonl" --per-set "${PER_SET:-10}" \
