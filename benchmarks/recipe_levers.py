@@ -7,7 +7,8 @@ tokens it trained on and the validation's estimated acceptance length per depth 
     python benchmarks/recipe_levers.py --run-dir outputs/tiny --minutes 4 \
         --lever default \
         --lever 'ttt3:train.ttt_steps=3' \
-        --lever 'lr2e-3:train.lr=2e-3'
+        --lever 'lr2e-3:train.lr=2e-3' \
+        --lever 'norms:train.eagle31_norms=[norm_before_fc,norm_output]'
 
 Figures go to stdout and, one JSON line per lever, to --out.
 """
@@ -29,13 +30,27 @@ from eagle3lib.train import trainer  # noqa: E402
 
 
 def parse_lever(text: str) -> tuple[str, dict]:
-    """'name:key=value,key=value' (each as a command-line override) -> (name, overrides); 'name' alone = none."""
+    """'name:key=value,key=value' (each as a command-line override; a value may be a [list, of, items]) ->
+    (name, overrides); 'name' alone = none."""
     name, _, rest = text.partition(":")
-    return name, dict(parse_override(part) for part in filter(None, rest.split(",")))
+    parts, depth, current = [], 0, ""
+    for ch in rest:
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if ch == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += ch
+    return name, dict(parse_override(part) for part in filter(None, [*parts, current]))
 
 
-def run_lever(params_file: str, run_dir: Path, minutes: float, name: str, overrides: dict, seed: int) -> dict:
-    p = load_params(params_file, {**overrides, "train.max_minutes": minutes, "train.resume": False})
+def run_lever(
+    params_file: str, run_dir: Path, minutes: float, name: str, overrides: dict, seed: int, tokens: int | None = None
+) -> dict:
+    budget = (
+        {"train.max_minutes": minutes} if tokens is None else {"train.max_tokens": tokens, "train.max_minutes": 600}
+    )
+    p = load_params(params_file, {**overrides, **budget, "train.resume": False})
     setup, vocab_stats = trainer.build_setup(p, run_dir)
     with tempfile.TemporaryDirectory() as scratch:
         setup.out_dir = Path(scratch)
@@ -60,6 +75,7 @@ def main() -> None:
     ap.add_argument("--params", default=str(ROOT / "params" / "tiny.yaml"))
     ap.add_argument("--run-dir", required=True, help="a run folder whose 00_prepare and 01_extract finished")
     ap.add_argument("--minutes", type=float, default=4.0, help="training budget per lever")
+    ap.add_argument("--tokens", type=int, default=None, help="a token budget per lever instead of the minutes")
     ap.add_argument("--lever", action="append", required=True, help="name:key=value,... (repeatable)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="append one JSON line per lever here")
@@ -67,7 +83,7 @@ def main() -> None:
     print(f"{'lever':<24} {'tokens':>8} {'tok/s':>6} {'AL@1':>5} {'AL@2':>5} {'AL@3':>5} {'AL@5':>5}  cond_acc")
     for text in a.lever:
         name, overrides = parse_lever(text)
-        r = run_lever(a.params, Path(a.run_dir), a.minutes, name, overrides, a.seed)
+        r = run_lever(a.params, Path(a.run_dir), a.minutes, name, overrides, a.seed, a.tokens)
         al = r["est_accept_len"]
         print(
             f"{name:<24} {r['tokens']:>8} {r['train_tokens_per_s']:>6.0f} {al['1']:>5.2f} {al['2']:>5.2f} "

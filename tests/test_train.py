@@ -414,8 +414,12 @@ def test_init_layer_from_target_and_the_recipe_levers_script(tmp_path, small_tar
         "ttt3",
         {"train.ttt_steps": 3, "train.lr": 2e-3},
     )
+    assert levers.parse_lever("n:train.eagle31_norms=[norm_before_fc,norm_output],train.lr=1e-3") == (
+        "n",
+        {"train.eagle31_norms": ["norm_before_fc", "norm_output"], "train.lr": 1e-3},
+    )
     rows = [
-        levers.run_lever(params_file(tmp_path), run_dir, 1.0, name, overrides, seed=0)
+        levers.run_lever(params_file(tmp_path), run_dir, 1.0, name, overrides, seed=0, tokens=128 * 4)
         for name, overrides in (("default", {}), ("init", {"train.init_layer_from_target": True}))
     ]
     assert 0 < rows[0]["tokens"] == rows[1]["tokens"] <= 128 * 4  # same stream, same steps; rows may be short
