@@ -219,6 +219,7 @@ def main(argv=None) -> int:
     ap.add_argument("--engine-flag", action="append", default=[], help="an extra engine flag (repeatable)")
     ap.add_argument("--no-predict", action="store_true", help="served AL only")
     ap.add_argument("--offline-only", action="store_true", help="no engine: the offline AL of every drafter")
+    ap.add_argument("--no-offline", action="store_true", help="no offline AL (RUN_DIR then needs only 00_prepare)")
     ap.add_argument("--dtype", default=None, help="the engine's dtype for target and drafter (default: target.dtype)")
     ap.add_argument("--work", type=Path, default=None, help="exports and logs (default: OUT's folder/served)")
     ap.add_argument("--out", type=Path, required=True)
@@ -263,7 +264,7 @@ def main(argv=None) -> int:
         a.out.write_text(json.dumps(summary, indent=2, default=str))
 
     for name, info in prepared.items():
-        if info["canonical"]:
+        if info["canonical"] and not a.no_offline:
             offline[name] = offline_al(p, a.run_dir, info["canonical"], max(depths))
             print(f"{name}: offline AL {json.dumps(offline[name]['accept_len_at'])}", flush=True)
             write()

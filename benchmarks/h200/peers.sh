@@ -19,7 +19,12 @@
 #   bash benchmarks/h200/peers.sh ours | specforge | speculators   one trainer each: GPU time, peak memory
 #                                          (SpecForge's batch of 1 makes ~11 steps/s here: 4 epochs of 1,317 need a
 #                                          call of their own, TIMEOUT_S=560)
+#   bash benchmarks/h200/peers.sh offline  every drafter's AL by our trainer's validation (no engine), into $OUT
 #   bash benchmarks/h200/peers.sh serve    served AL of every trained drafter, summary.json into $OUT
+# Across sessions (a new machine starts bare): BRING="ours speculators" bash benchmarks/h200/peers.sh bring packs
+# those drafters (canonical, bf16, cut in 15 MB parts: 8 files of 16 MiB come back a call) and the held-out prompts
+# into $OUT; here, move them to $G/drafters; in the next session, after the stages, carry $G/drafters and run
+# `bash benchmarks/h200/peers.sh restore` before `serve` (which then serves the carried drafters).
 # ($G = benchmarks/h200/.cache/.gpu.) Results: $OUT (the device's folder that comes back).
 set -uo pipefail
 G=benchmarks/h200/.cache/.gpu; W=/tmp/peers; OUT=${OUT:-$PWD/h200-out}; mkdir -p "$OUT"
@@ -123,17 +128,50 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
       --verifier-name-or-path "$T" --data-path $W/spec-data --save-path $W/spec-out --on-missing raise \
       --draft-vocab-size "$DRAFT_VOCAB" --epochs "$EPOCHS" --train-data-ratio "$RATIO" \
       > "$OUT/train_speculators.log" 2>&1; rc=$?; tail -n 15 "$OUT/train_speculators.log"; exit $rc ;;
+  offline)
+    ours_env; DR=(--drafter ours=$W/run/02_train/drafter)
+    [ -d $W/sf/export ] && DR+=(--drafter specforge=$W/sf/export)
+    LAST=$(ls -d $W/spec-out/[0-9]* 2>/dev/null | sort -V | tail -1); [ -n "$LAST" ] && DR+=(--drafter speculators="$LAST")
+    python3 benchmarks/served_al.py $W/run --params params/tiny-h200.yaml "${DR[@]}" --depths 3,5 --offline-only \
+      --out "$OUT/offline.json" > "$OUT/offline.log" 2>&1; rc=$?; tail -n 8 "$OUT/offline.log"; exit $rc ;;
+  bring)
+    ours_env; T=$(target_dir); mkdir -p $W/bring
+    for name in ${BRING:-ours}; do
+      case $name in ours) SRC=$W/run/02_train/drafter ;; specforge) SRC=$W/sf/export ;;
+        speculators) SRC=$(ls -d $W/spec-out/[0-9]* | sort -V | tail -1) ;; esac
+      rm -rf "$W/bring/$name" && python3 -c "
+import sys, torch
+from pathlib import Path
+from safetensors.torch import load_file, save_file
+from eagle3lib.convert import layouts
+out = layouts.import_checkpoint(sys.argv[1], Path(sys.argv[2]), target=sys.argv[3])
+w = out / 'model.safetensors'
+save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in load_file(str(w)).items()}, str(w))" \
+        "$SRC" "$W/bring/$name" "$T" || exit 6
+      tar -C $W/bring -cf - "$name" | split -b 15000000 - "$OUT/drafter-$name.tar.part-" || exit 7
+    done
+    cp $W/run/00_prepare/bench.jsonl "$OUT/bench.jsonl"; ls -la "$OUT"; exit 0 ;;
+  restore)
+    mkdir -p $W/carried $W/run/00_prepare && cp $G/drafters/bench.jsonl $W/run/00_prepare/ || exit 3
+    for name in $(ls $G/drafters | sed -n 's/^drafter-\(.*\)\.tar\.part-aa$/\1/p'); do
+      cat $G/drafters/drafter-"$name".tar.part-* | tar -C $W/carried -xf - || exit 4
+    done
+    ls $W/carried; exit 0 ;;
   serve)
-    ours_env; export PYTHONPATH=$PYTHONPATH:/tmp/peer-site; DR=(--drafter ours=$W/run/02_train/drafter)
+    ours_env; export PYTHONPATH=$PYTHONPATH:/tmp/peer-site; DR=()
+    for d in $W/carried/*; do [ -d "$d" ] && DR+=(--drafter "$(basename "$d")=$d"); done
+    if [ ${#DR[@]} -gt 0 ]; then DR+=(--no-offline)  # carried drafters: their offline AL came from `offline`
+    else DR=(--drafter ours=$W/run/02_train/drafter)
     [ -d $W/sf/export ] && DR+=(--drafter specforge=$W/sf/export)
     [ -d $W/sf/export ] || python3 -m specforge.cli export --to sglang --checkpoint $W/sf/output --draft-config $W/sf/draft.json \
       --output-dir $W/sf/export > "$OUT/specforge_export.log" 2>&1 && DR+=(--drafter specforge=$W/sf/export)
     # speculators' default drafter has norm_before_residual, which SGLang 0.5.17 does not serve: served_al.py records
     # the export's refusal and still measures its offline AL
     LAST=$(ls -d $W/spec-out/[0-9]* 2>/dev/null | sort -V | tail -1); [ -n "$LAST" ] && DR+=(--drafter speculators="$LAST")
+    fi
     for t in ours specforge speculators; do [ -f "$OUT/train_$t.json" ] && DR+=(--meta "$t=$OUT/train_$t.json"); done
     timeout -k 20 "${BUDGET_S:-540}" python3 benchmarks/served_al.py $W/run --params params/tiny-h200.yaml "${DR[@]}" \
       --depths 3,5 --sets "held_out,mt_bench,humaneval,/tmp/data/gsm8k.jsonl" --per-set "${PER_SET:-10}" \
       --engine-flag=--disable-cuda-graph --out "$OUT/summary.json" > "$OUT/serve.log" 2>&1; rc=$?; tail -n 25 "$OUT/serve.log"; exit $rc ;;
-  *) sed -n 2,22p "$0"; exit 2 ;;
+  *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
