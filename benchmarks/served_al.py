@@ -235,13 +235,14 @@ def main(argv=None) -> int:
     p.engine.extra_args = engine_args(p.engine.extra_args, a.mem_fraction) + a.engine_flag
     cache = cache_dir(p)
     target_dir = target.resolve_target(p.target.name, cache)
-    tokenizer = target.load_tokenizer(target_dir, p.target.trust_remote_code)
-    held_out = load_bench_prompts(a.run_dir / "00_prepare" / "bench.jsonl")
-    prompts = [pr for pr in bench_steps.bench_prompts(p, tokenizer, held_out) if pr.get("turn", 1) == 1]
     by_set = {}
-    for pr in prompts:
-        by_set.setdefault(pr["set"], []).append(pr)
-    print({s: len(v) for s, v in by_set.items()}, flush=True)
+    if not a.offline_only:
+        tokenizer = target.load_tokenizer(target_dir, p.target.trust_remote_code)
+        held_out = load_bench_prompts(a.run_dir / "00_prepare" / "bench.jsonl")
+        for pr in bench_steps.bench_prompts(p, tokenizer, held_out):
+            if pr.get("turn", 1) == 1:
+                by_set.setdefault(pr["set"], []).append(pr)
+        print({s: len(v) for s, v in by_set.items()}, flush=True)
     max_tokens = a.max_tokens or p.bench.max_tokens
 
     work = a.work or a.out.parent / "served"

@@ -100,6 +100,34 @@ def test_specforge_inputs_follow_its_conventions(run, tmp_path):
     assert run_yaml["data"]["eval_hidden_states_path"].endswith("val")
 
 
+def test_offline_al_is_the_drafters_not_its_layouts(run, tmp_path):
+    """served_al.py --offline-only: our trainer's validation of each drafter, whatever layout it comes in; one
+    drafter as our checkpoint and as its speculators export gets the same AL, another drafter another."""
+    from eagle3lib.convert import layouts
+    from eagle3lib.params import load_params
+    from eagle3lib.train import trainer
+    from eagle3lib.train.checkpoint import save_drafter
+
+    run_dir, target_dir = run
+    params = str(run_dir.parent.parent / "params.yaml")
+    setup, _ = trainer.build_setup(load_params(params), run_dir)
+    folders = {}
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        with torch.no_grad():
+            for param in setup.drafter.parameters():
+                param.add_(torch.randn_like(param) * 0.5)
+        folders[seed] = save_drafter(setup.drafter, tmp_path / f"d{seed}", setup.contract)
+    spec = layouts.export(folders[1], "speculators", tmp_path / "d1-speculators", target=str(target_dir))
+    out = tmp_path / "offline.json"
+    argv = [str(run_dir), "--params", params, "--drafter", f"ours={folders[1]}", "--drafter", f"speculators={spec}",
+            "--drafter", f"other={folders[2]}", "--depths", "2,3", "--offline-only", "--out", str(out)]  # fmt: skip
+    assert served_al.main(argv) == 0
+    al = {(r["trainer"], r["depth"]): r["offline_al"] for r in json.loads(out.read_text())["rows"]}
+    assert al[("ours", 3)] == al[("speculators", 3)] and al[("ours", 2)] == al[("speculators", 2)]
+    assert al[("ours", 3)] != al[("other", 3)] and all(1.0 <= v <= 4.0 for v in al.values())
+
+
 def test_served_al_rows_and_means():
     assert served_al.named(["ours=/a", "specforge:our-hparams=/b"], "drafter") == {
         "ours": "/a",
