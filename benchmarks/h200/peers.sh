@@ -37,6 +37,15 @@ ours_env() {
 RUN_SET=(--set run.output_root=$W --set run.name=run --set "data.sources=[/tmp/data/sharegpt-7000.json.xz]"
          --set data.max_conversations="$CONV" --set data.regenerate.budget_tokens="$REGEN")
 target_dir() { python3 -c "from eagle3lib import target; print(target.embedded_target_dir(target.default_cache_dir()))"; }
+speculators_last() { ls -d $W/spec-out/[0-9]* 2>/dev/null | sort -V | tail -1; }  # its last epoch's checkpoint
+# DR: --drafter NAME=DIR of each drafter trained on this machine. speculators' default drafter has
+# norm_before_residual, which SGLang 0.5.17 does not serve: served_al.py records the export's refusal and still
+# measures its offline AL.
+trained_drafters() {
+  DR=(--drafter ours=$W/run/02_train/drafter)
+  [ -d $W/sf/export ] && DR+=(--drafter specforge=$W/sf/export)
+  local last; last=$(speculators_last); [ -n "$last" ] && DR+=(--drafter speculators="$last")
+}
 train_tokens() { python3 -c "import json; print(json.load(open('$W/run/01_extract/result.json'))['figures']['splits']['train']['total_tokens'])"; }
 
 case "${1:-}" in
@@ -129,16 +138,14 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
       --draft-vocab-size "$DRAFT_VOCAB" --epochs "$EPOCHS" --train-data-ratio "$RATIO" \
       > "$OUT/train_speculators.log" 2>&1; rc=$?; tail -n 15 "$OUT/train_speculators.log"; exit $rc ;;
   offline)
-    ours_env; DR=(--drafter ours=$W/run/02_train/drafter)
-    [ -d $W/sf/export ] && DR+=(--drafter specforge=$W/sf/export)
-    LAST=$(ls -d $W/spec-out/[0-9]* 2>/dev/null | sort -V | tail -1); [ -n "$LAST" ] && DR+=(--drafter speculators="$LAST")
+    ours_env; trained_drafters
     python3 benchmarks/served_al.py $W/run --params params/tiny-h200.yaml "${DR[@]}" --depths 3,5 --offline-only \
       --out "$OUT/offline.json" > "$OUT/offline.log" 2>&1; rc=$?; tail -n 8 "$OUT/offline.log"; exit $rc ;;
   bring)
     ours_env; T=$(target_dir); mkdir -p $W/bring
     for name in ${BRING:-ours}; do
       case $name in ours) SRC=$W/run/02_train/drafter ;; specforge) SRC=$W/sf/export ;;
-        speculators) SRC=$(ls -d $W/spec-out/[0-9]* | sort -V | tail -1) ;; esac
+        speculators) SRC=$(speculators_last) ;; esac
       rm -rf "$W/bring/$name" && python3 -c "
 import sys, torch
 from pathlib import Path
@@ -161,14 +168,7 @@ save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in load_file
     ours_env; export PYTHONPATH=$PYTHONPATH:/tmp/peer-site; DR=()
     for d in $W/carried/*; do [ -d "$d" ] && DR+=(--drafter "$(basename "$d")=$d"); done
     if [ ${#DR[@]} -gt 0 ]; then DR+=(--no-offline)  # carried drafters: their offline AL came from `offline`
-    else DR=(--drafter ours=$W/run/02_train/drafter)
-    [ -d $W/sf/export ] && DR+=(--drafter specforge=$W/sf/export)
-    [ -d $W/sf/export ] || python3 -m specforge.cli export --to sglang --checkpoint $W/sf/output --draft-config $W/sf/draft.json \
-      --output-dir $W/sf/export > "$OUT/specforge_export.log" 2>&1 && DR+=(--drafter specforge=$W/sf/export)
-    # speculators' default drafter has norm_before_residual, which SGLang 0.5.17 does not serve: served_al.py records
-    # the export's refusal and still measures its offline AL
-    LAST=$(ls -d $W/spec-out/[0-9]* 2>/dev/null | sort -V | tail -1); [ -n "$LAST" ] && DR+=(--drafter speculators="$LAST")
-    fi
+    else trained_drafters; fi
     for t in ours specforge speculators; do [ -f "$OUT/train_$t.json" ] && DR+=(--meta "$t=$OUT/train_$t.json"); done
     timeout -k 20 "${BUDGET_S:-540}" python3 benchmarks/served_al.py $W/run --params params/tiny-h200.yaml "${DR[@]}" \
       --depths 3,5 --sets "held_out,mt_bench,humaneval,/tmp/data/gsm8k.jsonl" --per-set "${PER_SET:-10}" \
