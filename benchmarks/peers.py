@@ -7,8 +7,11 @@
     python benchmarks/peers.py speculators-train <speculators train flags>
         speculators 0.9.0's own entry point (TrainConfig.resolve -> main), with the torch-2.11 autotuner fix that
         speculators_throughput.py applies (same kernels, configs and maths)
+        (--recipe KEY=VALUE replaces one of the recipe's training keys, e.g. learning_rate=1e-3)
     python benchmarks/peers.py measure OUT.json -- COMMAND...
-        runs COMMAND, polling the GPU's memory in use every 0.25 s: {command, rc, wall_s, peak_gib} in OUT.json
+        runs COMMAND, polling every 0.25 s the GPU memory its processes hold (nvidia-smi's compute apps whose pid
+        is COMMAND or one of its descendants, so that trainers running side by side are told apart):
+        {command, rc, wall_s, peak_gib} in OUT.json
 
 Nothing of the peers is copied here: they are installed from their wheels (--no-deps, their own folders) and
 these only write their inputs and call them.
@@ -112,6 +115,7 @@ def specforge_setup(argv: list[str]) -> int:
     ap.add_argument("--draft-vocab", type=int, required=True)
     ap.add_argument("--epochs", type=int, required=True)
     ap.add_argument("--max-length", type=int, default=2048)
+    ap.add_argument("--recipe", action="append", default=[], help="KEY=VALUE over the recipe's training keys")
     a = ap.parse_args(argv)
     source = json.loads((a.features / "source.json").read_text())
     aux = source["contract"]["aux_layer_ids"]
@@ -120,6 +124,11 @@ def specforge_setup(argv: list[str]) -> int:
     (a.work / "draft.json").write_text(json.dumps(specforge_draft_config(target_config, a.draft_vocab, aux), indent=2))
     lm_head_key = "model.embed_tokens.weight" if target_config.get("tie_word_embeddings") else "lm_head.weight"
     run = specforge_run_config(a.work, a.features, a.epochs, lm_head_key, a.max_length)
+    for item in a.recipe:
+        key, sep, value = item.partition("=")
+        if not sep or key not in SPECFORGE_RECIPE:
+            raise SystemExit(f"--recipe {item!r}: expected KEY=VALUE with KEY one of {sorted(SPECFORGE_RECIPE)}")
+        run["training"][key] = yaml.safe_load(value)
     (a.work / "run.yaml").write_text(yaml.safe_dump(run, sort_keys=False))
     print(shlex.join(["specforge", "train", "-c", str(a.work / "run.yaml")]))
     return 0
@@ -137,31 +146,58 @@ def speculators_train(argv: list[str]) -> int:
     return 0
 
 
-def gpu_memory_gib() -> float:
-    """Memory in use on the GPUs (nvidia-smi), summed, in GiB."""
-    out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True, text=True
-    ).stdout
-    return sum(float(x) for x in out.split()) / 1024
+def process_tree(pid: int) -> set[int]:
+    """pid and its descendants, from /proc (the trainers' data workers and spawned ranks hold GPU memory too)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    tree, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        tree.add(p)
+        todo.extend(children.get(p, []))
+    return tree
+
+
+def nvidia_smi(query: str) -> list[list[str]]:
+    out = subprocess.run(["nvidia-smi", query, "--format=csv,noheader,nounits"], capture_output=True, text=True)
+    return [[f.strip() for f in line.split(",")] for line in out.stdout.strip().splitlines() if line.strip()]
+
+
+def gpu_memory_gib(pids: set[int]) -> tuple[float, float]:
+    """(GPU memory held by these processes (nvidia-smi's compute apps), memory in use on all GPUs), in GiB.
+    The first is 0 where nvidia-smi reports pids of another namespace than ours."""
+    mine = sum(float(mib) for pid, mib in nvidia_smi("--query-compute-apps=pid,used_memory") if int(pid) in pids)
+    total = sum(float(mib) for (mib,) in nvidia_smi("--query-gpu=memory.used"))
+    return mine / 1024, total / 1024
 
 
 def measure(argv: list[str]) -> int:
     out, command = Path(argv[0]), argv[argv.index("--") + 1 :]
-    base, peak, done = gpu_memory_gib(), [0.0], threading.Event()
+    base = gpu_memory_gib(set())[1]
+    peak, done = [0.0, 0.0], threading.Event()
+    t0 = time.perf_counter()
+    child = subprocess.Popen(command)
 
     def poll():
         while not done.wait(0.25):
-            peak[0] = max(peak[0], gpu_memory_gib())
+            mine, total = gpu_memory_gib(process_tree(child.pid))
+            peak[:] = max(peak[0], mine), max(peak[1], total - base)
 
     thread = threading.Thread(target=poll, daemon=True)
     thread.start()
-    t0 = time.perf_counter()
-    rc = subprocess.call(command)
+    rc = child.wait()
     wall = time.perf_counter() - t0
     done.set()
     thread.join()
-    record = {"command": shlex.join(command), "rc": rc, "wall_s": round(wall, 1),
-              "peak_gib": round(peak[0] - base, 2), "gpu_memory_before_gib": round(base, 2)}  # fmt: skip
+    # peak_gib: this command's processes; gpu_peak_gib: the whole GPU over its memory at the start (the same
+    # figure when the command runs alone)
+    record = {"command": shlex.join(command), "rc": rc, "wall_s": round(wall, 1), "peak_gib": round(peak[0], 2),
+              "gpu_peak_gib": round(peak[1], 2)}  # fmt: skip
     out.write_text(json.dumps(record, indent=2))
     print(json.dumps(record), flush=True)
     return rc

@@ -16,9 +16,15 @@
 #   where stage1 says the image lacks pyarrow/pandas (their wheels are 67 MB, cut in two):
 #   bash benchmarks/h200/peers.sh arrow1   carry $G/arrow-a;   bash benchmarks/h200/peers.sh arrow2   carry $G/arrow-b
 #   bash benchmarks/h200/peers.sh data     prepare (regeneration) + extract, then the peers' data formats
-#   bash benchmarks/h200/peers.sh ours | specforge | speculators   one trainer each: GPU time, peak memory
-#                                          (SpecForge's batch of 1 makes ~11 steps/s here: 4 epochs of 1,317 need a
-#                                          call of their own, TIMEOUT_S=560)
+#   bash benchmarks/h200/peers.sh ours|specforge|speculators [CONFIG]   one trainer, one configuration (below):
+#                                          GPU time, peak memory, into $OUT/train_TRAINER-CONFIG.json
+#   bash benchmarks/h200/peers.sh launch   every trainer x configuration at once, in the background (setsid: they
+#                                          outlive the call; the GPU is mostly idle under one of them), into $W/out
+#   bash benchmarks/h200/peers.sh wait     until those finish (WAIT_S at most), then their records into $OUT
+#   Configurations: ours: defaults (params/tiny-h200.yaml), rows2, rows1, rows1-init (the levers: optimizer steps,
+#   the early-exit start); speculators: defaults, sglang (its defaults less norm_before_residual, which SGLang
+#   0.5.17 ignores), our-hparams; specforge: defaults, our-hparams (our lr, TTT length, warmup, tokens a step).
+#   (SpecForge's batch of 1 makes ~11 steps/s alone: 4 epochs of 1,317 take ~480 s.)
 #   bash benchmarks/h200/peers.sh offline  every drafter's AL by our trainer's validation (no engine), into $OUT
 #   bash benchmarks/h200/peers.sh serve    served AL of every trained drafter, summary.json into $OUT
 # Across sessions (a new machine starts bare): BRING="ours speculators" bash benchmarks/h200/peers.sh bring packs
@@ -37,14 +43,15 @@ ours_env() {
 RUN_SET=(--set run.output_root=$W --set run.name=run --set "data.sources=[/tmp/data/sharegpt-7000.json.xz]"
          --set data.max_conversations="$CONV" --set data.regenerate.budget_tokens="$REGEN")
 target_dir() { python3 -c "from eagle3lib import target; print(target.embedded_target_dir(target.default_cache_dir()))"; }
-speculators_last() { ls -d $W/spec-out/[0-9]* 2>/dev/null | sort -V | tail -1; }  # its last epoch's checkpoint
-# DR: --drafter NAME=DIR of each drafter trained on this machine. speculators' default drafter has
+speculators_last() { ls -d "$1"/[0-9]* 2>/dev/null | sort -V | tail -1; }  # its last epoch's checkpoint
+# DR: --drafter TRAINER:CONFIG=DIR of each drafter trained on this machine. speculators' default drafter has
 # norm_before_residual, which SGLang 0.5.17 does not serve: served_al.py records the export's refusal and still
 # measures its offline AL.
 trained_drafters() {
-  DR=(--drafter ours=$W/run/02_train/drafter)
-  [ -d $W/sf/export ] && DR+=(--drafter specforge=$W/sf/export)
-  local last; last=$(speculators_last); [ -n "$last" ] && DR+=(--drafter speculators="$last")
+  DR=(); local d last
+  for d in $W/ours-*/02_train/drafter; do [ -d "$d" ] && DR+=(--drafter "ours:$(basename "$(dirname "$(dirname "$d")")" | sed 's/^ours-//')=$d"); done
+  for d in $W/sf-*/export; do [ -d "$d" ] && DR+=(--drafter "specforge:$(basename "$(dirname "$d")" | sed 's/^sf-//')=$d"); done
+  for d in $W/spec-out-*; do last=$(speculators_last "$d"); [ -n "$last" ] && DR+=(--drafter "speculators:${d#$W/spec-out-}=$last"); done
 }
 train_tokens() { python3 -c "import json; print(json.load(open('$W/run/01_extract/result.json'))['figures']['splits']['train']['total_tokens'])"; }
 
@@ -107,7 +114,10 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     exit 0 ;;
   data)
     ours_env
+    # no CUDA graphs for the regeneration server: it starts in ~50 s instead of ~150, and its batches of 256 are
+    # past the graphs' 8 anyway
     timeout -k 20 "${BUDGET_S:-540}" python3 -m eagle3lib run params/tiny-h200.yaml --to extract "${RUN_SET[@]}" \
+      --set 'engine.extra_args=[--attention-backend,triton,--sampling-backend,pytorch,--mem-fraction-static,"0.3",--context-length,"2048",--disable-cuda-graph]' \
       > "$OUT/data.log" 2>&1; rc=$?; tail -n 20 "$OUT/data.log"; [ $rc = 0 ] || exit $rc
     T=$(target_dir); rm -rf $W/sf-data $W/spec-data
     PYTHONPATH=$PYTHONPATH:/tmp/peer-site:/tmp/arrow-site python3 benchmarks/peer_data.py specforge $W/run/01_extract $W/sf-data || exit 7
@@ -115,37 +125,76 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     cp $W/run/00_prepare/result.json "$OUT/00_prepare_result.json"; cp $W/run/01_extract/result.json "$OUT/01_extract_result.json"
     exit 0 ;;
   ours)
-    ours_env; TOK=$(train_tokens) || exit 6
-    python3 benchmarks/peers.py measure "$OUT/train_ours.json" -- python3 -m eagle3lib run params/tiny-h200.yaml --only train \
-      "${RUN_SET[@]}" --set train.max_tokens=$((EPOCHS * TOK)) --set train.max_minutes=60 --set train.draft_vocab_size="$DRAFT_VOCAB" \
-      > "$OUT/train_ours.log" 2>&1; rc=$?; tail -n 8 "$OUT/train_ours.log"
-    cp $W/run/02_train/result.json "$OUT/02_train_result.json" 2>/dev/null; exit $rc ;;
+    ours_env; TOK=$(train_tokens) || exit 6; CFG=${2:-defaults}; R=$W/ours-$CFG
+    case $CFG in defaults) X=() ;; rows2) X=(--set train.batch_rows=2) ;; rows1) X=(--set train.batch_rows=1) ;;
+      rows1-init) X=(--set train.batch_rows=1 --set train.init_layer_from_target=true) ;;
+      *) echo "ours: unknown configuration $CFG"; exit 2 ;; esac
+    rm -rf "$R" && mkdir -p "$R" && ln -s $W/run/00_prepare $W/run/01_extract "$R"/ || exit 6
+    python3 benchmarks/peers.py measure "$OUT/train_ours-$CFG.json" -- python3 -m eagle3lib run params/tiny-h200.yaml \
+      --only train "${RUN_SET[@]}" --set run.name=ours-$CFG --set train.max_tokens=$((EPOCHS * TOK)) \
+      --set train.max_minutes=60 --set train.draft_vocab_size="$DRAFT_VOCAB" "${X[@]}" \
+      > "$OUT/train_ours-$CFG.log" 2>&1; rc=$?; tail -n 8 "$OUT/train_ours-$CFG.log"
+    cp "$R"/02_train/result.json "$OUT/02_train_result-$CFG.json" 2>/dev/null; exit $rc ;;
   specforge)
     ours_env; T=$(target_dir); export PYTHONPATH=/tmp/peer-site:/tmp/arrow-site:$PYTHONPATH HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-    rm -rf $W/sf; python3 benchmarks/peers.py specforge-setup "$T" $W/sf-data $W/sf --draft-vocab "$DRAFT_VOCAB" --epochs "$EPOCHS" || exit 6
-    python3 benchmarks/peers.py measure "$OUT/train_specforge.json" -- timeout -k 10 "${TIMEOUT_S:-560}" \
-      python3 -m specforge.cli train -c $W/sf/run.yaml \
-      > "$OUT/train_specforge.log" 2>&1; rc=$?; tail -n 15 "$OUT/train_specforge.log"
-    python3 -m specforge.cli export --to sglang --checkpoint $W/sf/output --draft-config $W/sf/draft.json --output-dir $W/sf/export \
-      >> "$OUT/train_specforge.log" 2>&1 || { tail -n 15 "$OUT/train_specforge.log"; exit 7; }
+    CFG=${2:-defaults}; S=$W/sf-$CFG
+    case $CFG in defaults) X=() ;;
+      # ours: lr 1e-3, TTT 5, ~16k tokens a step (4 rows of 4,096: ~32 of these sequences), 50 of ~160 steps warmup
+      our-hparams) X=(--recipe learning_rate=1e-3 --recipe ttt_length=5 --recipe batch_size=32 --recipe warmup_ratio=0.3) ;;
+      *) echo "specforge: unknown configuration $CFG"; exit 2 ;; esac
+    rm -rf "$S"; python3 benchmarks/peers.py specforge-setup "$T" $W/sf-data "$S" --draft-vocab "$DRAFT_VOCAB" --epochs "$EPOCHS" \
+      "${X[@]}" || exit 6
+    python3 benchmarks/peers.py measure "$OUT/train_specforge-$CFG.json" -- timeout -k 10 "${TIMEOUT_S:-1500}" \
+      python3 -m specforge.cli train -c "$S"/run.yaml \
+      > "$OUT/train_specforge-$CFG.log" 2>&1; rc=$?; tail -n 15 "$OUT/train_specforge-$CFG.log"
+    python3 -m specforge.cli export --to sglang --checkpoint "$S"/output --draft-config "$S"/draft.json --output-dir "$S"/export \
+      >> "$OUT/train_specforge-$CFG.log" 2>&1 || { tail -n 15 "$OUT/train_specforge-$CFG.log"; exit 7; }
     exit $rc ;;
   speculators)
     ours_env; T=$(target_dir); export PYTHONPATH=/tmp/peer-site:/tmp/arrow-site:$PYTHONPATH
+    CFG=${2:-defaults}; S=$W/spec-out-$CFG
+    case $CFG in defaults) X=() ;; sglang) X=(--no-norm-before-residual) ;;
+      our-hparams) X=(--optimizer adamw --lr 1e-3 --ttt-steps 5 --ttt-step-loss-decay 0.8 --scheduler-type cosine
+                      --scheduler-warmup-steps 50 --total-seq-len 16384 --no-norm-before-residual --no-norm-before-fc
+                      --no-norm-output) ;;
+      *) echo "speculators: unknown configuration $CFG"; exit 2 ;; esac
     RATIO=$(python3 -c "import json; print(json.load(open('$W/spec-data/source.json'))['train_data_ratio'])")
-    rm -rf $W/spec-out
-    python3 benchmarks/peers.py measure "$OUT/train_speculators.json" -- python3 benchmarks/peers.py speculators-train \
-      --verifier-name-or-path "$T" --data-path $W/spec-data --save-path $W/spec-out --on-missing raise \
-      --draft-vocab-size "$DRAFT_VOCAB" --epochs "$EPOCHS" --train-data-ratio "$RATIO" \
-      > "$OUT/train_speculators.log" 2>&1; rc=$?; tail -n 15 "$OUT/train_speculators.log"; exit $rc ;;
+    rm -rf "$S"
+    python3 benchmarks/peers.py measure "$OUT/train_speculators-$CFG.json" -- python3 benchmarks/peers.py speculators-train \
+      --verifier-name-or-path "$T" --data-path $W/spec-data --save-path "$S" --on-missing raise \
+      --draft-vocab-size "$DRAFT_VOCAB" --epochs "$EPOCHS" --train-data-ratio "$RATIO" "${X[@]}" \
+      > "$OUT/train_speculators-$CFG.log" 2>&1; rc=$?; tail -n 15 "$OUT/train_speculators-$CFG.log"; exit $rc ;;
+  launch)
+    mkdir -p $W/out $W/jobs; rm -f $W/jobs/*
+    for job in ${JOBS:-specforge:defaults specforge:our-hparams speculators:defaults speculators:sglang \
+               speculators:our-hparams ours:defaults ours:rows2 ours:rows1 ours:rows1-init}; do
+      J=$W/jobs/${job/:/-}; touch "$J.job"
+      # a new session, so that the job outlives this call; it writes its exit status when it ends
+      setsid -f bash -c 'OUT="$1" bash "$2" "$3" "$4" > "$5.log" 2>&1 < /dev/null; echo "rc $?" > "$5.done"' \
+        _ "$W/out" "$0" "${job%%:*}" "${job#*:}" "$J"
+      echo "launched $job"; sleep 2
+    done; exit 0 ;;
+  wait)
+    t0=$(date +%s)
+    while :; do
+      left=$(for f in $W/jobs/*.job; do [ -f "${f%.job}.done" ] || basename "$f" .job; done)
+      [ -z "$left" ] && break
+      [ $(( $(date +%s) - t0 )) -ge "${WAIT_S:-540}" ] && { echo "still running: $left"; break; }
+      sleep 10
+    done
+    for f in $W/jobs/*.done; do echo "$(basename "$f" .done): $(cat "$f")"; done
+    nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
+    cp $W/out/*.json "$OUT"/ 2>/dev/null; tar -C $W/out -czf "$OUT/train-logs.tgz" . ; exit 0 ;;
   offline)
     ours_env; trained_drafters
     python3 benchmarks/served_al.py $W/run --params params/tiny-h200.yaml "${DR[@]}" --depths 3,5 --offline-only \
       --out "$OUT/offline.json" > "$OUT/offline.log" 2>&1; rc=$?; tail -n 8 "$OUT/offline.log"; exit $rc ;;
   bring)
     ours_env; T=$(target_dir); mkdir -p $W/bring
-    for name in ${BRING:-ours}; do
-      case $name in ours) SRC=$W/run/02_train/drafter ;; specforge) SRC=$W/sf/export ;;
-        speculators) SRC=$(speculators_last) ;; esac
+    for name in ${BRING:-ours:defaults}; do
+      trainer=${name%%:*}; cfg=${name#*:}
+      case $trainer in ours) SRC=$W/ours-$cfg/02_train/drafter ;; specforge) SRC=$W/sf-$cfg/export ;;
+        speculators) SRC=$(speculators_last "$W/spec-out-$cfg") ;; *) echo "bring: unknown $name"; exit 2 ;; esac
       rm -rf "$W/bring/$name" && python3 -c "
 import sys, torch
 from pathlib import Path
@@ -155,13 +204,13 @@ out = layouts.import_checkpoint(sys.argv[1], Path(sys.argv[2]), target=sys.argv[
 w = out / 'model.safetensors'
 save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in load_file(str(w)).items()}, str(w))" \
         "$SRC" "$W/bring/$name" "$T" || exit 6
-      tar -C $W/bring -cf - "$name" | split -b 15000000 - "$OUT/drafter-$name.tar.part-" || exit 7
+      tar -C $W/bring -cf - "$name" | split -b 15000000 - "$OUT/drafter-${name/:/-}.tar.part-" || exit 7
     done
     cp $W/run/00_prepare/bench.jsonl "$OUT/bench.jsonl"; ls -la "$OUT"; exit 0 ;;
   restore)
     mkdir -p $W/carried $W/run/00_prepare && cp $G/drafters/bench.jsonl $W/run/00_prepare/ || exit 3
-    for name in $(ls $G/drafters | sed -n 's/^drafter-\(.*\)\.tar\.part-aa$/\1/p'); do
-      cat $G/drafters/drafter-"$name".tar.part-* | tar -C $W/carried -xf - || exit 4
+    for part in $G/drafters/drafter-*.tar.part-aa; do
+      cat "${part%aa}"* | tar -C $W/carried -xf - || exit 4
     done
     ls $W/carried; exit 0 ;;
   serve)
@@ -169,9 +218,9 @@ save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in load_file
     for d in $W/carried/*; do [ -d "$d" ] && DR+=(--drafter "$(basename "$d")=$d"); done
     if [ ${#DR[@]} -gt 0 ]; then DR+=(--no-offline)  # carried drafters: their offline AL came from `offline`
     else trained_drafters; fi
-    for t in ours specforge speculators; do [ -f "$OUT/train_$t.json" ] && DR+=(--meta "$t=$OUT/train_$t.json"); done
+    for f in $W/out/train_*.json; do [ -f "$f" ] && n=$(basename "$f" .json) && n=${n#train_} && DR+=(--meta "${n/-/:}=$f"); done
     timeout -k 20 "${BUDGET_S:-540}" python3 benchmarks/served_al.py $W/run --params params/tiny-h200.yaml "${DR[@]}" \
       --depths 3,5 --sets "held_out,mt_bench,humaneval,/tmp/data/gsm8k.jsonl" --per-set "${PER_SET:-10}" \
-      --engine-flag=--disable-cuda-graph --out "$OUT/summary.json" > "$OUT/serve.log" 2>&1; rc=$?; tail -n 25 "$OUT/serve.log"; exit $rc ;;
+      --parallel "${PARALLEL:-8}" --mem-fraction 0.1 --engine-flag=--disable-cuda-graph --out "$OUT/summary.json" > "$OUT/serve.log" 2>&1; rc=$?; tail -n 25 "$OUT/serve.log"; exit $rc ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
