@@ -89,6 +89,8 @@ def offline_al(p, run_dir: Path, canonical: str, steps: int) -> dict:
 
     setup, _ = trainer.build_setup(p, run_dir, p.target.device)
     setup.drafter = load_drafter(Path(canonical), device=p.target.device)
+    # build_setup leaves the target's embedding and head on the host; train() moves them to its device, as here
+    setup.embed, setup.head = setup.embed.to(p.target.device), setup.head.to(p.target.device)
     summary = trainer.evaluate(setup, steps, steps, p.target.device)
     return {
         "accept_len_at": {int(d): v for d, v in summary["est_accept_len"].items()},
@@ -126,6 +128,13 @@ def serve_all(
     servable = [(n, d) for n in drafters if drafters[n]["export"] for d in depths]
     with ThreadPoolExecutor(max_workers=parallel) as pool:
         list(pool.map(lambda nd: one(*nd), servable))
+    # Servers started side by side can fail where one alone starts (SGLang sizes its KV cache from the memory free
+    # while the others load: "Loaded weights leave no GPU memory"): each failed one once more, alone.
+    if parallel > 1:
+        for name, depth in [nd for nd in servable if nd in errors]:
+            print(f"{name} depth {depth}: once more, alone", flush=True)
+            del errors[(name, depth)]
+            one(name, depth)
     return results, errors
 
 

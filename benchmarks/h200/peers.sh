@@ -21,8 +21,8 @@
 #   bash benchmarks/h200/peers.sh launch   every trainer x configuration at once, in the background (setsid: they
 #                                          outlive the call; the GPU is mostly idle under one of them), into $W/out
 #   bash benchmarks/h200/peers.sh wait     until those finish (WAIT_S at most), then their records into $OUT
-#   Configurations: ours: defaults (params/tiny-h200.yaml), rows2, rows1, rows1-init (the levers: optimizer steps,
-#   the early-exit start); speculators: defaults, sglang (its defaults less norm_before_residual, which SGLang
+#   Configurations: ours: defaults (params/tiny-h200.yaml), rows4-scratch (the defaults before issue 31), rows2-scratch,
+#   rows1-scratch (the levers: optimizer steps, the early-exit start); speculators: defaults, sglang (its defaults less norm_before_residual, which SGLang
 #   0.5.17 ignores), our-hparams; specforge: defaults, our-hparams (our lr, TTT length, warmup, tokens a step).
 #   (SpecForge's batch of 1 makes ~11 steps/s alone: 4 epochs of 1,317 take ~480 s.)
 #   bash benchmarks/h200/peers.sh offline  every drafter's AL by our trainer's validation (no engine), into $OUT
@@ -48,10 +48,14 @@ speculators_last() { ls -d "$1"/[0-9]* 2>/dev/null | sort -V | tail -1; }  # its
 # norm_before_residual, which SGLang 0.5.17 does not serve: served_al.py records the export's refusal and still
 # measures its offline AL.
 trained_drafters() {
-  DR=(); local d last
-  for d in $W/ours-*/02_train/drafter; do [ -d "$d" ] && DR+=(--drafter "ours:$(basename "$(dirname "$(dirname "$d")")" | sed 's/^ours-//')=$d"); done
-  for d in $W/sf-*/export; do [ -d "$d" ] && DR+=(--drafter "specforge:$(basename "$(dirname "$d")" | sed 's/^sf-//')=$d"); done
-  for d in $W/spec-out-*; do last=$(speculators_last "$d"); [ -n "$last" ] && DR+=(--drafter "speculators:${d#$W/spec-out-}=$last"); done
+  DR=(); local d last name
+  add() {  # a job launched and not finished is left out: its checkpoint is an earlier epoch's
+    if [ -f "$W/jobs/${1/:/-}.job" ] && [ ! -f "$W/jobs/${1/:/-}.done" ]; then echo "still training, left out: $1" >&2
+    else DR+=(--drafter "$1=$2"); fi
+  }
+  for d in $W/ours-*/02_train/drafter; do [ -d "$d" ] && name=${d#$W/ours-} && add "ours:${name%%/*}" "$d"; done
+  for d in $W/sf-*/export; do [ -d "$d" ] && name=${d#$W/sf-} && add "specforge:${name%%/*}" "$d"; done
+  for d in $W/spec-out-*; do last=$(speculators_last "$d"); [ -n "$last" ] && add "speculators:${d#$W/spec-out-}" "$last"; done
 }
 train_tokens() { python3 -c "import json; print(json.load(open('$W/run/01_extract/result.json'))['figures']['splits']['train']['total_tokens'])"; }
 
@@ -126,8 +130,11 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     exit 0 ;;
   ours)
     ours_env; TOK=$(train_tokens) || exit 6; CFG=${2:-defaults}; R=$W/ours-$CFG
-    case $CFG in defaults) X=() ;; rows2) X=(--set train.batch_rows=2) ;; rows1) X=(--set train.batch_rows=1) ;;
-      rows1-init) X=(--set train.batch_rows=1 --set train.init_layer_from_target=true) ;;
+    # defaults: params/tiny-h200.yaml (1 row of 4,096 a step, the early-exit start); the others are the levers
+    # that chose it, from the pilot's defaults (4 rows a step, from scratch)
+    S0=(--set train.init_layer_from_target=false)
+    case $CFG in defaults) X=() ;; rows4-scratch) X=(--set train.batch_rows=4 "${S0[@]}") ;;
+      rows2-scratch) X=(--set train.batch_rows=2 "${S0[@]}") ;; rows1-scratch) X=(--set train.batch_rows=1 "${S0[@]}") ;;
       *) echo "ours: unknown configuration $CFG"; exit 2 ;; esac
     rm -rf "$R" && mkdir -p "$R" && ln -s $W/run/00_prepare $W/run/01_extract "$R"/ || exit 6
     python3 benchmarks/peers.py measure "$OUT/train_ours-$CFG.json" -- python3 -m eagle3lib run params/tiny-h200.yaml \
@@ -167,7 +174,7 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
   launch)
     mkdir -p $W/out $W/jobs; rm -f $W/jobs/*
     for job in ${JOBS:-specforge:defaults specforge:our-hparams speculators:defaults speculators:sglang \
-               speculators:our-hparams ours:defaults ours:rows2 ours:rows1 ours:rows1-init}; do
+               speculators:our-hparams ours:defaults ours:rows4-scratch ours:rows2-scratch ours:rows1-scratch}; do
       J=$W/jobs/${job/:/-}; touch "$J.job"
       # a new session, so that the job outlives this call; it writes its exit status when it ends
       setsid -f bash -c 'OUT="$1" bash "$2" "$3" "$4" > "$5.log" 2>&1 < /dev/null; echo "rc $?" > "$5.done"' \
@@ -184,7 +191,8 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     done
     for f in $W/jobs/*.done; do echo "$(basename "$f" .done): $(cat "$f")"; done
     nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader
-    cp $W/out/*.json "$OUT"/ 2>/dev/null; tar -C $W/out -czf "$OUT/train-logs.tgz" . ; exit 0 ;;
+    # one archive: a call brings back at most 8 files
+    tar -C $W -czf "$OUT/train-records.tgz" out jobs run/00_prepare/result.json run/01_extract/result.json; exit 0 ;;
   offline)
     ours_env; trained_drafters
     python3 benchmarks/served_al.py $W/run --params params/tiny-h200.yaml "${DR[@]}" --depths 3,5 --offline-only \
@@ -221,6 +229,6 @@ save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in load_file
     for f in $W/out/train_*.json; do [ -f "$f" ] && n=$(basename "$f" .json) && n=${n#train_} && DR+=(--meta "${n/-/:}=$f"); done
     timeout -k 20 "${BUDGET_S:-540}" python3 benchmarks/served_al.py $W/run --params params/tiny-h200.yaml "${DR[@]}" \
       --depths 3,5 --sets "held_out,mt_bench,humaneval,/tmp/data/gsm8k.jsonl" --per-set "${PER_SET:-10}" \
-      --parallel "${PARALLEL:-8}" --mem-fraction 0.1 --engine-flag=--disable-cuda-graph --out "$OUT/summary.json" > "$OUT/serve.log" 2>&1; rc=$?; tail -n 25 "$OUT/serve.log"; exit $rc ;;
+      --parallel "${PARALLEL:-6}" --mem-fraction 0.1 --engine-flag=--disable-cuda-graph --work $W/served --out "$OUT/summary.json" > "$OUT/serve.log" 2>&1; rc=$?; tail -n 25 "$OUT/serve.log"; exit $rc ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
