@@ -95,6 +95,11 @@ class DataParams(Section):
     max_seq_len: int = Field(2048, gt=0)
     val_fraction: float = Field(0.05, ge=0, lt=1)
     bench_count: int = Field(32, ge=0, description="held-out prompts for the benchmark stage")
+    keep_unseen: list[str] = Field(
+        [],
+        description="params files whose val and bench conversations this run leaves out (e.g. a released drafter's "
+        "run keeps params/tiny.yaml's evaluation unseen)",
+    )
     regenerate: RegenerateParams = RegenerateParams()
 
 
@@ -153,6 +158,9 @@ class TrainParams(Section):
     batch_rows: int = Field(1, gt=0)
     grad_accum: int = Field(1, gt=0)
     lr: float = Field(1e-4, gt=0)
+    optimizer: Literal["adamw", "muon"] = Field(
+        "adamw", description="muon: Muon over the layer's and fc's matrices, AdamW over the rest (speculators' default)"
+    )
     warmup_steps: int = Field(50, ge=0)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(0.5, gt=0)
@@ -403,6 +411,7 @@ def _resolve_paths(p: Params, base: Path) -> None:
     if p.run.cache_dir:
         p.run.cache_dir = str((base / Path(p.run.cache_dir).expanduser()).resolve())
     p.data.sources = [resolve(s) for s in p.data.sources]
+    p.data.keep_unseen = [str((base / f).resolve()) for f in p.data.keep_unseen]
     p.target.name = resolve(p.target.name)
     if p.engine.python:
         p.engine.python = resolve(p.engine.python)

@@ -1,6 +1,7 @@
 import json
 import random
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -184,6 +185,37 @@ def test_split_deterministic_and_disjoint():
     assert [c["id"] for c in s3["bench"]] != ids["bench"]
     with pytest.raises(ValueError, match="val_fraction"):
         D.split_conversations(convs, 1.0, 0, 0)
+
+
+def test_keep_unseen_leaves_out_the_other_runs_val_and_bench(tmp_path):
+    """params/release-smollm2.yaml (the released drafter's run) reads more of the same data than params/tiny.yaml
+    and splits it otherwise; data.keep_unseen leaves out tiny's val and bench conversations, by id and by prompt,
+    so none of them reaches the release's splits. Shown on the real files, with the release's read cut to 1,200
+    conversations (the first 320 are tiny's own)."""
+    from eagle3lib.params import load_params
+    from eagle3lib.prepare import steps
+
+    root = Path(__file__).resolve().parents[1] / "params"
+    release = load_params(root / "release-smollm2.yaml", {"data.max_conversations": 1200})
+    assert release.data.keep_unseen == [str(root / "tiny.yaml")]
+    tiny = load_params(root / "tiny.yaml")
+    theirs, _ = S.load_conversations(tiny.data.sources, limit=tiny.data.max_conversations)
+    tiny_split = D.split_conversations(theirs, tiny.data.val_fraction, tiny.data.bench_count, tiny.run.seed)
+    held_out = tiny_split["val"] + tiny_split["bench"]
+    held_ids = {c["id"] for c in held_out}
+    held_prompts = {t for c in held_out for t in D.user_texts(c)}
+
+    pool, stats = steps.load_pool(release)
+    split = D.split_conversations(pool, release.data.val_fraction, release.data.bench_count, release.run.seed)
+    ours = [c for part in split.values() for c in part]
+    assert not held_ids & {c["id"] for c in ours}
+    assert not held_prompts & {t for c in ours for t in D.user_texts(c)}
+    left_out = stats["kept_unseen"][str(root / "tiny.yaml")]
+    assert left_out >= len(held_ids) > 0 and len(pool) == 1200 - left_out
+    # without keep_unseen the same read would have trained on some of them
+    plain, _ = S.load_conversations(release.data.sources, limit=1200)
+    plain_split = D.split_conversations(plain, release.data.val_fraction, release.data.bench_count, release.run.seed)
+    assert held_ids & {c["id"] for c in plain_split["train"]}
 
 
 def test_split_bench_excludes_same_prompt_from_train():

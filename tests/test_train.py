@@ -1,6 +1,7 @@
 """TTT training on a small random Llama target with real shards on disk: learning, checkpoints,
 resume after kill -9, torchrun data parallel, non-finite loss, online mode, a DeepSeek-V3 (Kimi-shaped) target."""
 
+import copy
 import json
 import os
 import signal
@@ -511,3 +512,44 @@ def test_eagle31_norms_train_and_reach_the_checkpoint(tmp_path, small_target):
     both = load_params(params_file(tmp_path), {"train.eagle31_norms": ["norm_before_fc", "fc_norm"]})
     with pytest.raises(TrainingError, match="train.eagle31_norms: norm_before_fc and fc_norm are exclusive"):
         trainer.build_setup(both, run_dir)
+
+
+def test_muon_trains_the_matrices_and_its_state_resumes(tmp_path, small_target):
+    """train.optimizer muon: Muon takes the layer's and fc's matrices, AdamW the draft head and the norms; the
+    drafter learns; the two optimizers' state round-trips through state_dict, so a resumed step equals the
+    uninterrupted one."""
+    from eagle3lib.train.optimizer import make_optimizer, split_for_muon
+
+    run_dir = make_run(tmp_path, *small_target, {"max_tokens": 128 * 20, "eval_every": 20, "optimizer": "muon"})
+    p = load_params(params_file(tmp_path))
+    setup, _ = trainer.build_setup(p, run_dir)
+    names = {id(v): k for k, v in setup.drafter.named_parameters()}
+    muon, adamw = split_for_muon(setup.drafter)
+    assert {names[id(t)] for t in muon} >= {
+        "fc.weight",
+        "layers.0.self_attn.q_proj.weight",
+        "layers.0.mlp.down_proj.weight",
+    }
+    assert {"lm_head.weight", "norm.weight"} <= {names[id(t)] for t in adamw}
+    assert all(t.ndim == 2 for t in muon) and not any("lm_head" in names[id(t)] for t in muon)
+    before = trainer.evaluate(setup, 3, 5, "cpu")
+    summary = trainer.train(setup, p.train, log=lambda *a: None)
+    assert summary["eval"]["loss_per_step"][0] < 0.9 * before["loss_per_step"][0]
+
+    def one_step(opt, model, seed):
+        torch.manual_seed(seed)
+        for t in model.parameters():
+            t.grad = torch.randn_like(t) if t.requires_grad else None
+        opt.step()
+
+    a, b = setup.drafter, load_drafter(run_dir / "02_train" / "drafter")
+    opt_a = make_optimizer(a, "muon", 1e-2, 0.1, "cpu")
+    one_step(opt_a, a, 0)
+    opt_b = make_optimizer(b, "muon", 1e-2, 0.1, "cpu")
+    b.load_state_dict(a.state_dict())
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))  # as through optimizer.pt: no shared state tensors
+    one_step(opt_a, a, 1)
+    one_step(opt_b, b, 1)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+    with pytest.raises(ValueError, match="expected a Muon\\+AdamW optimizer state"):
+        opt_b.load_state_dict(torch.optim.AdamW(a.parameters()).state_dict())

@@ -21,6 +21,10 @@ from tqdm.auto import tqdm
 # Splitting
 
 
+def user_texts(c) -> list[str]:
+    return [m["content"].strip() for m in c["messages"] if m["role"] == "user"]
+
+
 def _unit(seed, salt: str, cid: str) -> float:
     h = hashlib.sha256(f"{seed}\0{salt}\0{cid}".encode()).digest()
     return int.from_bytes(h[:8], "big") / 2.0**64
@@ -45,9 +49,6 @@ def split_conversations(conversations, val_fraction: float, bench_count: int, se
         unique.setdefault(c["id"], c)
     ordered = sorted(unique.values(), key=lambda c: (_unit(seed, "order", c["id"]), c["id"]))
 
-    def user_texts(c):
-        return [m["content"].strip() for m in c["messages"] if m["role"] == "user"]
-
     first_prompts = Counter(user_texts(c)[0] for c in ordered)
     bench = [c for c in ordered if first_prompts[user_texts(c)[0]] == 1][:bench_count]
     bench_ids = {c["id"] for c in bench}
@@ -56,6 +57,15 @@ def split_conversations(conversations, val_fraction: float, bench_count: int, se
     val = [c for c in rest if _unit(seed, "val", c["id"]) < val_fraction]
     train = [c for c in rest if _unit(seed, "val", c["id"]) >= val_fraction]
     return {"train": train, "val": val, "bench": bench}
+
+
+def without_held_out(conversations, held_out) -> tuple[list, int]:
+    """(conversations less those of `held_out` (another run's val and bench), by id or by a shared user turn (the
+    same prompt under another id), the number left out)."""
+    ids = {c["id"] for c in held_out}
+    prompts = {t for c in held_out for t in user_texts(c)}
+    kept = [c for c in conversations if c["id"] not in ids and not prompts.intersection(user_texts(c))]
+    return kept, len(conversations) - len(kept)
 
 
 # ---------------------------------------------------------------------------------------

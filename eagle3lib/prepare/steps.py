@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle3lib import target
-from eagle3lib.params import cache_dir
-from eagle3lib.prepare import conversations, regenerate
+from eagle3lib.params import cache_dir, load_params
+from eagle3lib.prepare import conversations, regenerate, sources
 
 ARTIFACTS = ["train.safetensors", "val.safetensors", "bench.jsonl", "eagle3.json"]
 TOKENIZED = ("train", "val")  # the bench split stays prompts (bench.jsonl): the engines tokenize it themselves
@@ -51,6 +51,23 @@ def regenerate_plan_text(p, fingerprint: str) -> str:
         else "no rate measured yet for this target and backend (this run measures it)"
     )
     return f"regeneration plan ({backend}): up to {rg.budget_tokens:,} tokens, {when}"
+
+
+def load_pool(p) -> tuple[list[dict], dict]:
+    """The run's conversations (data.sources, data.max_conversations), less the val and bench conversations of each
+    params file in data.keep_unseen (read and split as that run does), so that what those runs evaluate on stays
+    unseen here; read stats with {"kept_unseen": {file: conversations left out}}."""
+    loaded, stats = sources.load_conversations(p.data.sources, limit=p.data.max_conversations)
+    stats["kept_unseen"] = {}
+    for other_file in p.data.keep_unseen:
+        other = load_params(other_file)
+        theirs, _ = sources.load_conversations(other.data.sources, limit=other.data.max_conversations)
+        split = conversations.split_conversations(
+            theirs, other.data.val_fraction, other.data.bench_count, other.run.seed
+        )
+        loaded, left_out = conversations.without_held_out(loaded, split["val"] + split["bench"])
+        stats["kept_unseen"][other_file] = left_out
+    return loaded, stats
 
 
 def split_sizes(splits: dict) -> dict:

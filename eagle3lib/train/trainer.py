@@ -50,6 +50,7 @@ from eagle3lib.train.checkpoint import (
 from eagle3lib.train.distributed import all_reduce_grads, check_same_weights, init_process_group, rank_and_world
 from eagle3lib.train.loss import compute_dtype, linear_soft_ce, target_probs
 from eagle3lib.train.metrics import AcceptanceCounter
+from eagle3lib.train.optimizer import make_optimizer
 from eagle3lib.train.speedups import compile_decoder_layer, convert_to_float8
 from eagle3lib.train.warm_start import warm_start
 
@@ -234,7 +235,7 @@ class TrainStep:
     ):
         self.setup, self.optimizer, self.train_params = setup, optimizer, train_params
         self.device, self.rank, self.world = device, rank, world
-        self.trainable = optimizer.param_groups[0]["params"]
+        self.trainable = [p for g in optimizer.param_groups for p in g["params"]]
         self.weights = torch.tensor(
             [train_params.step_weight_decay**k for k in range(train_params.ttt_steps)], device=device
         )
@@ -279,23 +280,15 @@ class TrainStep:
 
 
 def train(setup: TrainSetup, train_params, seed: int = 0, device="cpu", max_depth: int = 16, log=print) -> dict:
-    """The TTT loop with accumulation, AdamW, warmup+cosine, clipping, checkpoints, resume, and DDP."""
+    """The TTT loop with accumulation, AdamW or Muon, warmup+cosine, clipping, checkpoints, resume, and DDP."""
     rank, world = rank_and_world()
     drafter = setup.drafter.to(device)
     setup.embed, setup.head = setup.embed.to(device), setup.head.to(device)
-    trainable = [p for p in drafter.parameters() if p.requires_grad]
     if train_params.float8:
         log(f"FP8 matmuls (torchao rowwise) in {', '.join(convert_to_float8(drafter))}")
     if train_params.compile_layer:
         compile_decoder_layer(drafter)
-    # fused: one CUDA kernel for the whole update instead of a foreach chain (same maths)
-    opt = torch.optim.AdamW(
-        trainable,
-        lr=train_params.lr,
-        betas=(0.9, 0.95),
-        weight_decay=train_params.weight_decay,
-        fused=torch.device(device).type == "cuda",
-    )
+    opt = make_optimizer(drafter, train_params.optimizer, train_params.lr, train_params.weight_decay, device)
     step = TrainStep(setup, opt, train_params, device, rank, world)
     rows_per_step = train_params.batch_rows * train_params.grad_accum * world
     total_steps = max(1, math.ceil(train_params.max_tokens / (rows_per_step * train_params.max_seq_len)))
