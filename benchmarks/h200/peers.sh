@@ -20,14 +20,16 @@
 #                                          GPU time, peak memory, into $OUT/train_TRAINER-CONFIG.json
 #   bash benchmarks/h200/peers.sh launch   every trainer x configuration at once, in the background (setsid: they
 #                                          outlive the call; the GPU is mostly idle under one of them), into $W/out
-#   bash benchmarks/h200/peers.sh wait     until those finish (WAIT_S at most), then their records into $OUT
+#   bash benchmarks/h200/peers.sh wait     until those finish (WAIT_S at most), then their records into $OUT (one
+#                                          archive: a call brings back 8 files)
 #   Configurations: ours: defaults (params/tiny-h200.yaml), rows4-scratch (the defaults before issue 31), rows2-scratch,
-#   rows1-scratch (the levers: optimizer steps, the early-exit start); speculators: defaults, sglang (its defaults less norm_before_residual, which SGLang
-#   0.5.17 ignores), our-hparams; specforge: defaults, our-hparams (our lr, TTT length, warmup, tokens a step).
+#   rows1-scratch (the levers: optimizer steps, the early-exit start), muon, muon-ttt3 (speculators' optimizer and
+#   TTT length); speculators: defaults, sglang (its defaults less norm_before_residual, which SGLang 0.5.17
+#   ignores), our-hparams; specforge: defaults, our-hparams (our lr, TTT length, warmup, tokens a step).
 #   (SpecForge's batch of 1 makes ~11 steps/s alone: 4 epochs of 1,317 take ~480 s.)
 #   bash benchmarks/h200/peers.sh offline  every drafter's AL by our trainer's validation (no engine), into $OUT
 #   bash benchmarks/h200/peers.sh serve    served AL of every trained drafter, summary.json into $OUT
-# Across sessions (a new machine starts bare): BRING="ours speculators" bash benchmarks/h200/peers.sh bring packs
+# Across sessions (a new machine starts bare): BRING="ours:defaults speculators:sglang" bash benchmarks/h200/peers.sh bring packs
 # those drafters (canonical, bf16, cut in 15 MB parts: 8 files of 16 MiB come back a call) and the held-out prompts
 # into $OUT; here, move them to $G/drafters; in the next session, after the stages, carry $G/drafters and run
 # `bash benchmarks/h200/peers.sh restore` before `serve` (which then serves the carried drafters).
@@ -135,6 +137,7 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     S0=(--set train.init_layer_from_target=false)
     case $CFG in defaults) X=() ;; rows4-scratch) X=(--set train.batch_rows=4 "${S0[@]}") ;;
       rows2-scratch) X=(--set train.batch_rows=2 "${S0[@]}") ;; rows1-scratch) X=(--set train.batch_rows=1 "${S0[@]}") ;;
+      muon) X=(--set train.optimizer=muon) ;; muon-ttt3) X=(--set train.optimizer=muon --set train.ttt_steps=3) ;;
       *) echo "ours: unknown configuration $CFG"; exit 2 ;; esac
     rm -rf "$R" && mkdir -p "$R" && ln -s $W/run/00_prepare $W/run/01_extract "$R"/ || exit 6
     python3 benchmarks/peers.py measure "$OUT/train_ours-$CFG.json" -- python3 -m eagle3lib run params/tiny-h200.yaml \
@@ -174,7 +177,7 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
   launch)
     mkdir -p $W/out $W/jobs; rm -f $W/jobs/*
     for job in ${JOBS:-specforge:defaults specforge:our-hparams speculators:defaults speculators:sglang \
-               speculators:our-hparams ours:defaults ours:rows4-scratch ours:rows2-scratch ours:rows1-scratch}; do
+               speculators:our-hparams ours:defaults ours:rows4-scratch ours:rows1-scratch ours:muon ours:muon-ttt3}; do
       J=$W/jobs/${job/:/-}; touch "$J.job"
       # a new session, so that the job outlives this call; it writes its exit status when it ends
       setsid -f bash -c 'OUT="$1" bash "$2" "$3" "$4" > "$5.log" 2>&1 < /dev/null; echo "rc $?" > "$5.done"' \
