@@ -30,7 +30,11 @@ def main(argv: list[str] | None = None) -> int:
         help="stop after this stage (a batch of calls, each with a time limit, can run a few at a time)",
     )
     run.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="override a param (repeatable)")
-    run.add_argument("--quiet", action="store_true", help="do not echo notebook output")
+    echo = run.add_mutually_exclusive_group()
+    echo.add_argument(
+        "--verbose", action="store_true", help="echo each cell's log (always in the stage folder's NN_stage.log)"
+    )
+    echo.add_argument("--quiet", action="store_true", help="the default: a line per stage and its progress bar")
 
     params = sub.add_parser("params", help="params files")
     params_sub = params.add_subparsers(dest="params_command", required=True)
@@ -72,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
 
         from eagle3lib.workbook.pipeline import StageError, run_pipeline
 
-        if not args.quiet:
+        if args.verbose:
             logging.basicConfig(level=logging.INFO, format="%(message)s")
         try:
             out = run_pipeline(
@@ -80,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
                 _overrides(args.set),
                 args.from_stage,
                 args.only_stage,
-                log_output=not args.quiet,
+                log_output=args.verbose,
                 to_stage=args.to_stage,
             )
         except StageError as e:

@@ -9,6 +9,7 @@ a short matmul timing decides.
 from __future__ import annotations
 
 import functools
+import os
 import platform
 import time
 from pathlib import Path
@@ -30,6 +31,41 @@ def cpu_flags(cpuinfo: str | None = None) -> set[str] | None:
         if key.strip() in ("flags", "Features"):
             return set(value.split())
     return None
+
+
+def machine(cpuinfo: str | None = None) -> dict:
+    """What the run ran on, for its index: the CPU's model, its cores, whether it has native bf16 (None where its
+    flags are unreadable), and the GPUs torch sees (name and memory), if any."""
+    if cpuinfo is None:
+        path = Path("/proc/cpuinfo")
+        cpuinfo = path.read_text(errors="replace") if path.is_file() else ""
+    model = next(
+        (line.partition(":")[2].strip() for line in cpuinfo.splitlines() if line.split(":")[0].strip() == "model name"),
+        platform.processor() or platform.machine(),
+    )
+    flags = cpu_flags(cpuinfo) if cpuinfo else None
+    info = {
+        "cpu": model,
+        "cores": os.cpu_count(),
+        "native_bf16": None if flags is None else bool(flags & NATIVE_BF16_FLAGS),
+    }
+    import torch
+
+    if torch.cuda.is_available():
+        info["gpus"] = [
+            f"{torch.cuda.get_device_name(i)}, {torch.cuda.get_device_properties(i).total_memory / 2**30:.0f} GiB"
+            for i in range(torch.cuda.device_count())
+        ]
+    return info
+
+
+def describe(info: dict) -> str:
+    """machine()'s record in one line: 'CPU, N cores, native bf16[; GPU, ...]'."""
+    if not info:
+        return "not recorded"
+    bf16 = {True: "native bf16", False: "no native bf16", None: "bf16 unknown"}[info.get("native_bf16")]
+    gpus = info.get("gpus")
+    return f"{info.get('cpu', '?')}, {info.get('cores', '?')} cores, {bf16}" + (f"; {', '.join(gpus)}" if gpus else "")
 
 
 def matmul_gflops(dtype_name: str, shape=PROBE_SHAPE, seconds: float = 0.15) -> float:

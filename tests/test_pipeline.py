@@ -1,6 +1,7 @@
 """The papermill pipeline on small real notebooks: order, skipping, forcing, failures, reports."""
 
 import json
+import re
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ from eagle3lib.workbook import open_stage
 stage = open_stage("00_first", params_file, run_dir, overrides)
 p = stage.p
 (stage.out / "made.txt").write_text(str(p.bench.max_tokens))
+print("a line for the stage's log")
 stage.save({"n": p.bench.max_tokens}, headline={"tokens": p.bench.max_tokens}, artifacts=["made.txt"])
 """,
     "01_second": """
@@ -88,7 +90,7 @@ def test_runs_in_order_then_skips_then_forces(workbook, capsys):
 
     run(workbook, only_stage="second")
     err = capsys.readouterr().err
-    assert "01_second: running" in err and "00_first" not in err
+    assert "01_second: running" in err and "[eagle3] 00_first" not in err
 
     # A changed param reruns the stages that read it; a missing artifact reruns its stage.
     run(workbook, overrides={"bench.max_tokens": 8})
@@ -97,6 +99,29 @@ def test_runs_in_order_then_skips_then_forces(workbook, capsys):
     capsys.readouterr()
     run(workbook, overrides={"bench.max_tokens": 8})
     assert "00_first: running" in capsys.readouterr().err
+
+
+def test_console_shows_stage_lines_the_log_keeps_the_cells(workbook, caplog, capsys):
+    """By default the console has a line per stage and, at the end, each stage's time, the total and the machine;
+    the cells' log (papermill's lines, the notebook's output) goes to NN_stage.log only. log_output (--verbose)
+    echoes it too."""
+    import logging
+
+    caplog.set_level(logging.INFO)
+    out = run(workbook)
+    err = capsys.readouterr().err
+    assert "[eagle3] 00_first: done in" in err and "stage times:" in err
+    assert re.search(r"00_first +ok +\d+\.\d s", err) and re.search(r"total +\d+\.\d s \(\d+\.\d min\)", err)
+    machine = json.loads((out / "run.json").read_text())["machine"]
+    assert machine["cores"] >= 1 and f"{machine['cores']} cores" in err and "bf16" in err
+    assert f"{machine['cores']} cores" in (out / "index.html").read_text()
+    log = (out / "00_first" / "00_first.log").read_text()
+    assert "Executing Cell" in log and "a line for the stage's log" in log
+    assert not any("a line for the stage's log" in r.getMessage() for r in caplog.records)
+    assert not any("Executing Cell" in r.getMessage() for r in caplog.records)
+    caplog.clear()
+    pipeline.run_pipeline(workbook[1], notebooks_dir=workbook[0], log_output=True, only_stage="first")
+    assert any("a line for the stage's log" in r.getMessage() for r in caplog.records)
 
 
 def test_failed_stage_keeps_traceback_and_earlier_work(workbook):

@@ -10,8 +10,10 @@ outputs/<run>/
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import logging
 import platform
 import subprocess
 import sys
@@ -19,7 +21,7 @@ import time
 from importlib import metadata
 from pathlib import Path
 
-from eagle3lib import run_folder
+from eagle3lib import hardware, run_folder
 from eagle3lib.params import Params, load_params, stage_sections
 from eagle3lib.params import run_dir as params_run_dir
 
@@ -165,7 +167,9 @@ def execute_stage(
     neighbours: tuple = (None, None),
 ) -> dict:
     """Run one stage notebook with papermill (a progress bar of its cells on a terminal), record its
-    result and render its report; raises StageError, after rendering the failed notebook, if it fails."""
+    result and render its report; raises StageError, after rendering the failed notebook, if it fails.
+    The cell-by-cell log (papermill's, the notebook's output, warnings) goes to the stage folder's NN_stage.log;
+    log_output echoes it to the console as well (--verbose)."""
     import papermill
 
     out_dir = run_folder.stage_dir(run_dir, stage)
@@ -175,15 +179,17 @@ def execute_stage(
     started = time.time()
     error = None
     try:
-        papermill.execute_notebook(
-            str(notebooks_dir / f"{stage}.ipynb"),
-            str(executed),
-            parameters={"params_file": p.file, "run_dir": str(run_dir), "overrides": overrides},
-            kernel_name="python3",
-            cwd=str(notebooks_dir),
-            log_output=log_output,
-            progress_bar={"desc": stage, "disable": None, "leave": False},  # None: only on a terminal
-        )
+        with _stage_log(out_dir / f"{stage}.log", echo=log_output):
+            papermill.execute_notebook(
+                str(notebooks_dir / f"{stage}.ipynb"),
+                str(executed),
+                parameters={"params_file": p.file, "run_dir": str(run_dir), "overrides": overrides},
+                kernel_name="python3",
+                kernel_manager_class=_ipc_kernel_manager(),
+                cwd=str(notebooks_dir),
+                log_output=True,
+                progress_bar={"desc": stage, "disable": None, "leave": False},  # None: only on a terminal
+            )
     except Exception as e:  # papermill raises its own error type with the cell's traceback
         error = _notebook_error(executed) if executed.is_file() else f"{type(e).__name__}: {e}"
     seconds = round(time.time() - started, 1)
@@ -205,12 +211,68 @@ def execute_stage(
             render_html(executed, p.run.hide_code, result, neighbours)
         raise StageError(
             f"stage {stage} failed after {seconds} s: {error}\n"
-            f"  executed notebook: {executed}\n  report: {executed.with_suffix('.html')}"
+            f"  executed notebook: {executed}\n  report: {executed.with_suffix('.html')}\n"
+            f"  log: {executed.with_suffix('.log')}"
         )
     result = json.loads(result_path.read_text())
     result.update(status="ok", seconds=seconds, notebook=executed.name, report=report_name, hide_code=p.run.hide_code)
     render_html(executed, p.run.hide_code, result, neighbours)
     return result
+
+
+def _ipc_kernel_manager():
+    """The kernel manager over local sockets: over TCP, ipykernel warns on every start that its traffic is
+    unencrypted, and our kernels never leave the machine."""
+    from jupyter_client.manager import AsyncKernelManager
+    from traitlets import CaselessStrEnum
+
+    class IPCKernelManager(AsyncKernelManager):
+        transport = CaselessStrEnum(["tcp", "ipc"], default_value="ipc", config=True)
+
+    return IPCKernelManager
+
+
+@contextlib.contextmanager
+def _stage_log(path: Path, echo: bool):
+    """Everything logged while a stage runs (papermill's cells and the notebook's output at INFO, warnings) into
+    path; on the console too only when echo (a root handler then exists: __main__'s --verbose)."""
+    handler = logging.FileHandler(path, mode="w")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+    root, papermill_log = logging.getLogger(), logging.getLogger("papermill")
+    console = [h for h in root.handlers if not isinstance(h, logging.FileHandler)]
+    saved = root.level, papermill_log.level, list(root.handlers)
+    root.setLevel(logging.INFO)
+    papermill_log.setLevel(logging.INFO)
+    if not echo:  # the console keeps the progress bar and the stage lines only
+        for h in console:
+            root.removeHandler(h)
+    root.addHandler(handler)
+    logging.captureWarnings(True)
+    try:
+        yield
+    finally:
+        logging.captureWarnings(False)
+        root.removeHandler(handler)
+        handler.close()
+        root.setLevel(saved[0])
+        papermill_log.setLevel(saved[1])
+        root.handlers[:] = saved[2]
+
+
+def stage_times_text(run_dir: Path, stage_names: list[str]) -> str:
+    """The console's closing table: each stage's status and time (as its result.json says), the total, the machine."""
+    lines, total = [], 0.0
+    for stage in stage_names:
+        path = run_dir / stage / "result.json"
+        r = json.loads(path.read_text()) if path.is_file() else {}
+        seconds = r.get("seconds") or 0
+        total += seconds
+        lines.append(f"  {stage:<14} {r.get('status', 'not run'):<8} {seconds:>8.1f} s")
+    machine = json.loads((run_dir / "run.json").read_text()).get("machine", {})
+    return "\n".join(
+        ["stage times:", *lines, f"  {'total':<23} {total:>8.1f} s ({total / 60:.1f} min)",
+         f"  on {hardware.describe(machine)}"]
+    )  # fmt: skip
 
 
 # ------------------------------------------------------------- run files ----
@@ -249,6 +311,7 @@ def write_run_json(p: Params, run_dir: Path) -> None:
             "params_file": p.file,
             "versions": package_versions(),
             "git": _git_commit(),
+            "machine": hardware.machine(),
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         },
     )
@@ -322,4 +385,5 @@ def run_pipeline(
             print(f"[eagle3] {stage}: done in {result['seconds']} s {result.get('headline', {})}", file=sys.stderr)
     finally:
         write_index(out, names)
+        print(stage_times_text(out, names), file=sys.stderr)
     return out

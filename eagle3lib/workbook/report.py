@@ -14,6 +14,7 @@ import re
 import time
 from pathlib import Path
 
+from eagle3lib import hardware
 from eagle3lib.workbook.html_pieces import CSS, duration, fmt, table_html
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -319,6 +320,7 @@ def index_html(run_dir: Path, stage_names: list[str]) -> str:
     versions = table_html([{"package": k, "version": v} for k, v in run.get("versions", {}).items()])
     params = yaml.safe_dump(run.get("params", {}), sort_keys=False)
     started = run.get("started", "")
+    machine_text = hardware.describe(run.get("machine") or {})
     status_line = (
         f"all {len(stage_names)} stages finished"
         if done == len(stage_names)
@@ -334,6 +336,7 @@ table.e3-stages{{border-collapse:collapse;width:100%}}table.e3-stages td:nth-chi
 <h1>Run <code>{html.escape(run_dir.name)}</code></h1>
 <p>{status_line} &middot; total stage time <b>{duration(total)}</b> &middot; params <code>{html.escape(str(run.get("params_file")))}</code>
 &middot; git <code>{html.escape(str(git.get("commit") or "unknown"))[:12]}</code>{" (with uncommitted changes)" if git.get("dirty") else ""}
+&middot; machine {html.escape(machine_text)}
 &middot; started {html.escape(started)} &middot; index written {time.strftime("%Y-%m-%dT%H:%M:%S%z")}</p>
 <h2>Stages</h2>
 <table class="e3-stages"><thead><tr><th>stage report</th><th>status</th><th>time</th><th>headline figures</th></tr></thead>
