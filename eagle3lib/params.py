@@ -412,6 +412,9 @@ def _resolve_paths(p: Params, base: Path) -> None:
         p.run.cache_dir = str((base / Path(p.run.cache_dir).expanduser()).resolve())
     p.data.sources = [resolve(s) for s in p.data.sources]
     p.data.keep_unseen = [str((base / f).resolve()) for f in p.data.keep_unseen]
+    for f in p.data.keep_unseen:
+        if not Path(f).is_file():
+            raise ParamsError(f"data.keep_unseen: no params file at {f} (paths are relative to this params file)")
     p.target.name = resolve(p.target.name)
     if p.engine.python:
         p.engine.python = resolve(p.engine.python)

@@ -192,7 +192,7 @@ def test_keep_unseen_leaves_out_the_other_runs_val_and_bench(tmp_path):
     and splits it otherwise; data.keep_unseen leaves out tiny's val and bench conversations, by id and by prompt,
     so none of them reaches the release's splits. Shown on the real files, with the release's read cut to 1,200
     conversations (the first 320 are tiny's own)."""
-    from eagle3lib.params import load_params
+    from eagle3lib.params import ParamsError, load_params
     from eagle3lib.prepare import steps
 
     root = Path(__file__).resolve().parents[1] / "params"
@@ -216,6 +216,8 @@ def test_keep_unseen_leaves_out_the_other_runs_val_and_bench(tmp_path):
     plain, _ = S.load_conversations(release.data.sources, limit=1200)
     plain_split = D.split_conversations(plain, release.data.val_fraction, release.data.bench_count, release.run.seed)
     assert held_ids & {c["id"] for c in plain_split["train"]}
+    with pytest.raises(ParamsError, match="data.keep_unseen: no params file at .*nope.yaml"):
+        load_params(root / "release-smollm2.yaml", {"data.keep_unseen": ["nope.yaml"]})
 
 
 def test_split_bench_excludes_same_prompt_from_train():
