@@ -239,24 +239,21 @@ def _stage_log(path: Path, echo: bool):
     handler = logging.FileHandler(path, mode="w")
     handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
     root, papermill_log = logging.getLogger(), logging.getLogger("papermill")
-    console = [h for h in root.handlers if not isinstance(h, logging.FileHandler)]
     saved = root.level, papermill_log.level, list(root.handlers)
+    # without echo the console keeps the progress bar and the stage lines only (other files keep logging)
+    kept = saved[2] if echo else [h for h in saved[2] if isinstance(h, logging.FileHandler)]
+    root.handlers[:] = [*kept, handler]
     root.setLevel(logging.INFO)
     papermill_log.setLevel(logging.INFO)
-    if not echo:  # the console keeps the progress bar and the stage lines only
-        for h in console:
-            root.removeHandler(h)
-    root.addHandler(handler)
     logging.captureWarnings(True)
     try:
         yield
     finally:
         logging.captureWarnings(False)
-        root.removeHandler(handler)
         handler.close()
+        root.handlers[:] = saved[2]
         root.setLevel(saved[0])
         papermill_log.setLevel(saved[1])
-        root.handlers[:] = saved[2]
 
 
 def stage_times_text(run_dir: Path, stage_names: list[str]) -> str:
