@@ -81,7 +81,7 @@ def measure(
     shards = ShardSet(shard_dir)  # a fresh one per measurement: as a training run, it checks each sha256 once
     train_params = SimpleNamespace(max_seq_len=max_seq_len, batch_rows=batch_rows, batch_prefetch=batch_prefetch)
     stream = micro_batches(
-        lambda epoch: shard_sequences(shards, 0, epoch, prefetch=prefetch_shards), train_params, 0, 0
+        lambda epoch, start: shard_sequences(shards, 0, epoch, start, prefetch=prefetch_shards), train_params, 0, 0
     )
     tokens = nbytes = 0
     wait = dequant = 0.0

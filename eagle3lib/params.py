@@ -143,7 +143,24 @@ class ExtractParams(Section):
 
 class TrainParams(Section):
     source: Literal["shards", "online"] = Field(
-        "shards", description="shards: read 01_extract; online: run the target in the loop"
+        "shards",
+        description="shards: read 01_extract's files; online: the target's states captured while the drafter trains, "
+        "handed over through a bounded queue and never written (01_extract then writes no splits unless "
+        "extract.splits names them)",
+    )
+    online_queue_batches: int = Field(
+        4, gt=0, description="online: micro-batches the capture runs ahead of the trainer (the queue's bound)"
+    )
+    online_placement: Literal["thread", "process"] = Field(
+        "thread",
+        description="online: thread = the capture in a thread of each training process; process = one capture "
+        "process (rank 0) sending to the nproc_per_node trainer ranks through torch.distributed (gloo on the CPU, "
+        "NCCL on GPUs)",
+    )
+    online_cache_first_epoch: bool = Field(
+        False,
+        description="online: the first epoch's states are also written as shards (extract.store_dtype, under "
+        "02_train/states/train) and later epochs read them, as speculators does",
     )
     ttt_steps: int = Field(7, gt=0)
     eagle31_norms: list[Literal["norm_before_fc", "fc_norm", "norm_output", "norm_before_residual"]] = Field(
@@ -218,6 +235,20 @@ class TrainParams(Section):
         description="keep lm_head at its initial value (the target's rows, see "
         "init_lm_head_from_target) instead of training it; speculators' default",
     )
+
+    @model_validator(mode="after")
+    def _online_options(self):
+        if self.source == "shards":
+            wrong = [
+                k
+                for k, v in (("online_placement", "process"), ("online_cache_first_epoch", True))
+                if getattr(self, k) == v
+            ]
+            if wrong:
+                raise ValueError(
+                    f"{', '.join('train.' + k for k in wrong)} only apply to train.source: online; set it, or remove them"
+                )
+        return self
 
 
 class EngineParams(Section):
@@ -329,6 +360,13 @@ class Params(Section):
     dtype_choices: dict = Field(
         {}, exclude=True, description="'section.dtype' -> {auto, picked, why} for each dtype given as auto"
     )
+
+    @model_validator(mode="after")
+    def _online_writes_no_states(self):
+        # online training captures its own states: 01_extract writes none unless the params name its splits
+        if self.train.source == "online" and "splits" not in self.extract.model_fields_set:
+            self.extract.splits = []
+        return self
 
     @classmethod
     def section_names(cls) -> list[str]:

@@ -67,6 +67,19 @@ def capture_hidden_states(model, input_ids, attention_mask, aux_layer_ids):
     return aux, final
 
 
+def capture_sequences(model, sequences: list, aux_layer_ids) -> list[tuple]:
+    """(aux [n, k*H], final [n, H]) on the CPU for each of these id tensors, from one forward of them right-padded
+    together (online training's capture; a sequence alone is one unpadded forward, as extraction runs it)."""
+    longest = max(len(ids) for ids in sequences)
+    ids = torch.zeros(len(sequences), longest, dtype=torch.long)
+    mask = torch.zeros(len(sequences), longest, dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, : len(seq)] = seq
+        mask[row, : len(seq)] = 1
+    aux, final = capture_hidden_states(model, ids, mask, aux_layer_ids)
+    return [(aux[row, : len(seq)].cpu(), final[row, : len(seq)].cpu()) for row, seq in enumerate(sequences)]
+
+
 def make_batch(tok, seq_ids):
     """Right-padded input_ids [B, T] (pad id 0) and attention_mask [B, T] for these sequences."""
     spans = [(int(tok["seq_starts"][s]), int(tok["seq_starts"][s + 1])) for s in seq_ids]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from eagle3lib.extract.shards import dequantize
+from eagle3lib.extract.shards import dequantize, plan_shards
 from eagle3lib.train import TrainingError
 
 
@@ -85,6 +85,17 @@ def make_batch(rows: list[list[Sequence]], length: int) -> dict:
     return batch
 
 
+def pack_val_rows(val_sequences: Iterator[Sequence], train_params) -> list[dict]:
+    """The validation rows: packed rows, each a batch of one, until train.eval_max_tokens tokens."""
+    rows, used = [], 0
+    for row in pack_rows(val_sequences, train_params.max_seq_len):
+        if used >= train_params.eval_max_tokens:
+            break
+        rows.append(make_batch([row], train_params.max_seq_len))
+        used += rows[-1]["tokens"]
+    return rows
+
+
 def batch_to(batch: dict, device) -> dict:
     """A micro-batch on a device: its tensors, lists of tensors and layouts (anything with .to) moved."""
 
@@ -109,12 +120,38 @@ def epoch_order(num_items: int, seed: int, epoch: int) -> list[int]:
     return order
 
 
-def shard_sequences(shards, seed: int, epoch: int, shuffle: bool = True, prefetch: int = 0) -> Iterator[Sequence]:
-    """Sequences of a ShardSet, shards and sequences within a shard in a seeded order per epoch.
+def within_shard_order(items, seed: int, epoch: int, shard: int) -> list:
+    """A shard's sequences in their seeded order of an epoch (the reader's, and online mode's per planned shard)."""
+    items = list(items)
+    random.Random(seed * 7919 + epoch * 31 + shard).shuffle(items)
+    return items
+
+
+def sequence_order(lengths: list[int], shard_max_tokens: int, seed: int, epoch: int, shuffle: bool = True) -> list[int]:
+    """The order shard_sequences reads an uninterrupted extraction of sequences of these lengths in (shards planned
+    as extract_with plans them, shard_max_tokens tokens each), as sequence indices: online mode trains in it,
+    so that online and shards train on the same rows."""
+    ranges = plan_shards(lengths, 0, len(lengths), shard_max_tokens)
+    shard_ids = epoch_order(len(ranges), seed, epoch) if shuffle else range(len(ranges))
+    order = []
+    for i in shard_ids:
+        seqs = range(*ranges[i])
+        order += within_shard_order(seqs, seed, epoch, i) if shuffle else seqs
+    return order
+
+
+def shard_sequences(
+    shards, seed: int, epoch: int, start: int = 0, shuffle: bool = True, prefetch: int = 0
+) -> Iterator[Sequence]:
+    """Sequences of a ShardSet, shards and sequences within a shard in a seeded order per epoch, from the
+    start-th on (whole shards before it are not read).
 
     prefetch: shards loaded ahead in threads (reading and sha256 release the GIL). On an H200 a 1.2 GB
     shard took ~3 s to load and ~1.7 s to train on: without it the GPU idled for over half the run."""
     order = epoch_order(len(shards.shards), seed, epoch) if shuffle else list(range(len(shards.shards)))
+    at = 0  # sequences of the epoch's order before the shard being read
+    while order and at + shards.shards[order[0]]["sequences"] <= start:
+        at += shards.shards[order.pop(0)]["sequences"]
     with ThreadPoolExecutor(max(1, prefetch)) as pool:
         pending = deque(pool.submit(shards.load, i) for i in order[:prefetch])
         for j, i in enumerate(order):
@@ -124,53 +161,61 @@ def shard_sequences(shards, seed: int, epoch: int, shuffle: bool = True, prefetc
             starts = t["seq_starts"].tolist()
             spans = list(zip(starts[:-1], starts[1:]))
             if shuffle:
-                random.Random(seed * 7919 + epoch * 31 + i).shuffle(spans)
+                spans = within_shard_order(spans, seed, epoch, i)
             for a, b in spans:
+                at += 1
+                if at <= start:
+                    continue
                 scales = (t["aux_scale"][a:b], t["final_scale"][a:b]) if "aux_scale" in t else ()
                 yield Sequence(
                     t["input_ids"][a:b], t["loss_mask"][a:b], t["aux_hidden"][a:b], t["final_hidden"][a:b], *scales
                 )
 
 
-def online_sequences(model, tokens: dict, aux_layer_ids, seed: int, epoch: int, shuffle: bool = True):
-    """Sequences with the target's states computed now (train.source: online), one forward each."""
-    from eagle3lib.extract.hf import capture_hidden_states
-
-    starts = tokens["seq_starts"].tolist()
-    order = epoch_order(len(starts) - 1, seed, epoch) if shuffle else range(len(starts) - 1)
-    device = next(model.parameters()).device
-    for s in order:
-        ids = tokens["input_ids"][starts[s] : starts[s + 1]].long()
-        aux, final = capture_hidden_states(
-            model, ids[None].to(device), torch.ones(1, len(ids), dtype=torch.long, device=device), aux_layer_ids
-        )
-        yield Sequence(ids, tokens["loss_mask"][starts[s] : starts[s + 1]], aux[0].cpu(), final[0].cpu())
-
-
 def micro_batches(
-    train_sequences: Callable[[int], Iterator[Sequence]], train_params, start_epoch: int, skip: int
+    train_sequences: Callable[[int, int], Iterator[Sequence]],
+    train_params,
+    start_epoch: int,
+    skip: int,
+    start_sequence: int | None = None,
+    depth: int | None = None,
 ) -> Iterator[tuple[int, int, dict]]:
-    """(epoch, index in epoch, micro-batch) for the whole stream, skipping `skip` of the first epoch;
-    made train_params.batch_prefetch batches ahead in a background thread (the copies release the GIL)."""
-    return in_background(_micro_batches(train_sequences, train_params, start_epoch, skip), train_params.batch_prefetch)
+    """(epoch, index in epoch, micro-batch) for the whole stream, made `depth` batches ahead in a background thread
+    (default train_params.batch_prefetch; the copies release the GIL). train_sequences(epoch, start) yields an
+    epoch's sequences from its start-th on. The stream starts in start_epoch at its start_sequence-th sequence
+    with index `skip` (a resume's position: nothing before it is read or captured); without start_sequence (a
+    checkpoint of an older version) it packs the epoch from its start and skips `skip` micro-batches. Each
+    micro-batch holds `next_sequence`: the position in its epoch's order of the first sequence after it."""
+    depth = train_params.batch_prefetch if depth is None else depth
+    return in_background(_micro_batches(train_sequences, train_params, start_epoch, skip, start_sequence), depth)
 
 
 def _micro_batches(
-    train_sequences: Callable[[int], Iterator[Sequence]], train_params, start_epoch: int, skip: int
+    train_sequences: Callable[[int, int], Iterator[Sequence]],
+    train_params,
+    start_epoch: int,
+    skip: int,
+    start_sequence: int | None,
 ) -> Iterator[tuple[int, int, dict]]:
-    epoch = start_epoch
+    epoch, first = start_epoch, start_sequence or 0
+    index = skip if start_sequence is not None else 0
+    skip = 0 if start_sequence is not None else skip
     while True:
-        rows = pack_rows(train_sequences(epoch), train_params.max_seq_len)
-        index, chunk = 0, []
+        rows = pack_rows(train_sequences(epoch, first), train_params.max_seq_len)
+        chunk, made, at = [], 0, first
         for row in rows:
             chunk.append(row)
+            at += len(row)
             if len(chunk) == train_params.batch_rows:
                 if index >= skip:
-                    yield epoch, index, make_batch(chunk, train_params.max_seq_len)
+                    batch = make_batch(chunk, train_params.max_seq_len)
+                    batch["next_sequence"] = at
+                    yield epoch, index, batch
+                    made += 1
                 index, chunk = index + 1, []
-        if index == 0 and skip == 0:
+        if made == 0 and first == 0 and skip == 0:
             raise TrainingError("the training data yields no full batch: lower train.batch_rows or add data")
-        epoch, skip = epoch + 1, 0
+        epoch, first, index, skip = epoch + 1, 0, 0, 0
 
 
 class _Raised:

@@ -132,7 +132,8 @@ def resume(
     and the log's lines of later steps dropped. A checkpoint of another run_key is not resumed: rank 0 moves the
     checkpoints and log to SET_ASIDE beside them (replacing an earlier one) and says what differs. Else a fresh
     state, and rank 0 removes the older checkpoints and log (a fresh run must not mix with them)."""
-    fresh = {"step": 0, "epoch": 0, "micro_in_epoch": 0, "tokens": 0, "train_seconds": 0.0, "run_key": run_key}
+    fresh = {"step": 0, "epoch": 0, "micro_in_epoch": 0, "sequence_in_epoch": 0, "tokens": 0, "train_seconds": 0.0}
+    fresh["run_key"] = run_key
     latest = latest_checkpoint(ckpt_root) if enabled else None
     if latest is not None:
         state = json.loads((latest / STATE_FILE).read_text())

@@ -30,14 +30,12 @@ import torch.nn.functional as F
 from eagle3lib import hardware
 from eagle3lib.drafter import Drafter, DrafterConfig
 from eagle3lib.drafter.ttt_attention import row_layout
-from eagle3lib.train import TrainingError
+from eagle3lib.train import TrainingError, online, placement
 from eagle3lib.train.batches import (
     batch_states,
     batch_to,
-    make_batch,
     micro_batches,
-    online_sequences,
-    pack_rows,
+    pack_val_rows,
     shard_sequences,
 )
 from eagle3lib.train.checkpoint import (
@@ -47,7 +45,14 @@ from eagle3lib.train.checkpoint import (
     save_checkpoint,
     save_drafter,
 )
-from eagle3lib.train.distributed import all_reduce_grads, check_same_weights, init_process_group, rank_and_world
+from eagle3lib.train.distributed import (
+    all_reduce_grads,
+    check_same_weights,
+    init_process_group,
+    rank_and_world,
+    split_capture_rank,
+    training_group,
+)
 from eagle3lib.train.loss import compute_dtype, linear_soft_ce, target_probs
 from eagle3lib.train.metrics import AcceptanceCounter
 from eagle3lib.train.optimizer import make_optimizer
@@ -169,11 +174,15 @@ class TrainSetup:
     drafter: Drafter
     embed: torch.Tensor  # target input embeddings [V, H] (frozen)
     head: torch.Tensor  # target lm_head [V, H_t] (frozen)
-    train_sequences: callable  # epoch -> Iterator[Sequence]
+    train_sequences: callable  # (epoch, first position in its order) -> Iterator[Sequence]
     val_rows: list[dict]  # packed validation rows, each a batch of one
     contract: dict
     out_dir: Path
     inputs: dict = field(default_factory=dict)  # what identifies the training data, for resume (see run_key)
+    # (train_params, loop state) -> the (epoch, index, micro-batch) stream from the state's position: a capture
+    # process's (train/placement.py); None: micro_batches over train_sequences in this process
+    batch_stream: callable = None
+    online: object = None  # online.OnlineData when this process captures the states (its stats reach the summary)
 
 
 # Train params a checkpoint resumes across: those that do not change the weights, and the budgets, so that a
@@ -188,6 +197,8 @@ RESUME_FREE = (
     "prefetch_shards",
     "batch_prefetch",
     "compile_layer",
+    "online_queue_batches",
+    "online_placement",  # a thread or a process captures the same states into the same micro-batches
 )
 
 
@@ -271,7 +282,7 @@ class TrainStep:
             step_loss += loss.detach()
         all_reduce_grads(self.trainable, self.world)
         if self.world > 1:
-            dist.all_reduce(step_loss)
+            dist.all_reduce(step_loss, group=training_group())
         if not torch.isfinite(step_loss):
             return step_loss, None
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, train_params.grad_clip)
@@ -315,7 +326,7 @@ def train(setup: TrainSetup, train_params, seed: int = 0, device="cpu", max_dept
         state["initial_eval"] = evaluate(setup, train_params.ttt_steps, max_depth, device)
         write_log({"step": 0, "eval": state["initial_eval"]})
     budget_s = (train_params.max_minutes or 0) * 60  # 0: no time budget
-    stream = micro_batches(setup.train_sequences, train_params, state["epoch"], state["micro_in_epoch"])
+    stream = batch_stream(setup, train_params, state)
     started = time.time()
     drafter.train()
     last_eval = None
@@ -338,6 +349,7 @@ def train(setup: TrainSetup, train_params, seed: int = 0, device="cpu", max_dept
                 )
             state["step"] += 1
             state["epoch"], state["micro_in_epoch"] = group[-1][0], group[-1][1] + 1
+            state["sequence_in_epoch"] = group[-1][2]["next_sequence"]
             state["tokens"] += sum(mb["tokens"] for _, _, mb in group)
             elapsed = state["train_seconds"] + time.time() - started
             entry = {
@@ -379,7 +391,24 @@ def train(setup: TrainSetup, train_params, seed: int = 0, device="cpu", max_dept
         "data_wait_s": round(state.get("data_wait_s", 0.0), 1),  # of train_seconds, spent waiting for batches
         "final_checkpoint": str(final) if final else None,
         "eval": last_eval,
+        **({"online": online.online_stats(setup.online)} if setup.online else {}),
     }
+
+
+def batch_stream(setup: TrainSetup, train_params, state: dict):
+    """The (epoch, index, micro-batch) stream from the loop state's position: nothing before it is read or
+    captured. Online, the capture runs train.online_queue_batches micro-batches ahead (the queue's bound)."""
+    if setup.batch_stream is not None:
+        return setup.batch_stream(train_params, state)
+    online = train_params.source == "online"
+    return micro_batches(
+        setup.train_sequences,
+        train_params,
+        state["epoch"],
+        state["micro_in_epoch"],
+        state.get("sequence_in_epoch"),  # absent from checkpoints of older versions: packed again up to the index
+        depth=train_params.online_queue_batches if online else None,
+    )
 
 
 # -------------------------------------------------------------- the stage ----
@@ -425,40 +454,34 @@ def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
     vocab_size = tensors["embed"].shape[0]
     d2t, t2d, vocab_stats = draft_vocab_from_tokens(train_tokens, val_tokens, vocab_size, train_params.draft_vocab_size)
 
+    online_data = client = None
     if train_params.source == "shards":
         run_folder.load_result(run_dir, "01_extract")
         train_shards, val_shards = ShardSet(run_dir / "01_extract" / "train"), ShardSet(run_dir / "01_extract" / "val")
         contract = dict(train_shards.contract)
         aux_ids = contract["aux_layer_ids"]
-        train_sequences = lambda epoch: shard_sequences(  # noqa: E731
-            train_shards, p.run.seed, epoch, prefetch=p.train.prefetch_shards
+        train_sequences = lambda epoch, start=0: shard_sequences(  # noqa: E731
+            train_shards, p.run.seed, epoch, start, prefetch=p.train.prefetch_shards
         )
         val_sequences = shard_sequences(val_shards, p.run.seed, 0, shuffle=False)
+    elif train_params.online_placement == "process":  # the capture process (rank 0) sends the states
+        info, tokenizer = target.load_target_info(target_path, cache_dir(p), p.target.trust_remote_code)
+        contract = online.capture_contract(p, info, tokenizer)
+        aux_ids = contract["aux_layer_ids"]
+        client = placement.CaptureClient(p, contract, device)
+        train_sequences = val_sequences = None
     else:
-        model, tokenizer = target.load_target(
-            p.target.name,
-            cache_dir(p),
-            dtype=p.target.dtype,
-            device=p.target.device,
-            trust_remote_code=p.target.trust_remote_code,
-        )
-        layers = target.num_layers(model.config)
-        aux_ids = target.aux_layer_ids(p.target.aux_layer_ids, layers)
-        contract = target.make_contract(p.target.name, model, tokenizer, aux_ids, p.target.dtype)
-        train_sequences = lambda epoch: online_sequences(model, train_tokens, aux_ids, p.run.seed, epoch)  # noqa: E731
-        val_sequences = online_sequences(model, val_tokens, aux_ids, p.run.seed, 0, shuffle=False)
+        online_data, val_data, contract = online.capture_setup(p, train_tokens, val_tokens)
+        aux_ids = contract["aux_layer_ids"]
+        train_sequences, val_sequences = online_data.train_sequences, val_data.val_sequences()
     prep_contract = target.read_contract(prep_dir)
     target.check_contract(
         {k: prep_contract[k] for k in ("target_fingerprint", "vocab_size")}, contract, "the hidden states' eagle3.json"
     )
     contract.update(draft_vocab_size=train_params.draft_vocab_size, d2t_sha256=vocab.d2t_sha256(d2t))
 
-    val_rows, val_tokens_used = [], 0
-    for row in pack_rows(val_sequences, train_params.max_seq_len):
-        if val_tokens_used >= train_params.eval_max_tokens:
-            break
-        val_rows.append(make_batch([row], train_params.max_seq_len))
-        val_tokens_used += val_rows[-1]["tokens"]
+    val_rows = client.val_rows() if client else pack_val_rows(val_sequences, train_params)
+    val_tokens_used = sum(row["tokens"] for row in val_rows)
     if not val_rows:
         raise TrainingError("the validation split is empty: raise data.val_fraction so the metrics mean something")
 
@@ -503,6 +526,8 @@ def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
         contract=contract,
         out_dir=out_dir,
         inputs={"source": train_params.source, "train_tokens_sha256": tokens_sha256(train_tokens)},
+        online=online_data,
+        batch_stream=client.stream if client else None,
     )
     vocab_stats["val_tokens"] = val_tokens_used
     if warm:
@@ -516,6 +541,19 @@ def run_stage(params_file: str, run_dir: str, overrides: dict | None = None) -> 
 
     p = load_params(params_file, overrides)
     device = init_process_group(p.target.device)
+    if p.train.source == "online" and p.train.online_placement == "process":
+        if not dist.is_initialized():
+            raise TrainingError(
+                "train.online_placement: process runs a capture process beside the trainers: start the stage with "
+                "trainer.launch (the 02_train notebook does), or set train.online_placement: thread"
+            )
+        is_capture = split_capture_rank()
+        placement.control_group()  # every rank makes it, in the same order
+        if is_capture:
+            placement.serve_capture(p, Path(run_dir), device)
+            dist.barrier()
+            dist.destroy_process_group()
+            return {}
     rank, world = rank_and_world()
     setup, vocab_stats = build_setup(p, Path(run_dir), device)
     summary = train(
@@ -531,14 +569,20 @@ def run_stage(params_file: str, run_dir: str, overrides: dict | None = None) -> 
     )
     if rank == 0:
         (setup.out_dir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if world > 1:
+    if dist.is_initialized():  # the trainers and, with online_placement: process, the capture process
         dist.barrier()
         dist.destroy_process_group()
     return summary
 
 
 def launch(params_file: str, run_dir: str, overrides: dict | None, nproc: int) -> dict:
-    """Run the stage with torchrun when nproc > 1 (same entry point), else in this process."""
+    """Run the stage with torchrun when nproc > 1 (same entry point), else in this process. With
+    train.online_placement: process, one more process captures the states (rank 0)."""
+    from eagle3lib.params import load_params
+
+    p = load_params(params_file, overrides)
+    if p.train.source == "online" and p.train.online_placement == "process":
+        nproc += 1
     if nproc <= 1:
         return run_stage(params_file, run_dir, overrides)
     import subprocess
