@@ -172,6 +172,36 @@ def test_resume_after_kill_ends_where_an_uninterrupted_run_does(tmp_path, small_
     assert [e["step"] for e in entries if "eval" not in e] == list(range(1, 17))
 
 
+def test_online_run_killed_resumes_where_it_stood_and_ends_as_an_uninterrupted_one(tmp_path, small_target):
+    """kill -9 in the middle of an online run, then a rerun: it resumes from the last checkpoint, captures from that
+    checkpoint's position on (nothing before it again) and ends with the uninterrupted run's drafter."""
+    slow = {"source": "online", "batch_rows": 4, "max_seq_len": 256, "max_tokens": 1024 * 12, "checkpoint_every": 4}
+    slow |= {"eval_every": 100}
+    ref_dir = make_run(tmp_path / "ref", *small_target, slow)
+    ref = trainer.run_stage(params_file(tmp_path / "ref"), str(ref_dir))
+    run_dir = make_run(tmp_path / "killed", *small_target, slow)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eagle3lib.train.trainer", params_file(tmp_path / "killed"), str(run_dir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    ckpt = run_dir / "02_train" / "checkpoints"
+    deadline = time.time() + 120
+    while not (ckpt / "step_0000004" / STATE_FILE).exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "training finished before it could be killed"
+    at = json.loads((latest_checkpoint(ckpt) / STATE_FILE).read_text())
+    summary = trainer.run_stage(params_file(tmp_path / "killed"), str(run_dir))
+    assert summary["steps"] == ref["steps"] == 12 and summary["tokens"] == ref["tokens"]
+    assert summary["online"]["started_at"] == {"epoch": at["epoch"], "sequence": at["sequence_in_epoch"]}
+    assert at["step"] >= 4 and (at["epoch"], at["sequence_in_epoch"]) > (0, 0)
+    a, b = state(ref_dir / "02_train" / "drafter"), state(run_dir / "02_train" / "drafter")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
 def test_rerun_with_other_params_trains_anew_and_sets_the_old_run_aside(tmp_path, small_target, capsys):
     """A finished run rerun with another train.lr (or draft vocabulary) must not hand back the old drafter
     from its final checkpoint: it trains from step 0, and the old checkpoints are kept aside."""
