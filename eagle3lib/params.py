@@ -248,6 +248,11 @@ class TrainParams(Section):
                 raise ValueError(
                     f"{', '.join('train.' + k for k in wrong)} only apply to train.source: online; set it, or remove them"
                 )
+        if self.online_cache_first_epoch and self.online_placement == "thread" and self.nproc_per_node > 1:
+            raise ValueError(
+                "train.online_cache_first_epoch with several training processes needs one writer: set "
+                "train.online_placement: process (one capture process writes the cache for every trainer)"
+            )
         return self
 
 

@@ -20,7 +20,7 @@ from eagle3lib.extract import hf
 from eagle3lib.extract.shards import states, store_states
 from eagle3lib.params import ParamsError, load_params
 from eagle3lib.prepare import conversations
-from eagle3lib.train import TrainingError, placement, trainer
+from eagle3lib.train import TrainingError, online, placement, trainer
 from eagle3lib.train.batches import Sequence, batch_states, in_background, make_batch, pack_rows
 from eagle3lib.train.checkpoint import STATE_FILE, latest_checkpoint, load_drafter
 
@@ -364,6 +364,33 @@ def test_online_capture_process_over_gloo_trains_what_the_thread_does(tmp_path, 
     a = state(thread / "02_train" / "checkpoints" / "step_0000003")
     for k in a:
         assert torch.allclose(a[k].float(), b[k].float(), atol=1e-5, rtol=0), k
+
+
+def test_online_cache_first_epoch_writes_the_extraction_and_later_epochs_read_it(tmp_path, small_target):
+    """online_cache_first_epoch: epoch 0's states become the shards 01_extract writes (the same bytes, one sequence a
+    forward in fp32), later epochs read them, and the drafter is the shards run's. A run resumed within epoch 0
+    misses the shard it stopped in: reading epoch 1 finishes the cache first."""
+    run_dir = make_run(tmp_path, *small_target, {"max_tokens": 128 * 40, "eval_every": 100}, batch_tokens=1)
+    drafter = run_dir / "02_train" / "drafter" / "model.safetensors"
+    trainer.run_stage(params_file(tmp_path), str(run_dir))
+    offline = drafter.read_bytes()
+    cached = {"train.source": "online", "train.online_cache_first_epoch": True, "extract.store_dtype": "float32"}
+    s = trainer.run_stage(params_file(tmp_path), str(run_dir), cached)
+    assert drafter.read_bytes() == offline
+    cache = run_dir / "02_train" / online.CACHE_DIR
+    extracted = json.loads((run_dir / "01_extract" / "train" / "manifest.json").read_text())
+    assert json.loads((cache / "manifest.json").read_text())["shards"] == extracted["shards"]
+    # trained ~1.8 epochs; captured epoch 0 only (and the queue's look-ahead), epoch 1 read from the cache
+    assert s["tokens"] > extracted["num_tokens"] and s["online"]["sequences"] == extracted["num_sequences"]
+    # a resume within epoch 0, at sequence 7 of its order: sequences 0-6's shard is never captured in epoch 0
+    shutil.rmtree(cache)
+    p = load_params(params_file(tmp_path), cached)
+    train_tokens = conversations.load_tokens(run_dir / "00_prepare" / "train.safetensors")
+    data, _, _ = online.capture_setup(p, train_tokens, train_tokens, run_dir / "02_train")
+    assert sum(1 for _ in data.train_sequences(0, 7)) == 40 - 7
+    assert len(json.loads((cache / "manifest.json").read_text())["shards"]) == len(extracted["shards"]) - 1
+    next(iter(data.train_sequences(1, 0)))
+    assert json.loads((cache / "manifest.json").read_text())["shards"] == extracted["shards"]
 
 
 def folder_bytes(root: Path) -> int:

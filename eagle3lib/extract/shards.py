@@ -511,6 +511,25 @@ def _start_manifest(out_dir, tok, aux_layer_ids, hidden_size, store_dtype, shard
     return manifest
 
 
+def open_extraction(out_dir, tok, aux_layer_ids, hidden_size, store_dtype, shard_max_tokens, batch_tokens, contract):
+    """out_dir's manifest for these tokens and settings, begun when absent, its bad or unlisted shards dropped:
+    what extract_with starts from, for a writer whose states come from elsewhere (online training's first-epoch
+    cache, which list_shard's its shards as they are written)."""
+    os.makedirs(out_dir, exist_ok=True)
+    _check_contract(out_dir, contract)
+    _start_manifest(out_dir, tok, aux_layer_ids, hidden_size, store_dtype, shard_max_tokens, batch_tokens)
+    for name, why in verify_and_repair(out_dir, check_sha256=False):
+        print(f"dropped {name}, its sequences will be redone: {why}")
+    return load_manifest(out_dir)
+
+
+def list_shard(out_dir, manifest: dict, entry: dict) -> None:
+    """A written shard (write_shard's entry) into the manifest: it counts from now on."""
+    manifest["shards"].append(entry)
+    manifest["shards"].sort(key=lambda e: e["first_sequence"])
+    _write_json(os.path.join(out_dir, MANIFEST), manifest)
+
+
 def shard_tensors(tok, first, end, stored: dict):
     """The tensors of the shard holding sequences [first, end), given their states in token order (store_states)."""
     starts = tok["seq_starts"]
@@ -602,10 +621,9 @@ def extract_with(
 
         def listed(pending):  # a shard enters the manifest only once its file is complete on disk
             t = time.perf_counter()
-            manifest["shards"].append(pending.result())
+            entry = pending.result()
             waits["write_wait_s"] += time.perf_counter() - t
-            manifest["shards"].sort(key=lambda e: e["first_sequence"])
-            _write_json(os.path.join(out_dir, MANIFEST), manifest)
+            list_shard(out_dir, manifest, entry)
 
         # Shards are written (bytes, sha256, fsync: ~3 s a GB) in threads while the next one is captured;
         # on an H200 the synchronous write held the hf backend to 0.11 of the target's forward.

@@ -13,13 +13,18 @@ way the producer is a StateSource: `hf` here and on the CPU; `sglang_inprocess` 
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Protocol
 
 import torch
 
 from eagle3lib.train.batches import Sequence, sequence_order
+
+CACHE_DIR = "states/train"  # under 02_train: online_cache_first_epoch's shards
 
 
 class StateSource(Protocol):
@@ -52,9 +57,20 @@ class OnlineData:
     """One split's sequences with their states captured as they are read, and what the capture cost
     (`stats`: sequences and tokens captured, seconds, the first position captured)."""
 
-    def __init__(self, states: StateSource, tokens: dict, seed: int, max_seq_len: int, shard_max_tokens: int):
-        self.states, self.tokens, self.seed = states, tokens, seed
-        self.max_seq_len, self.shard_max_tokens = max_seq_len, shard_max_tokens
+    def __init__(
+        self,
+        states: StateSource,
+        tokens: dict,
+        seed: int,
+        max_seq_len: int,
+        shard_max_tokens: int,
+        cache: FirstEpochCache | None = None,
+    ):
+        self.states, self.tokens, self.seed, self.cache = states, tokens, seed, cache
+        # the packer cuts a sequence to max_seq_len and the states of a prefix are the prefix's: only that much is
+        # captured, unless the whole sequence goes into the cache's shards
+        self.max_seq_len = None if cache else max_seq_len
+        self.shard_max_tokens = shard_max_tokens
         starts = tokens["seq_starts"]
         self.lengths = (starts[1:] - starts[:-1]).tolist()
         self.stats = {"sequences": 0, "tokens": 0, "capture_s": 0.0, "started_at": None}
@@ -67,7 +83,11 @@ class OnlineData:
         """The epoch's sequences from position `start` of its order on (nothing before it is captured)."""
         if self.stats["started_at"] is None:
             self.stats["started_at"] = {"epoch": epoch, "sequence": start}
-        return self.sequences(self.order(epoch)[start:])
+        if self.cache is None:
+            return self.sequences(self.order(epoch)[start:])
+        if epoch == 0:
+            return self.cache.written(self.sequences(self.order(epoch)[start:]), self.order(epoch)[start:])
+        return self.cache.read(self, epoch, start)
 
     def val_sequences(self) -> Iterator[Sequence]:
         return self.sequences(range(len(self.lengths)))
@@ -79,7 +99,7 @@ class OnlineData:
         group, longest = [], 0
         for s in seq_ids:
             a = int(starts[s])
-            n = min(self.lengths[s], self.max_seq_len)
+            n = min(self.lengths[s], self.max_seq_len or self.lengths[s])
             if group and (len(group) + 1) * max(longest, n) > self.states.batch_tokens:
                 yield from self._captured(group)
                 group, longest = [], 0
@@ -99,6 +119,128 @@ class OnlineData:
             yield Sequence(seq_ids, self.tokens["loss_mask"][a : a + n], aux, final)
 
 
+class FirstEpochCache:
+    """train.online_cache_first_epoch: the first epoch's states also written, as the extraction 01_extract would
+    make of the training tokens (the same shards, planned by extract.shard_max_tokens, in extract.store_dtype,
+    with manifest and contract), and read back by shard_sequences in later epochs, as speculators does. Epoch 0
+    captures the shards in turn (online's order is the reader's: a shard's sequences come one after the other),
+    so each is written once its last sequence is captured. A run resumed within epoch 0 misses the shard it was
+    in: before epoch 1 the cache is finished by extract_with, which captures exactly what is not listed."""
+
+    def __init__(self, out_dir, tokens: dict, contract: dict, store_dtype, shard_max_tokens: int, batch_tokens: int):
+        from eagle3lib.extract import shards
+
+        self.out_dir, self.contract, self.store_dtype = Path(out_dir), contract, store_dtype
+        self.tok = shards.as_token_tensors(tokens)
+        self.lengths = (self.tok["seq_starts"][1:] - self.tok["seq_starts"][:-1]).tolist()
+        self.shard_max_tokens, self.batch_tokens = shard_max_tokens, batch_tokens
+        self.aux_ids = contract["aux_layer_ids"]
+
+    def _manifest(self):
+        from eagle3lib.extract import shards
+
+        return shards.open_extraction(
+            self.out_dir,
+            self.tok,
+            self.aux_ids,
+            self.contract["hidden_size"],
+            self.store_dtype,
+            self.shard_max_tokens,
+            self.batch_tokens,
+            self.contract,
+        )
+
+    def written(self, sequences: Iterator[Sequence], seq_ids: list[int]) -> Iterator[Sequence]:
+        """The sequences, passed on as they come; each planned shard whose sequences all came is written (in a
+        thread, one at a time: the capture goes on meanwhile)."""
+        from eagle3lib.extract import shards
+
+        manifest = self._manifest()
+        listed = {e["first_sequence"] for e in manifest["shards"]}
+        shard_of, ranges = {}, shards.plan_shards(self.lengths, 0, len(self.lengths), self.shard_max_tokens)
+        for first, end in ranges:
+            shard_of.update(dict.fromkeys(range(first, end), (first, end)))
+        held: dict[tuple[int, int], dict[int, Sequence]] = {}
+        with ThreadPoolExecutor(1) as writer:
+            pending = None
+            for s, seq in zip(seq_ids, sequences, strict=True):
+                first, end = shard_of[s]
+                if first not in listed:
+                    held.setdefault((first, end), {})[s] = seq
+                    if len(held[(first, end)]) == end - first:
+                        if pending is not None:
+                            shards.list_shard(self.out_dir, manifest, pending.result())
+                        pending = writer.submit(self._write, held.pop((first, end)), first, end)
+                yield seq
+            if pending is not None:
+                shards.list_shard(self.out_dir, manifest, pending.result())
+
+    def _write(self, held: dict[int, Sequence], first: int, end: int) -> dict:
+        from eagle3lib.extract import shards
+
+        aux = torch.cat([held[s].aux for s in range(first, end)])
+        final = torch.cat([held[s].final for s in range(first, end)])
+        stored = shards.store_states(aux, final, len(self.aux_ids), self.store_dtype)
+        tensors = shards.shard_tensors(self.tok, first, end, stored)
+        return shards.write_shard(self.out_dir, tensors, first, self.aux_ids)
+
+    def read(self, data: OnlineData, epoch: int, start: int) -> Iterator[Sequence]:
+        """Epoch `epoch` (>= 1) from the cache, finished first where epoch 0 left shards out (a resume within it)."""
+        from eagle3lib.extract import shards
+        from eagle3lib.train.batches import shard_sequences
+
+        manifest = self._manifest()
+        if not manifest["complete"]:
+            shards.extract_with(
+                _SourceCapture(data.states, self.contract),
+                self.tok,
+                self.aux_ids,
+                self.out_dir,
+                self.contract,
+                batch_tokens=self.batch_tokens,
+                shard_max_tokens=self.shard_max_tokens,
+                store_dtype=self.store_dtype,
+                progress=False,
+                verify_existing=False,
+            )
+        return shard_sequences(shards.ShardSet(self.out_dir), data.seed, epoch, start)
+
+
+class _SourceCapture:
+    """A StateSource as extract_with's Capture (shards.Capture), to finish a first-epoch cache."""
+
+    name = "online"
+
+    def __init__(self, states: StateSource, contract: dict):
+        self.states, self.hidden_size, self.vocab_size = states, contract["hidden_size"], contract["vocab_size"]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def session(self, tok, lengths, plan, out_dir):
+        return contextlib.nullcontext()
+
+    def shard(self, tok, lengths, first, end, store_dtype, bar):
+        starts = tok["seq_starts"]
+        seqs = [tok["input_ids"][int(starts[s]) : int(starts[s + 1])].long() for s in range(first, end)]
+        groups, group = [], []
+        for seq in seqs:  # consecutive sequences up to batch_tokens padded tokens a capture
+            if group and (len(group) + 1) * max(len(seq), *(len(g) for g in group)) > self.states.batch_tokens:
+                groups.append(group)
+                group = []
+            group.append(seq)
+        groups.append(group)
+        got = [pair for g in groups for pair in self.states.capture(g)]
+        bar.update(sum(len(seq) for seq in seqs))
+        return torch.cat([a for a, _ in got]).to(store_dtype), torch.cat([f for _, f in got]).to(store_dtype)
+
+    def stats(self):
+        return {}
+
+
 def capture_contract(p, model_or_info, tokenizer) -> dict:
     """The states' contract as 01_extract would write it for this target (dtype: the target's, the states are
     handed over as the target computes them)."""
@@ -108,9 +250,10 @@ def capture_contract(p, model_or_info, tokenizer) -> dict:
     return target.make_contract(p.target.name, model_or_info, tokenizer, aux_ids, p.target.dtype)
 
 
-def capture_setup(p, train_tokens: dict, val_tokens: dict) -> tuple[OnlineData, OnlineData, dict]:
+def capture_setup(p, train_tokens: dict, val_tokens: dict, train_dir: Path) -> tuple[OnlineData, OnlineData, dict]:
     """The target loaded in this process (extract.backend hf: the only capture backend that runs in the trainer's
-    process) and (train data, val data, contract) capturing through it."""
+    process) and (train data, val data, contract) capturing through it; with train.online_cache_first_epoch the
+    first epoch's states go to train_dir/CACHE_DIR."""
     from eagle3lib import target
     from eagle3lib.params import cache_dir
 
@@ -130,7 +273,14 @@ def capture_setup(p, train_tokens: dict, val_tokens: dict) -> tuple[OnlineData, 
     contract = capture_contract(p, model, tokenizer)
     states = HFStates(model, contract["aux_layer_ids"], p.extract.batch_tokens)
     max_len, shard_max = p.train.max_seq_len, p.extract.shard_max_tokens
-    train = OnlineData(states, train_tokens, p.run.seed, max_len, shard_max)
+    cache = None
+    if p.train.online_cache_first_epoch:
+        store = target.torch_dtype(p.extract.store_dtype)
+        shard_contract = contract | {"dtype": p.extract.store_dtype}  # as 01_extract's eagle3.json says it
+        cache = FirstEpochCache(
+            Path(train_dir) / CACHE_DIR, train_tokens, shard_contract, store, shard_max, states.batch_tokens
+        )
+    train = OnlineData(states, train_tokens, p.run.seed, max_len, shard_max, cache)
     val = OnlineData(states, val_tokens, p.run.seed, max_len, shard_max)
     return train, val, contract
 

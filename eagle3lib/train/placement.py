@@ -93,7 +93,7 @@ def serve_capture(p, run_dir: Path, device) -> dict:
         prep = run_dir / "00_prepare"
         train_tokens = conversations.load_tokens(prep / "train.safetensors")
         val_tokens = conversations.load_tokens(prep / "val.safetensors")
-        train_data, val_data, _ = online.capture_setup(p, train_tokens, val_tokens)
+        train_data, val_data, _ = online.capture_setup(p, train_tokens, val_tokens, run_dir / "02_train")
         for row in pack_val_rows(val_data.val_sequences(), p.train):
             for r in trainers:
                 sender.item(r, VAL, 0, 0, row, True)

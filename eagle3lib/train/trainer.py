@@ -471,7 +471,9 @@ def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
         client = placement.CaptureClient(p, contract, device)
         train_sequences = val_sequences = None
     else:
-        online_data, val_data, contract = online.capture_setup(p, train_tokens, val_tokens)
+        online_data, val_data, contract = online.capture_setup(
+            p, train_tokens, val_tokens, run_folder.stage_dir(run_dir, "02_train")
+        )
         aux_ids = contract["aux_layer_ids"]
         train_sequences, val_sequences = online_data.train_sequences, val_data.val_sequences()
     prep_contract = target.read_contract(prep_dir)
