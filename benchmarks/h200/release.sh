@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# Issue 32 on one H200: the released drafter for the embedded target (params/release-smollm2.yaml), trained from
+# the embedded ShareGPT data less params/tiny.yaml's val and bench conversations, then served by SGLang 0.5.17 at
+# depths 1-5 for its provenance, and brought back as the canonical checkpoint and the records behind provenance.json.
+#
+# Here, once: bash benchmarks/h200/peers.sh gather   (-> $G = benchmarks/h200/.cache/.gpu)
+# The H200, back to back (one device call each): peers.sh stage1, stage2, stage3 (their carries: peers.sh), then
+#   bash benchmarks/h200/release.sh train    the run (regeneration, extraction, training: ~15 min) in its own
+#                                            session, so that it outlives the call
+#   bash benchmarks/h200/release.sh wait     until it ends (WAIT_S at most; exit 9 while it runs)
+#   bash benchmarks/h200/release.sh serve    served and predicted AL per set at depths 1, 2, 3, 5 (summary.json)
+#   bash benchmarks/h200/release.sh bring    the drafter and its records, one archive, into $OUT
+# Here: python benchmarks/release_drafter.py ARCHIVE writes drafters/smollm2-135m-instruct/ (provenance.json).
+#
+# The H200 reads ShareGPT from $G/data/sharegpt-7000.json.xz (the embedded set's first 7,000 records, as gather
+# writes it), so tiny.yaml is read there with that file as its source: its first 320 conversations are the
+# embedded set's, and so are its val and bench, which the release leaves out.
+set -uo pipefail
+G=benchmarks/h200/.cache/.gpu; W=/tmp/release; OUT=${OUT:-$PWD/h200-out}; mkdir -p "$OUT" $W
+SHAREGPT=/tmp/data/sharegpt-7000.json.xz
+ours_env() {
+  export PYTHONPATH=$PWD:/tmp/e3site:/tmp/pm-site:/tmp/extra-site JUPYTER_PATH=/tmp/pm-site/share/jupyter \
+    HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+}
+RUN=$W/release-smollm2
+
+case "${1:-}" in
+  train)
+    ours_env
+    python3 -c "
+import yaml
+p = yaml.safe_load(open('params/tiny.yaml'))
+p['data']['sources'] = ['$SHAREGPT']
+yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
+    rm -f $W/train.done
+    setsid -f bash -c 'python3 benchmarks/peers.py measure "$1/train.json" -- python3 -m eagle3lib run \
+        params/release-smollm2.yaml --to train --set run.output_root="$1" --set "data.sources=[$2]" \
+        --set "data.keep_unseen=[$1/tiny-unseen.yaml]" > "$1/train.log" 2>&1 < /dev/null; echo "rc $?" > "$1/train.done"' \
+      _ "$W" "$SHAREGPT" > /dev/null 2>&1 < /dev/null  # nothing of the call's pipes held: the call returns
+    sleep 45; tail -n 5 $W/train.log; exit 0 ;;
+  wait)
+    t0=$(date +%s)
+    until [ -f $W/train.done ]; do
+      [ $(( $(date +%s) - t0 )) -ge "${WAIT_S:-540}" ] && { echo "still running"; tail -n 5 $W/train.log; exit 9; }
+      sleep 10
+    done
+    cat $W/train.done; tail -n 25 $W/train.log; exit 0 ;;
+  serve)
+    ours_env
+    timeout -k 20 "${BUDGET_S:-540}" python3 benchmarks/served_al.py $RUN --params params/release-smollm2.yaml \
+      --drafter release=$RUN/02_train/drafter --depths 1,2,3,5 --sets "held_out,mt_bench,humaneval,$G/data/gsm8k.jsonl" \
+      --per-set "${PER_SET:-10}" --parallel 5 --mem-fraction 0.12 --engine-flag=--disable-cuda-graph \
+      --work $W/served --out "$OUT/summary.json" > "$OUT/serve.log" 2>&1; rc=$?; tail -n 25 "$OUT/serve.log"; exit $rc ;;
+  bring)
+    ours_env
+    # the ids of each split, as 00_prepare drew them (load_pool, split_conversations): the disjointness check here
+    # draws them again from the embedded data and compares
+    python3 -c "
+import json
+from eagle3lib.params import load_params
+from eagle3lib.prepare import conversations, steps
+p = load_params('params/release-smollm2.yaml', {'data.sources': ['$SHAREGPT'], 'data.keep_unseen': ['$W/tiny-unseen.yaml']})
+pool, stats = steps.load_pool(p)
+splits = conversations.split_conversations(pool, p.data.val_fraction, p.data.bench_count, p.run.seed)
+json.dump({k: [c['id'] for c in v] for k, v in splits.items()} | {'kept_unseen': list(stats['kept_unseen'].values())},
+          open('$W/conversation_ids.json', 'w'))
+print({k: len(v) for k, v in splits.items()}, stats['kept_unseen'])" || exit 3
+    cp "$OUT/summary.json" $W/ 2>/dev/null
+    tar -C $W -czf "$OUT/release.tgz" release-smollm2/02_train/drafter release-smollm2/run.json \
+      --exclude='*.ipynb' release-smollm2/00_prepare/result.json release-smollm2/01_extract/result.json \
+      release-smollm2/02_train/result.json train.json train.log conversation_ids.json tiny-unseen.yaml \
+      $( [ -f $W/summary.json ] && echo summary.json ) || exit 4
+    ls -la "$OUT"; exit 0 ;;
+  *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
+esac
