@@ -43,8 +43,12 @@ class RecordedEngine:
         self.rows = [dict(r) for r in rows if r["depth"] == 0]
         self.missing: list[int] = []
 
-    def __call__(self, depth, used, prediction=None, note="", calibration=False):
-        found = [dict(r) for r in self.recorded if r["depth"] == depth]
+    def __call__(self, depth, used, prediction=None, note="", calibration=False, concurrency=None):
+        found = [
+            dict(r)
+            for r in self.recorded
+            if r["depth"] == depth and r["concurrency"] in (concurrency or [r["concurrency"]])
+        ]
         if not found:
             self.missing.append(depth)
         for r in found:

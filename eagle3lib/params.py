@@ -263,7 +263,16 @@ class EngineParams(Section):
     port: int | None = Field(None, ge=1, le=65535, description="default: a free port")
     start_timeout_s: float = Field(600, gt=0)
     extra_args: list[str] = []
+    quick_start_args: list[str] = Field(
+        [],
+        description="flags added for the servers whose speed is not measured (the regeneration server, the deploy "
+        "check), e.g. vLLM's --enforce-eager: on the CPU it starts in ~45 s against ~110-240 s compiled",
+    )
     env: dict[str, str] = {}
+
+    def for_quick_start(self) -> EngineParams:
+        """This engine with quick_start_args added: for a server that is used, not benchmarked."""
+        return self.model_copy(update={"extra_args": [*self.extra_args, *self.quick_start_args]})
 
 
 # bench.prompts' named sets (bench/prompt_sets.py reads them; a test keeps the two in step)
@@ -271,7 +280,14 @@ PROMPT_SET_NAMES = ("held_out", "mt_bench", "humaneval")
 
 
 class BenchParams(Section):
-    depths: list[int] = Field([16, 10, 5], description="depths always measured (the user's questions)")
+    depths: list[int] = Field([16, 10, 5], description="the user's depths: measured, or predicted (asked_depths)")
+    asked_depths: Literal["measure", "quick", "predict"] = Field(
+        "measure",
+        description="how bench.depths are answered when the cost model runs (pick_depth): measure (every prompt, "
+        "every concurrency), quick (quick_prompts prompts at the lowest concurrency) or predict (the calibrated "
+        "cost model only: no server). Without the cost model they are measured",
+    )
+    neighbours: bool = Field(True, description="also measure the pick's neighbours at the lowest concurrency")
     pick_depth: bool = Field(
         True,
         description="also measure the depth the cost model predicts fastest at each concurrency and its "
@@ -459,6 +475,12 @@ def _resolve_paths(p: Params, base: Path) -> None:
         if not Path(f).is_file():
             raise ParamsError(f"data.keep_unseen: no params file at {f} (paths are relative to this params file)")
     p.target.name = resolve(p.target.name)
+    if p.train.init_from:
+        p.train.init_from = str((base / Path(p.train.init_from).expanduser()).resolve())
+        if not Path(p.train.init_from).is_dir():
+            raise ParamsError(
+                f"train.init_from: no drafter folder at {p.train.init_from} (paths are relative to this params file)"
+            )
     if p.engine.python:
         p.engine.python = resolve(p.engine.python)
 

@@ -161,10 +161,10 @@ class SyntheticEngine:
     def __init__(self, truth, engine_cond, concurrency):
         self.truth, self.cond, self.concurrency, self.runs, self.rows = truth, engine_cond, concurrency, [], []
 
-    def __call__(self, depth, used, prediction=None, note="", calibration=False):
+    def __call__(self, depth, used, prediction=None, note="", calibration=False, concurrency=None):
         self.runs.append((depth, len(used), calibration))
         out = []
-        for c in self.concurrency:
+        for c in concurrency or self.concurrency:
             if depth is None:
                 share = self.truth.prefill_share[c]  # as the engine's counters report it
                 tps = (1 - share) * c * 1000 / self.truth.decode_ms[c]
@@ -246,6 +246,49 @@ def test_when_every_depth_loses_the_picks_still_run_every_prompt():
     assert all(r["speedup"] < 1 for r in engine.rows if r["depth"])
     rec = sweep.recommend(engine.rows, "/models/t", {})
     assert all(chosen["depth"] in (0, None) for chosen in rec.values())  # no speculation
+
+
+@pytest.mark.parametrize("asked", ["predict", "quick"])
+def test_a_first_run_sweep_measures_the_baseline_and_the_picks_and_answers_the_asked_depths_cheaply(asked):
+    """bench.neighbours off and bench.asked_depths predict or quick (params/tiny.yaml's first run): servers start
+    for the baseline and the picks only (every prompt, every concurrency); the asked depths are the calibrated
+    model's predictions, or a few prompts at the lowest concurrency, and asked_depths says which."""
+    from eagle3lib.bench import steps, sweep
+    from eagle3lib.params import BenchParams
+
+    truth = synthetic(prefill_share=0.1, overhead=6.0)
+    cond = [0.75, 0.7, 0.7, 0.65, 0.6]
+    bench = BenchParams(depths=[16, 10, 5], concurrency=[1, 8], asked_depths=asked, neighbours=False, quick_prompts=3)
+    engine = SyntheticEngine(truth, cond, bench.concurrency)
+    prompts = [{"id": str(i), "prompt_ids": [1]} for i in range(12)]
+    engine(None, prompts)
+    model = sweep.choose_and_measure(
+        bench, {"cond_acc": cond}, lambda: (truth.forward_ms, truth.draft_ms), engine.rows, prompts, engine,
+        tqdm(total=0, disable=True), lambda _line: None,
+    )  # fmt: skip
+    picks = set(model["picks"].values())
+    full = {d for d, n, _ in engine.runs if d and n == len(prompts)}
+    assert full == picks | {model["calibrated_on"]} and {16, 10, 5}.isdisjoint(full)  # the first pick calibrates
+    swept = {"rows": engine.rows, "cost_model": model}
+    answered = steps.asked_depths(swept, bench)
+    if asked == "predict":
+        assert model["predicted_only"] == [16, 10, 5] and len(engine.runs) == 1 + len(full)
+        assert [(r["depth"], r["concurrency"], r["how"]) for r in answered] == [
+            (d, c, "predicted") for d in (16, 10, 5) for c in (1, 8)
+        ]
+    else:
+        assert model["predicted_only"] == [] and {16, 10, 5} <= set(model["quick"])
+        assert {(d, n) for d, n, _ in engine.runs if d in (16, 10, 5)} == {(16, 3), (10, 3), (5, 3)}
+        assert {(r["depth"], r["concurrency"]) for r in engine.rows if r["depth"] in (16, 10, 5)} == {
+            (16, 1),
+            (10, 1),
+            (5, 1),
+        }
+        hows = {(r["concurrency"], r["how"]) for r in answered}
+        assert hows == {(1, "quick (3 prompts)"), (8, "predicted")}  # concurrency 8 is not run: its prediction
+    assert "depth 16, concurrency 1" in steps.asked_depths_text(answered)
+    rec = sweep.recommend(engine.rows, "/models/t", {})
+    assert {chosen["depth"] for chosen in rec.values()} <= picks | {0}
 
 
 def test_the_speedup_plot_draws_predictions_and_measurements(tmp_path):

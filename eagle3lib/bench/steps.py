@@ -150,11 +150,13 @@ def sampling_text(swept: dict) -> str:
 
 
 def replay_depths(swept: dict, bench_params) -> list[int]:
-    """The depths to replay: the user's (bench.depths), the cost model's picks and the fastest measured depth
-    (the headline's)."""
-    picks = (swept.get("cost_model") or {}).get("picks", {})
+    """The depths to replay: the user's (bench.depths) that the sweep measured, the cost model's picks and the
+    fastest measured depth (the headline's)."""
+    model = swept.get("cost_model") or {}
+    picks, predicted_only = model.get("picks", {}), set(model.get("predicted_only", []))
     best = best_speculative(swept["rows"])
-    return sorted(set(bench_params.depths) | set(picks.values()) | ({best["depth"]} if best else set()))
+    asked = set(bench_params.depths) - predicted_only  # a depth only predicted is not replayed either
+    return sorted(asked | set(picks.values()) | ({best["depth"]} if best else set()))
 
 
 def lossless_headline(swept: dict) -> str:
@@ -195,6 +197,46 @@ def losslessness_text(swept: dict) -> str:
     if not swept["differences"]:
         lines.append("every speculative output equals the baseline's, token for token")
     return "\n".join(lines)
+
+
+def asked_depths(swept: dict, bench_params) -> list[dict]:
+    """The user's depths (bench.depths) at every concurrency: {depth, concurrency, speedup, accept_len, how}, how
+    being "measured" (every prompt), "quick" (bench.quick_prompts prompts) or "predicted" (the cost model calibrated
+    on the measured depths; bench.asked_depths: predict)."""
+    model = swept.get("cost_model") or {}
+    full = max((r.get("prompts", 0) for r in swept["rows"]), default=0)
+    predicted = {(r["depth"], r["concurrency"]): r for r in model.get("predicted", [])}
+    out = []
+    for d in bench_params.depths:
+        for c in bench_params.concurrency:
+            row = next((r for r in swept["rows"] if r["depth"] == d and r["concurrency"] == c), None)
+            if row is not None:
+                how = "measured" if row.get("prompts", 0) == full else f"quick ({row['prompts']} prompts)"
+                out.append(
+                    dict(depth=d, concurrency=c, speedup=row["speedup"], accept_len=row.get("accept_len"), how=how)
+                )
+            elif (d, c) in predicted:
+                x = predicted[(d, c)]
+                out.append(
+                    dict(depth=d, concurrency=c, speedup=x["speedup"], accept_len=x["accept_len"], how="predicted")
+                )
+    return out
+
+
+def asked_depths_text(rows: list[dict]) -> str:
+    """asked_depths as lines: each depth's speedup and acceptance length, and how it was found."""
+    return (
+        "\n".join(
+            f"depth {r['depth']:>2}, concurrency {r['concurrency']}: {r['speedup']:.2f}x, acceptance length "
+            f"{_fmt_al(r['accept_len'])} ({r['how']})"
+            for r in rows
+        )
+        or "no depth asked for (bench.depths is empty)"
+    )
+
+
+def _fmt_al(x) -> str:
+    return "n/a" if x is None else f"{x:.2f}"
 
 
 def recommendation_text(recommendation: dict) -> str:
@@ -265,7 +307,13 @@ def _round(x, digits):
 
 
 def result(
-    swept: dict, recommendation: dict, replayed: dict, prompts: int, max_tokens: int, sets: dict | None = None
+    swept: dict,
+    recommendation: dict,
+    replayed: dict,
+    prompts: int,
+    max_tokens: int,
+    sets: dict | None = None,
+    asked: list[dict] | None = None,
 ) -> dict:
     """For Stage.save: the sweep's rows, recommendation, losslessness and the replay's summary as figures;
     the best speedup, its acceptance length (engine and replay) and the worst losslessness as the headline."""
@@ -281,6 +329,7 @@ def result(
         "replay": {"target_dtype": replayed["target_dtype"], "summary": replayed["summary"]},
         "cost_model": swept.get("cost_model"),
         "limits": speedup_limits(swept),
+        "asked_depths": asked,
         "prompt_list": swept.get("prompt_list"),
         "sampling": swept.get("sampling"),
         "sets": sets,

@@ -299,13 +299,15 @@ def benchmark(
             server, chosen, bench_params.samples, bench_params.sample_tokens, max(bench_params.concurrency), generate
         )
 
-    def run(depth: int | None, used: list[dict], prediction=None, note: str = "", calibration=False) -> list[dict]:
+    def run(
+        depth: int | None, used: list[dict], prediction=None, note: str = "", calibration=False, concurrency=None
+    ) -> list[dict]:
         say(f"[bench] {engines.config_name(depth, dtype)}: starting {engine_params.name} ({len(used)} prompts{note})")
         bar.set_postfix_str(engines.config_name(depth, dtype))
         measured = []
         got, drawn = run_config(
             engine_params, target_dir, draft_dir, depth, used, bench_params.max_tokens,
-            bench_params.concurrency, log_dir, dtype, generate,
+            concurrency or bench_params.concurrency, log_dir, dtype, generate,
             prepare=answer_first_turns if depth is None and pending else None,
             sample=sample_draws if sampled and bench_params.samples else None,
         )  # fmt: skip
@@ -406,22 +408,33 @@ def choose_and_measure(bench_params, eval_summary, measure_costs, rows, prompts,
     by_key = {(r["depth"], r["concurrency"]): r for r in after}
     picks = {c: cost.best_depth(after, c)["depth"] for c in conc}
     low = picks[min(conc)]
+    neighbours = (low - 1, low + 1) if bench_params.neighbours else ()
     plan = sorted(
-        {*picks.values(), *(d for d in (low - 1, low + 1) if 1 <= d <= bench_params.max_depth)} - {first},
+        {*picks.values(), *(d for d in neighbours if 1 <= d <= bench_params.max_depth)} - {first},
         key=lambda d: -max(by_key[(d, c)]["speedup"] for c in conc),
     )
-    plan += [d for d in bench_params.depths if d not in plan and d != first]
+    asked = [d for d in bench_params.depths if d not in plan and d != first]
+    predicted_only = asked if bench_params.asked_depths == "predict" else []
+    plan += [d for d in asked if d not in predicted_only]
     bar.total += len(plan) - len(bench_params.depths)
     quick = []
     for d in plan:
         # each depth's prediction comes from the model calibrated on the depths measured before it
         ahead = {(d, c): cost.predict(costs, cond, [d], [c])[0] for c in conc}
         best_predicted = max(r["speedup"] for r in ahead.values())
-        if best_predicted < bench_params.quick_below and d not in picks.values():  # a pick is measured in full
+        asked_quick = bench_params.asked_depths == "quick" and d in asked
+        if asked_quick or (best_predicted < bench_params.quick_below and d not in picks.values()):  # picks: in full
             quick.append(d)
-        used = take(prompts, max(bench_params.quick_prompts, max(conc))) if d in quick else prompts
-        measured += run(d, used, ahead, f", predicted {best_predicted:.2f}x" + (": quick" if d in quick else ""))
+        # asked depths in quick mode: a few prompts at the lowest concurrency (the user's question, answered cheaply)
+        few = bench_params.quick_prompts if asked_quick else max(bench_params.quick_prompts, max(conc))
+        used = take(prompts, few) if d in quick else prompts
+        note = f", predicted {best_predicted:.2f}x" + (": quick" if d in quick else "")
+        measured += run(d, used, ahead, note, concurrency=[min(conc)] if asked_quick else None)
         costs = cost.calibrate(costs, cond, measured)
+    if predicted_only:
+        say(
+            f"[bench] depths {predicted_only} predicted by the calibrated cost model, not measured (bench.asked_depths)"
+        )
     final = cost.predict(costs, cond, depths, conc)
     return {
         "costs": costs.as_dict(),
@@ -433,6 +446,7 @@ def choose_and_measure(bench_params, eval_summary, measure_costs, rows, prompts,
         "calibrated_on": first,
         "plan": [first, *plan],
         "quick": quick,
+        "predicted_only": predicted_only,
     }
 
 

@@ -380,8 +380,8 @@ def regenerate(
     dtype: str | None = None,
 ) -> dict:
     """regenerate_responses as params' data.regenerate section (rg) asks: backend "hf" generates
-    with `model` here; "engine" starts the run's serving engine (engine_params, no drafter, in `dtype`, the
-    target's: None = the engine's default) on target_dir, logs it next to out_path, and stops it when done
+    with `model` here; "engine" starts the run's serving engine (engine_params with its quick_start_args, no drafter,
+    in `dtype`, the target's: None = the engine's default) on target_dir, logs it next to out_path, and stops it when done
     (also on errors)."""
     kwargs = dict(
         budget_tokens=rg.budget_tokens,
@@ -394,7 +394,8 @@ def regenerate(
         return regenerate_responses(model, tokenizer, conversations, out_path, **kwargs)
     from eagle3lib import engines
 
-    server = engines.make(engine_params, target_dir, None, None, Path(out_path).parent, dtype)
+    # its speed is not measured: engine.quick_start_args (vLLM CPU: eager, a start of ~45 s instead of ~110-240)
+    server = engines.make(engine_params.for_quick_start(), target_dir, None, None, Path(out_path).parent, dtype)
     with server:
         stats = regenerate_responses(
             model, tokenizer, conversations, out_path, engine=server, backend=f"engine:{engine_params.name}", **kwargs

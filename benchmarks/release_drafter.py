@@ -1,0 +1,119 @@
+"""The released drafter's folder (drafters/<name>/) from what benchmarks/h200/release.sh brought back: the canonical
+checkpoint stored in bf16, the ids of the conversations it saw, and provenance.json (params, commit, data hashes,
+tokens trained, GPU time, offline and served acceptance, each file's sha256), which tests/test_released_drafter.py
+checks the shipped files against.
+
+    python benchmarks/release_drafter.py UNPACKED --sharegpt benchmarks/h200/.cache/.gpu/data/sharegpt-7000.json.xz \
+        --out drafters/smollm2-135m-instruct
+
+UNPACKED: release.tgz unpacked (release-smollm2/{run.json,0*_*/result.json,02_train/drafter}, train.json,
+summary.json, conversation_ids.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+from safetensors.torch import load_file, save_file
+
+STAGES = ("00_prepare", "01_extract", "02_train")
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("unpacked", type=Path)
+    ap.add_argument("--sharegpt", type=Path, required=True, help="the ShareGPT file the H200 read")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    src, out = args.unpacked, args.out
+    run = src / "release-smollm2"
+    results = {s: json.loads((run / s / "result.json").read_text()) for s in STAGES}
+    run_json = json.loads((run / "run.json").read_text())
+    measured = json.loads((src / "train.json").read_text())
+    served = json.loads((src / "summary.json").read_text())
+    ids = json.loads((src / "conversation_ids.json").read_text())
+
+    out.mkdir(parents=True, exist_ok=True)
+    drafter = run / "02_train" / "drafter"
+    for name in ("config.json", "eagle3.json"):
+        shutil.copy(drafter / name, out / name)
+    # bf16: half the bytes of the fp32 master weights; SGLang served it in bf16 (the target's dtype there)
+    tensors = load_file(str(drafter / "model.safetensors"))
+    save_file(
+        {k: v.bfloat16() if v.is_floating_point() else v for k, v in tensors.items()}, str(out / "model.safetensors")
+    )
+    (out / "conversations.json").write_text(
+        json.dumps({k: ids[k] for k in ("train", "val", "bench")}, separators=(",", ":")) + "\n"
+    )
+
+    prepare, train = results["00_prepare"]["figures"], results["02_train"]["figures"]
+    by_depth = {}
+    for row in served["rows"]:
+        if row.get("served_al") is not None:
+            by_depth.setdefault(str(row["depth"]), {})[row["set"]] = round(row["served_al"], 4)
+    provenance = {
+        "what": "EAGLE-3 drafter for SmolLM2-135M-Instruct (the embedded target), trained on an H200 by "
+        "params/release-smollm2.yaml; params/tiny.yaml starts from it (train.init_from)",
+        "params_file": "params/release-smollm2.yaml",
+        "command": measured["command"],
+        "params": run_json["params"],
+        "git": run_json["git"],
+        "versions": run_json.get("versions"),
+        "machine": run_json.get("machine"),
+        "data": {
+            "source": "embedded:sharegpt, its first 7,000 records as benchmarks/h200/peers.sh gather writes them",
+            "source_file_sha256": sha256(args.sharegpt),
+            "read": {k: prepare["read"][k] for k in ("read", "kept", "skipped")},
+            "kept_unseen": "params/tiny.yaml's val and bench conversations, by id and by prompt: "
+            f"{sum(prepare['read']['kept_unseen'].values())} left out",
+            "splits": prepare["splits"],
+            "conversation_ids": "conversations.json",
+            "regenerated": {k: prepare["regenerate"][k] for k in ("tokens_generated", "regenerated", "kept_original")},
+            "tokens": prepare["tokens"],
+        },
+        "training": {
+            "tokens_trained": train["tokens"],
+            "steps": train["steps"],
+            "train_seconds": train["train_seconds"],
+            "train_tokens_per_s": train["train_tokens_per_s"],
+            "dtype": train.get("dtype_auto"),
+            "drafter_params": train["drafter_params"],
+            "stage_seconds": {s: results[s]["seconds"] for s in STAGES},
+            "gpu": "one NVIDIA H200",
+            "gpu_wall_s": measured["wall_s"],
+            "gpu_peak_gib": measured["gpu_peak_gib"],
+        },
+        "offline": {
+            "est_accept_len": train["eval"]["est_accept_len"],
+            "cond_acc": [round(x, 4) for x in train["eval"]["cond_acc"]],
+            "initial_est_accept_len": train["initial_eval"]["est_accept_len"],
+        },
+        "served": {
+            "engine": served["engine"],
+            "max_tokens": served["max_tokens"],
+            "sets": served["sets"],
+            "greedy, concurrency 1, top-k 1": True,
+            "accept_len_mean": {str(m["depth"]): round(m["served_al_mean"], 4) for m in served["means"]},
+            "accept_len": by_depth,
+        },
+        "stored_dtype": "bfloat16",
+        "files": {
+            name: sha256(out / name)
+            for name in ("config.json", "eagle3.json", "model.safetensors", "conversations.json")
+        },
+    }
+    (out / "provenance.json").write_text(json.dumps(provenance, indent=1) + "\n")
+    print(json.dumps({k: provenance[k] for k in ("served", "files")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
