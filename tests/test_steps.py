@@ -12,7 +12,7 @@ from conftest import need_engine
 from test_bench import ROWS
 from test_export import ckpt  # noqa: F401  (a real drafter checkpoint for the embedded target)
 
-from eagle3lib import engines, target
+from eagle3lib import engines, run_folder, target
 from eagle3lib.bench import steps as bench_steps
 from eagle3lib.bench import sweep
 from eagle3lib.convert import layouts
@@ -144,6 +144,38 @@ def test_extract_plan_in_each_store_dtype_and_when_the_disk_is_short(params):
 
 
 # -------------------------------------------------------------------------------------------------- 02 ----
+
+
+def test_online_plan_splits_the_devices_and_expects_the_rate_of_the_runs_measured(params, tmp_path):
+    contract = {"target_fingerprint": "f"}
+    p = params(**{"train.source": "online"})
+    assert "no expected rate yet: no capture or training from shards rate" in train_steps.online_plan_text(p, contract)
+    root = tmp_path / "outputs"
+    run_folder.save_result(
+        root / "a", "01_extract", {"tokens_per_s": 1500.0, "backend": "hf", "target_fingerprint": "f"}
+    )
+    run_folder.save_result(
+        root / "a", "02_train", {"train_tokens_per_s": 1000.0, "target_fingerprint": "f", "source": "shards"}
+    )
+    run_folder.save_result(
+        root / "b", "02_train", {"train_tokens_per_s": 5.0, "target_fingerprint": "g", "source": "shards"}
+    )
+    thread = train_steps.online_plan_text(p, contract)
+    assert "placement thread): the capture runs in a thread of each of the 1 training process(es)" in thread
+    assert "0 bytes of states on disk; expected ~600 trainer tokens/s (taking turns, 1/(1/c + 1/t)" in thread
+    gpus = train_steps.online_plan_text(
+        params(
+            **{
+                "train.source": "online",
+                "train.online_placement": "process",
+                "train.nproc_per_node": 3,
+                "target.device": "cuda",
+            }
+        ),
+        contract,
+    )
+    assert "the capture process on cuda:0, 3 trainer(s) on cuda:1..3 (NCCL)" in gpus
+    assert "expected ~1,000 trainer tokens/s (side by side, min(c, t)" in gpus
 
 
 def test_train_result_and_overview():

@@ -1,7 +1,11 @@
 """The 02_train stage's result: the training summary as its figures, the run index's headline, the drafter
-files that must exist."""
+files that must exist; online mode's plan, which 00_prepare prints beside 01_extract's."""
 
 from __future__ import annotations
+
+from pathlib import Path
+
+from eagle3lib import run_folder
 
 ARTIFACTS = ["drafter/model.safetensors", "drafter/config.json", "drafter/eagle3.json"]
 OVERVIEW = (
@@ -31,3 +35,48 @@ def result(summary: dict) -> dict:
         "tokens": summary["tokens"],
     }
     return {"figures": summary, "headline": headline, "artifacts": ARTIFACTS}
+
+
+def online_plan_text(p, contract: dict) -> str:
+    """Online mode's plan: where the capture and the trainers run, and the trainers' expected tokens/s from the
+    rates last measured for this target under run.output_root: the capture's c (01_extract's capture rate, else
+    its plain forward's) and training's t (02_train from shards). Sharing a device (the thread, or processes on one
+    CPU) the two take turns: 1 / (1/c + 1/t); on devices of their own the slower one sets the pace: min(c, t)."""
+    train = p.train
+    trainers = train.nproc_per_node
+    on_gpu = p.target.device.startswith("cuda")
+    if train.online_placement == "thread":
+        split = f"the capture runs in a thread of each of the {trainers} training process(es), on their device"
+        shared = True
+    elif on_gpu:
+        split = f"the capture process on cuda:0, {trainers} trainer(s) on cuda:1..{trainers} (NCCL)"
+        shared = False
+    else:
+        split = f"the capture process and {trainers} trainer(s) share this CPU's cores (gloo)"
+        shared = True
+    root = Path(p.run.output_root)
+    fingerprint = contract["target_fingerprint"]
+    capture = run_folder.last_measured(
+        root, "01_extract", "tokens_per_s", {"backend": p.extract.backend, "target_fingerprint": fingerprint}
+    ) or run_folder.last_measured(root, "01_extract", "forward_tokens_per_s", {"target_fingerprint": fingerprint})
+    trained = run_folder.last_measured(
+        root, "02_train", "train_tokens_per_s", {"target_fingerprint": fingerprint, "source": "shards"}
+    )
+    if capture and trained:
+        c, t = capture["value"], trained["value"]
+        expected = 1 / (1 / c + 1 / t) if shared else min(c, t)
+        how = "taking turns, 1/(1/c + 1/t)" if shared else "side by side, min(c, t)"
+        rate = (
+            f"expected ~{expected:,.0f} trainer tokens/s ({how}; capture c = {c:,.0f} tokens/s by run "
+            f"{capture['run']!r}, training t = {t:,.0f} by run {trained['run']!r})"
+        )
+    else:
+        missing = [name for name, got in (("capture", capture), ("training from shards", trained)) if not got]
+        rate = f"no expected rate yet: no {' or '.join(missing)} rate measured for this target under {root}"
+    mode = "this run" if train.source == "online" else "with train.source: online"
+    disk = (
+        "the first epoch's states on disk (online_cache_first_epoch)"
+        if train.online_cache_first_epoch
+        else "0 bytes of states on disk"
+    )
+    return f"02_train online plan ({mode}, placement {train.online_placement}): {split}; {disk}; {rate}"

@@ -567,7 +567,12 @@ def run_stage(params_file: str, run_dir: str, overrides: dict | None = None) -> 
         log=(print if rank == 0 else (lambda *a: None)),
     )
     summary.update(
-        vocab=vocab_stats, world_size=world, drafter_params=sum(x.numel() for x in setup.drafter.parameters())
+        vocab=vocab_stats,
+        world_size=world,
+        drafter_params=sum(x.numel() for x in setup.drafter.parameters()),
+        # with the source, what a later run's online plan looks this run's training rate up by (train/steps.py)
+        target_fingerprint=setup.contract["target_fingerprint"],
+        source=p.train.source,
     )
     if rank == 0:
         (setup.out_dir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
