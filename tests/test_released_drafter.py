@@ -63,3 +63,19 @@ def test_its_conversations_are_drawn_again_and_none_is_the_default_runs_val_or_b
     assert not {c["id"] for c in held_out} & {c["id"] for c in seen}
     assert not {t for c in held_out for t in D.user_texts(c)} & {t for c in seen for t in D.user_texts(c)}
     assert sum(stats["kept_unseen"].values()) > 0
+
+
+def test_the_train_report_shows_the_released_drafter_before_and_after_the_fine_tune():
+    from eagle3lib.train import steps as train_steps
+
+    ev = lambda al: {"est_accept_len": {str(d): al + d / 100 for d in range(1, 17)}, "cond_acc": [0.5]}  # noqa: E731
+    summary = {
+        "initial_eval": ev(1.5), "eval": ev(1.7), "steps": 1, "tokens": 10, "train_tokens_per_s": 1.0,
+        "vocab": {"warm_start": {"init_from": str(RELEASED), "layout": "ours"}},
+    }  # fmt: skip
+    text = train_steps.fine_tune_text(summary)
+    assert text.startswith(f"started from {RELEASED}") and "@3 1.53 -> 1.73" in text and "@16 1.66 -> 1.86" in text
+    assert train_steps.result(summary)["headline"]["est. accept len @5 before"] == 1.55
+    scratch = summary | {"vocab": {}}
+    assert train_steps.fine_tune_text(scratch).startswith("started untrained")
+    assert "est. accept len @5 before" not in train_steps.result(scratch)["headline"]

@@ -25,8 +25,22 @@ def overview(summary: dict) -> dict:
     return {k: summary[k] for k in OVERVIEW}
 
 
+def fine_tune_text(summary: dict) -> str:
+    """With train.init_from: the estimated acceptance length per depth of the drafter it started from and of the
+    fine-tuned one, on this run's validation rows; without it, what the untrained drafter was."""
+    before, after = summary.get("initial_eval"), summary["eval"]
+    warm = (summary.get("vocab") or {}).get("warm_start")
+    if not before:
+        return "no evaluation before training (a resumed run's first one was its earlier start's)"
+    depths = [d for d in ("1", "2", "3", "5", "10", "16") if d in after["est_accept_len"]]
+    pairs = ", ".join(f"@{d} {before['est_accept_len'][d]:.2f} -> {after['est_accept_len'][d]:.2f}" for d in depths)
+    start = f"started from {warm['init_from']}" if warm else "started untrained"
+    return f"{start}; estimated acceptance length on this run's validation, before -> after training: {pairs}"
+
+
 def result(summary: dict) -> dict:
-    """For Stage.save: the summary of trainer.launch, its final validation's headline figures."""
+    """For Stage.save: the summary of trainer.launch, its final validation's headline figures (with
+    train.init_from, the started-from drafter's too)."""
     ev = summary["eval"]
     headline = {
         "est. accept len @5": ev["est_accept_len"].get("5"),
@@ -34,6 +48,8 @@ def result(summary: dict) -> dict:
         "train tokens/s": summary["train_tokens_per_s"],
         "tokens": summary["tokens"],
     }
+    if (summary.get("vocab") or {}).get("warm_start") and summary.get("initial_eval"):
+        headline["est. accept len @5 before"] = summary["initial_eval"]["est_accept_len"].get("5")
     return {"figures": summary, "headline": headline, "artifacts": ARTIFACTS}
 
 
