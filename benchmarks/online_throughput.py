@@ -71,6 +71,9 @@ def main():
     ap.add_argument("--params", required=True, help="that run's params file")
     ap.add_argument("--tokens", type=int, default=8000, help="train.max_tokens of each mode")
     ap.add_argument("--out", default=None, help="JSONL file for the rows (appended)")
+    ap.add_argument(
+        "--no-process", action="store_true", help="leave out the capture-process mode (one GPU: its two ranks need two)"
+    )
     args = ap.parse_args()
     run_dir = Path(args.run_dir)
     common = {
@@ -83,7 +86,7 @@ def main():
         ("offline (shards)", {}),
         ("online thread", {"train.source": "online"}),
         ("online gloo processes", {"train.source": "online", "train.online_placement": "process"}),
-    ]
+    ][: 2 if args.no_process else 3]
     rows = []
     with tempfile.TemporaryDirectory(prefix="online-bench-") as scratch:
         rows.append(capture_alone(args.params, common, run_dir, args.tokens))
