@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from eagle3lib.params import load_params
+from eagle3lib.params import ParamsError, load_params
 from eagle3lib.prepare import conversations as D
 from eagle3lib.prepare import sources as S
 from eagle3lib.prepare import steps
@@ -28,7 +28,11 @@ def test_shipped_files_are_the_recorded_ones():
         assert hashlib.sha256((RELEASED / name).read_bytes()).hexdigest() == digest, f"{name} differs from provenance"
     assert (RELEASED / "model.safetensors").stat().st_size < 16e6  # a few MB: bf16, draft vocabulary 2,048
     tiny = load_params(ROOT / "params" / "tiny.yaml")
-    assert tiny.train.init_from == str(RELEASED)
+    assert tiny.train.init_from == str(RELEASED)  # relative to the params file
+    with pytest.raises(
+        ParamsError, match=r"train.init_from: no drafter folder at .*drafters/nope \(paths are relative"
+    ):
+        load_params(ROOT / "params" / "tiny.yaml", {"train.init_from": "../drafters/nope"})
 
 
 def test_released_drafter_loads_and_fits_the_embedded_target(tmp_path):
