@@ -32,6 +32,7 @@ def main() -> int:
     ap.add_argument("unpacked", type=Path)
     ap.add_argument("--sharegpt", type=Path, required=True, help="the ShareGPT file the H200 read")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--git-note", default=None, help="what the H200's tree held beyond run.json's commit, if dirty")
     args = ap.parse_args()
     src, out = args.unpacked, args.out
     run = src / "release-smollm2"
@@ -65,7 +66,7 @@ def main() -> int:
         "params_file": "params/release-smollm2.yaml",
         "command": measured["command"],
         "params": run_json["params"],
-        "git": run_json["git"],
+        "git": run_json["git"] | ({"note": args.git_note} if args.git_note else {}),
         "versions": run_json.get("versions"),
         "machine": run_json.get("machine"),
         "data": {
