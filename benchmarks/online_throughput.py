@@ -1,6 +1,7 @@
 """Online training against shards on one host (issue 33): trainer tokens/s offline (from 01_extract's shards),
-online with the capture in a thread, online with a capture process and a trainer over gloo, and in the same run
-the two parts alone, for the take-turns bound 1 / (1/capture + 1/train).
+online with the capture in a thread, online with a capture process and a trainer over gloo, with --ray online with
+a capture actor and a trainer actor on a local Ray cluster, and in the same run the two parts alone, for the
+take-turns bound 1 / (1/capture + 1/train).
 
     python -m eagle3lib run params/ci.yaml --to extract --set run.output_root=/tmp/bench-online
     python benchmarks/online_throughput.py --run-dir /tmp/bench-online/ci --params params/ci.yaml --tokens 8000
@@ -74,6 +75,11 @@ def main():
     ap.add_argument(
         "--no-process", action="store_true", help="leave out the capture-process mode (one GPU: its two ranks need two)"
     )
+    ap.add_argument(
+        "--ray",
+        action="store_true",
+        help="add the Ray mode (train.online_placement: ray, a local cluster); Ray from this environment or .ray-site",
+    )
     args = ap.parse_args()
     run_dir = Path(args.run_dir)
     common = {
@@ -87,6 +93,11 @@ def main():
         ("online thread", {"train.source": "online"}),
         ("online gloo processes", {"train.source": "online", "train.online_placement": "process"}),
     ][: 2 if args.no_process else 3]
+    if args.ray:
+        ray_site = ROOT / ".ray-site"  # where the tests read Ray from, outside the workbook's environment
+        if ray_site.is_dir() and str(ray_site) not in sys.path:
+            sys.path.append(str(ray_site))
+        modes.append(("online ray actors", {"train.source": "online", "train.online_placement": "ray"}))
     rows = []
     with tempfile.TemporaryDirectory(prefix="online-bench-") as scratch:
         rows.append(capture_alone(args.params, common, run_dir, args.tokens))

@@ -151,11 +151,17 @@ class TrainParams(Section):
     online_queue_batches: int = Field(
         4, gt=0, description="online: micro-batches the capture runs ahead of the trainer (the queue's bound)"
     )
-    online_placement: Literal["thread", "process"] = Field(
+    online_placement: Literal["thread", "process", "ray"] = Field(
         "thread",
         description="online: thread = the capture in a thread of each training process; process = one capture "
         "process (rank 0) sending to the nproc_per_node trainer ranks through torch.distributed (gloo on the CPU, "
-        "NCCL on GPUs)",
+        "NCCL on GPUs); ray = a capture actor and nproc_per_node trainer actors placed by Ray, on this host or a "
+        "cluster's hosts, the states through Ray's object store (needs ray installed)",
+    )
+    ray_address: str | None = Field(
+        None,
+        description="online_placement ray: the Ray cluster to join (as `ray start --head` prints it, e.g. "
+        "10.0.0.1:6379); unset: RAY_ADDRESS, else a Ray cluster started on this host for the run",
     )
     online_cache_first_epoch: bool = Field(
         False,
@@ -241,13 +247,19 @@ class TrainParams(Section):
         if self.source == "shards":
             wrong = [
                 k
-                for k, v in (("online_placement", "process"), ("online_cache_first_epoch", True))
+                for k, v in (
+                    ("online_placement", "process"),
+                    ("online_placement", "ray"),
+                    ("online_cache_first_epoch", True),
+                )
                 if getattr(self, k) == v
             ]
             if wrong:
                 raise ValueError(
                     f"{', '.join('train.' + k for k in wrong)} only apply to train.source: online; set it, or remove them"
                 )
+        if self.ray_address and self.online_placement != "ray":
+            raise ValueError("train.ray_address only applies to train.online_placement: ray; set it, or remove it")
         if self.online_cache_first_epoch and self.online_placement == "thread" and self.nproc_per_node > 1:
             raise ValueError(
                 "train.online_cache_first_epoch with several training processes needs one writer: set "

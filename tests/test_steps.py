@@ -176,6 +176,11 @@ def test_online_plan_splits_the_devices_and_expects_the_rate_of_the_runs_measure
     )
     assert "the capture process on cuda:0, 3 trainer(s) on cuda:1..3 (NCCL)" in gpus
     assert "expected ~1,000 trainer tokens/s (side by side, min(c, t)" in gpus
+    ray = {"train.source": "online", "train.online_placement": "ray", "train.nproc_per_node": 2}
+    ray_gpus = train_steps.online_plan_text(params(**ray, **{"target.device": "cuda"}), contract)
+    assert "placement ray): Ray places a capture actor on a GPU and 2 trainer actor(s) on a GPU each" in ray_gpus
+    assert "(side by side, min(c, t)" in ray_gpus
+    assert "(taking turns, 1/(1/c + 1/t)" in train_steps.online_plan_text(params(**ray), contract)
 
 
 def test_train_result_and_overview():

@@ -6,7 +6,8 @@ to it through a bounded queue, never written (docs/design.md §8, online mode).
     data.train_sequences(epoch, start)                      # what micro_batches packs, in the shards' order
 
 The capture runs in a thread of the trainer's process (online_placement: thread, the queue is in_background's)
-or in a process of its own that sends the micro-batches (online_placement: process, train/placement.py). Either
+or in a process of its own that sends the micro-batches (online_placement: process, train/placement.py), or in a
+Ray actor whose micro-batches go through Ray's object store (online_placement: ray, train/ray_placement.py). Every
 way the producer is a StateSource: `hf` here and on the CPU; `sglang_inprocess` on GPUs plugs in as another one
 (its model runner's prefill returns the same aux and final states, extract/sglang_inprocess.py).
 """

@@ -13,8 +13,8 @@ The queue is bounded by credits: a trainer grants train.online_queue_batches at 
 it takes a micro-batch; the capture sends only against credit, so it runs that many ahead and waits after. A
 trainer that stops sends STOP and takes what it had granted; the capture, on reading it, ends.
 
-Multi-host (Ray, planned) would put the capture and the trainers on other hosts behind the same two calls:
-serve_capture on the capture side, CaptureClient on a trainer's.
+Beyond one host: train.online_placement: ray (train/ray_placement.py) puts the same producer in a Ray actor and
+the states in Ray's object store; its client has CaptureClient's two calls (val_rows, stream).
 """
 
 from __future__ import annotations

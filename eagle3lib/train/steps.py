@@ -64,6 +64,12 @@ def online_plan_text(p, contract: dict) -> str:
     if train.online_placement == "thread":
         split = f"the capture runs in a thread of each of the {trainers} training process(es), on their device"
         shared = True
+    elif train.online_placement == "ray" and on_gpu:
+        split = f"Ray places a capture actor on a GPU and {trainers} trainer actor(s) on a GPU each (object store)"
+        shared = False
+    elif train.online_placement == "ray":  # as the processes: the cores of one CPU, unless a cluster has more
+        split = f"Ray places a capture actor and {trainers} trainer actor(s) on a CPU core each (object store)"
+        shared = True
     elif on_gpu:
         split = f"the capture process on cuda:0, {trainers} trainer(s) on cuda:1..{trainers} (NCCL)"
         shared = False

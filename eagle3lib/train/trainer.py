@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from eagle3lib import hardware
 from eagle3lib.drafter import Drafter, DrafterConfig
 from eagle3lib.drafter.ttt_attention import row_layout
-from eagle3lib.train import TrainingError, online, placement
+from eagle3lib.train import TrainingError, online, placement, ray_placement
 from eagle3lib.train.batches import (
     batch_states,
     batch_to,
@@ -198,7 +198,8 @@ RESUME_FREE = (
     "batch_prefetch",
     "compile_layer",
     "online_queue_batches",
-    "online_placement",  # a thread or a process captures the same states into the same micro-batches
+    "online_placement",  # a thread, a process or a Ray actor captures the same states into the same micro-batches
+    "ray_address",
 )
 
 
@@ -432,8 +433,9 @@ def draft_vocab_from_tokens(train_tokens: dict, val_tokens: dict, vocab_size: in
     )
 
 
-def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
-    """Everything 02_train needs from the params and the earlier stages; returns (setup, vocab stats)."""
+def build_setup(p, run_dir: Path, device="cpu", capture=None) -> tuple[TrainSetup, dict]:
+    """Everything 02_train needs from the params and the earlier stages; returns (setup, vocab stats). capture:
+    the capture actor, with train.online_placement: ray."""
     from eagle3lib import run_folder, target
     from eagle3lib.drafter import vocab
     from eagle3lib.extract.shards import ShardSet
@@ -464,11 +466,14 @@ def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
             train_shards, p.run.seed, epoch, start, prefetch=p.train.prefetch_shards
         )
         val_sequences = shard_sequences(val_shards, p.run.seed, 0, shuffle=False)
-    elif train_params.online_placement == "process":  # the capture process (rank 0) sends the states
+    elif train_params.online_placement in ("process", "ray"):  # a capture process or actor sends the states
         info, tokenizer = target.load_target_info(target_path, cache_dir(p), p.target.trust_remote_code)
         contract = online.capture_contract(p, info, tokenizer)
         aux_ids = contract["aux_layer_ids"]
-        client = placement.CaptureClient(p, contract, device)
+        if train_params.online_placement == "ray":
+            client = ray_placement.RayCaptureClient(capture, rank_and_world()[0])
+        else:
+            client = placement.CaptureClient(p, contract, device)
         train_sequences = val_sequences = None
     else:
         online_data, val_data, contract = online.capture_setup(
@@ -537,11 +542,18 @@ def build_setup(p, run_dir: Path, device="cpu") -> tuple[TrainSetup, dict]:
     return setup, vocab_stats
 
 
-def run_stage(params_file: str, run_dir: str, overrides: dict | None = None) -> dict:
-    """Build and train in this process (rank-aware under torchrun); writes train_summary.json on rank 0."""
+def run_stage(params_file: str, run_dir: str, overrides: dict | None = None, capture=None) -> dict:
+    """Build and train in this process (rank-aware under torchrun); writes train_summary.json on rank 0. capture:
+    the capture actor a trainer actor is handed (train.online_placement: ray, ray_placement.launch)."""
     from eagle3lib.params import load_params
 
     p = load_params(params_file, overrides)
+    if p.train.source == "online" and p.train.online_placement == "ray" and capture is None:
+        raise TrainingError(
+            "train.online_placement: ray runs the capture and the trainers as Ray actors: start the stage with "
+            "trainer.launch (the 02_train notebook and `python -m eagle3lib run` do), or set "
+            "train.online_placement: thread"
+        )
     device = init_process_group(p.target.device)
     if p.train.source == "online" and p.train.online_placement == "process":
         if not dist.is_initialized():
@@ -557,7 +569,7 @@ def run_stage(params_file: str, run_dir: str, overrides: dict | None = None) -> 
             dist.destroy_process_group()
             return {}
     rank, world = rank_and_world()
-    setup, vocab_stats = build_setup(p, Path(run_dir), device)
+    setup, vocab_stats = build_setup(p, Path(run_dir), device, capture)
     summary = train(
         setup,
         p.train,
@@ -584,10 +596,13 @@ def run_stage(params_file: str, run_dir: str, overrides: dict | None = None) -> 
 
 def launch(params_file: str, run_dir: str, overrides: dict | None, nproc: int) -> dict:
     """Run the stage with torchrun when nproc > 1 (same entry point), else in this process. With
-    train.online_placement: process, one more process captures the states (rank 0)."""
+    train.online_placement: process, one more process captures the states (rank 0); with ray, Ray actors capture
+    and train (ray_placement.launch: on this host, or on the cluster at RAY_ADDRESS)."""
     from eagle3lib.params import load_params
 
     p = load_params(params_file, overrides)
+    if p.train.source == "online" and p.train.online_placement == "ray":
+        return ray_placement.launch(run_stage, params_file, run_dir, overrides, nproc)
     if p.train.source == "online" and p.train.online_placement == "process":
         nproc += 1
     if nproc <= 1:

@@ -1,0 +1,111 @@
+"""train.online_placement: ray on a local Ray cluster on the CPU: a capture actor and a trainer actor train the
+drafter the capture thread trains, a rerun resumes from the checkpoint's position, and what cannot run says why."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from test_train import make_run, params_file, small_target, state  # noqa: F401  (small_target: a fixture)
+
+from eagle3lib.params import ParamsError, load_params
+from eagle3lib.train import TrainingError, placement, ray_placement, trainer
+from eagle3lib.train.checkpoint import STATE_FILE
+
+# Ray goes into .ray-site, outside the workbook's environment (it is needed by this placement only).
+RAY_SITE = Path(__file__).resolve().parent.parent / ".ray-site"
+if RAY_SITE.is_dir() and str(RAY_SITE) not in sys.path:
+    sys.path.append(str(RAY_SITE))
+pytest.importorskip(
+    "ray",
+    reason="train.online_placement: ray needs ray: `.venv/bin/pip install --no-deps --target .ray-site "
+    "'ray==2.60.0' 'msgpack>=1,<2' 'protobuf>=3.20.3'` (or pip install 'ray>=2.52')",
+)
+
+
+COMMON = {"source": "online", "max_tokens": 128 * 2 * 3, "checkpoint_every": 3, "eval_every": 100}
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """The local clusters the tests start, ended with the module."""
+    import ray
+
+    yield ray
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def thread_run(small_target, tmp_path_factory):  # noqa: F811
+    """The reference: the capture in a thread of the one training process, on one thread (OMP_NUM_THREADS=1)."""
+    root = tmp_path_factory.mktemp("thread")
+    run = make_run(root, *small_target, COMMON | {"grad_accum": 2})
+    subprocess.run(
+        [sys.executable, "-m", "eagle3lib.train.trainer", params_file(root), str(run)],
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+        check=True,
+        capture_output=True,
+    )
+    return run
+
+
+def test_ray_actors_train_what_the_thread_does_and_resume_from_the_checkpoint(
+    tmp_path,
+    small_target,  # noqa: F811
+    thread_run,
+    local_ray,
+):
+    """The capture actor's micro-batches reach the trainer actor through the object store unchanged: the drafter is
+    the capture thread's, byte for byte (each actor gets one core, so Ray runs its torch on one thread, as the
+    thread run here; the sums run in the same order). A rerun with a larger budget captures from the checkpoint's
+    position on. The cluster is the one launch starts on this host (its cores)."""
+    run = make_run(tmp_path, *small_target, COMMON | {"grad_accum": 2, "online_placement": "ray"})
+    s = trainer.launch(params_file(tmp_path), str(run), {}, 1)
+    assert s["world_size"] == 1 and s["steps"] == 3
+    capture = json.loads((run / "02_train" / placement.CAPTURE_SUMMARY).read_text())
+    assert capture["started_at"] == {"epoch": 0, "sequence": 0} and capture["tokens"] >= s["tokens"]
+    a, b = state(thread_run / "02_train" / "drafter"), state(run / "02_train" / "drafter")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+    s = trainer.launch(params_file(tmp_path), str(run), {"train.max_tokens": 128 * 2 * 6}, 1)
+    capture = json.loads((run / "02_train" / placement.CAPTURE_SUMMARY).read_text())
+    checkpoint = json.loads((run / "02_train" / "checkpoints" / "step_0000003" / STATE_FILE).read_text())
+    assert capture["started_at"] == {"epoch": checkpoint["epoch"], "sequence": checkpoint["sequence_in_epoch"]}
+    assert s["steps"] == 6 and capture["started_at"]["sequence"] > 0
+
+    cores = int(local_ray.cluster_resources()["CPU"])
+    with pytest.raises(TrainingError, match=f"needs {cores + 1} CPUs .* the Ray cluster has {cores}"):
+        trainer.launch(params_file(tmp_path), str(run), {}, cores)
+    with pytest.raises(TrainingError, match="start the stage with trainer.launch"):
+        trainer.run_stage(params_file(tmp_path), str(run))
+    with pytest.raises(ParamsError, match="train.ray_address only applies to train.online_placement: ray"):
+        load_params(params_file(tmp_path), {"train.online_placement": "thread", "train.ray_address": "h:1"})
+
+
+def test_two_ray_trainers_sum_their_gradients_as_one_trainer_does(
+    tmp_path,
+    small_target,  # noqa: F811
+    thread_run,
+    local_ray,
+):
+    """Two trainer actors, a gloo group among them (its rendezvous on the first one's node): the global batch of one
+    trainer with grad_accum 2, to float rounding (the sums run in another order). A cluster of 3 logical CPUs on
+    this host, as the process placement's test runs 3 processes on 2 cores."""
+    local_ray.shutdown()
+    ray_placement.start_local(local_ray, ray_placement.LOCAL_STORE_MIN, num_cpus=3)
+    run = make_run(tmp_path, *small_target, COMMON | {"online_placement": "ray"})
+    s = trainer.launch(params_file(tmp_path), str(run), {}, 2)
+    assert s["world_size"] == 2 and len(set(s["rank_weight_digests"])) == 1 and s["steps"] == 3
+    a, b = state(thread_run / "02_train" / "checkpoints" / "step_0000003"), state(run / "02_train" / "drafter")
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), atol=1e-5, rtol=0), k
+
+
+def test_without_ray_the_placement_says_how_to_install_it(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed: its import fails
+    with pytest.raises(TrainingError, match=r"pip install 'ray>=2.52'"):
+        ray_placement.import_ray()
