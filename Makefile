@@ -9,7 +9,7 @@ export OMP_WAIT_POLICY := PASSIVE
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run test lint lab browser fp8-site clean-venv
+.PHONY: setup run test lint lab browser fp8-site ray-site clean-venv
 
 setup: $(VENV)/.installed
 
@@ -28,7 +28,7 @@ run: setup vllm-env sglang-env
 	$(BIN)/python -m eagle3lib run $(PARAMS)
 
 # The engine environments let the tests run the real vLLM/SGLang load-back gates; Chromium checks the reports.
-test: lint vllm-env sglang-env speculators-env browser fp8-site
+test: lint vllm-env sglang-env speculators-env browser fp8-site ray-site
 	$(BIN)/python -m pytest -q -ra --durations=15 tests
 
 # ruff's lint and format check over the library, tests, benchmarks and notebooks (config in pyproject.toml).
@@ -40,6 +40,13 @@ lint: setup
 fp8-site: .fp8-site/.installed
 .fp8-site/.installed:
 	$(BIN)/pip install -q --no-deps --target .fp8-site 'torchao>=0.16'
+	touch $@
+
+# Ray for tests/test_online_ray.py (train.online_placement: ray on a local cluster), outside .venv: its other
+# dependencies are .venv's already.
+ray-site: .ray-site/.installed
+.ray-site/.installed:
+	$(BIN)/pip install -q --no-deps --target .ray-site 'ray==2.60.0' 'msgpack>=1,<2' 'protobuf>=3.20.3'
 	touch $@
 
 # The kernel spec 'python3' (the notebooks' kernel) is rewritten to point at .venv's python by absolute path,

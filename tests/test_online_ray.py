@@ -21,7 +21,7 @@ if RAY_SITE.is_dir() and str(RAY_SITE) not in sys.path:
     sys.path.append(str(RAY_SITE))
 pytest.importorskip(
     "ray",
-    reason="train.online_placement: ray needs ray: `.venv/bin/pip install --no-deps --target .ray-site "
+    reason="train.online_placement: ray needs ray: `make ray-site`, i.e. `.venv/bin/pip install --no-deps --target .ray-site "
     "'ray==2.60.0' 'msgpack>=1,<2' 'protobuf>=3.20.3'` (or pip install 'ray>=2.52')",
 )
 
