@@ -145,23 +145,29 @@ def test_training_learns_and_writes_the_canonical_checkpoint(tmp_path, small_tar
     assert 0 < vocab_stats["val_coverage"] <= 1
 
 
-def test_resume_after_kill_ends_where_an_uninterrupted_run_does(tmp_path, small_target):
-    slow = {"batch_rows": 4, "max_seq_len": 256, "max_tokens": 1024 * 16, "checkpoint_every": 4, "eval_every": 100}
-    ref_dir = make_run(tmp_path / "ref", *small_target, slow)
-    trainer.run_stage(params_file(tmp_path / "ref"), str(ref_dir))
-    run_dir = make_run(tmp_path / "killed", *small_target, slow)
+def kill_after_checkpoint(params: str, run_dir, step_dir: str):
+    """Train in a subprocess and SIGKILL it once checkpoints/<step_dir> is written; returns the checkpoints folder."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "eagle3lib.train.trainer", params_file(tmp_path / "killed"), str(run_dir)],
+        [sys.executable, "-m", "eagle3lib.train.trainer", params, str(run_dir)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     ckpt = run_dir / "02_train" / "checkpoints"
     deadline = time.time() + 120
-    while not (ckpt / "step_0000004" / STATE_FILE).exists() and time.time() < deadline and proc.poll() is None:
+    while not (ckpt / step_dir / STATE_FILE).exists() and time.time() < deadline and proc.poll() is None:
         time.sleep(0.01)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "training finished before it could be killed"
+    return ckpt
+
+
+def test_resume_after_kill_ends_where_an_uninterrupted_run_does(tmp_path, small_target):
+    slow = {"batch_rows": 4, "max_seq_len": 256, "max_tokens": 1024 * 16, "checkpoint_every": 4, "eval_every": 100}
+    ref_dir = make_run(tmp_path / "ref", *small_target, slow)
+    trainer.run_stage(params_file(tmp_path / "ref"), str(ref_dir))
+    run_dir = make_run(tmp_path / "killed", *small_target, slow)
+    kill_after_checkpoint(params_file(tmp_path / "killed"), run_dir, "step_0000004")
     assert not (run_dir / "02_train" / "drafter").exists()
     summary = trainer.run_stage(params_file(tmp_path / "killed"), str(run_dir))
     assert summary["steps"] == 16
@@ -180,18 +186,7 @@ def test_online_run_killed_resumes_where_it_stood_and_ends_as_an_uninterrupted_o
     ref_dir = make_run(tmp_path / "ref", *small_target, slow)
     ref = trainer.run_stage(params_file(tmp_path / "ref"), str(ref_dir))
     run_dir = make_run(tmp_path / "killed", *small_target, slow)
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "eagle3lib.train.trainer", params_file(tmp_path / "killed"), str(run_dir)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    ckpt = run_dir / "02_train" / "checkpoints"
-    deadline = time.time() + 120
-    while not (ckpt / "step_0000004" / STATE_FILE).exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "training finished before it could be killed"
+    ckpt = kill_after_checkpoint(params_file(tmp_path / "killed"), run_dir, "step_0000004")
     at = json.loads((latest_checkpoint(ckpt) / STATE_FILE).read_text())
     summary = trainer.run_stage(params_file(tmp_path / "killed"), str(run_dir))
     assert summary["steps"] == ref["steps"] == 12 and summary["tokens"] == ref["tokens"]
