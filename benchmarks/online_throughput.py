@@ -1,14 +1,21 @@
-"""Online training against shards on one host (issue 33): trainer tokens/s offline (from 01_extract's shards),
-online with the capture in a thread, online with a capture process and a trainer over gloo, with --ray online with
-a capture actor and a trainer actor on a local Ray cluster, and in the same run the two parts alone, for the
-take-turns bound 1 / (1/capture + 1/train).
+"""Online training against its two parts and against shards on one host (issue 33), in one process and one run:
+
+    capture alone        online mode's capture (train/online.py, extract.batch_tokens a call) over the training
+                         split's first epoch in order, nothing trained; what it captures is kept in memory
+    train alone          the same training as online, fed from that memory (no capture, no disk): the trainer's rate
+    online thread        the same training, the capture in a thread of the trainer, through the same loaded target
+    offline (shards)     training from 01_extract's shards (left out with --no-shards, or when there are none), and
+                         the shard reader alone: read, packed, moved to the device, nothing trained
+    online gloo processes, online ray actors   (extract.backend hf; left out with --no-process, added with --ray)
+and the take-turns bound 1 / (1/capture + 1/train alone): what the two parts allow when they take turns.
 
     python -m eagle3lib run params/ci.yaml --to extract --set run.output_root=/tmp/bench-online
     python benchmarks/online_throughput.py --run-dir /tmp/bench-online/ci --params params/ci.yaml --tokens 8000
 
-Every mode trains from scratch with the same params and token budget into its own copy of the run folder (the
-shards run reads the run's 01_extract). capture alone: online mode's capture (train/online.py, extract.batch_tokens
-per forward) over the training split's first epoch in order, nothing trained. One JSON line per mode goes to --out.
+--backend sglang_inprocess captures with SGLang's model runner (run this in SGLang's interpreter, on a GPU host:
+benchmarks/h200/online.sh). The target is loaded once, in this process, for the capture, train-alone and online
+rows. Every mode trains from scratch with the same params and token budget into its own copy of the run folder
+(the shards run reads the run's 01_extract). One JSON line per mode goes to --out.
 """
 
 from __future__ import annotations
@@ -24,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from eagle3lib.params import load_params  # noqa: E402
+from eagle3lib.params import load_params, parse_override  # noqa: E402
 from eagle3lib.prepare import conversations  # noqa: E402
 from eagle3lib.train import online, placement, trainer  # noqa: E402
 
@@ -38,16 +45,79 @@ def scratch_run(run_dir: Path, into: Path, with_shards: bool) -> Path:
     return out
 
 
-def capture_alone(params_file: str, overrides: dict, run_dir: Path, tokens: int) -> dict:
-    p = load_params(params_file, overrides | {"train.source": "online"})
+class KeptStates:
+    """A StateSource that keeps what it captures, by the sequence's ids, and hands it out again without capturing:
+    the train-alone row trains from it as online mode would, with the capture's cost taken out."""
+
+    def __init__(self, states):
+        self.states, self.batch_tokens = states, states.batch_tokens
+        self.ragged = getattr(states, "ragged", False)
+        self.kept, self.captured = {}, 0
+
+    def capture(self, sequences):
+        keys = [s.numpy().tobytes() for s in sequences]
+        todo = [i for i, k in enumerate(keys) if k not in self.kept]
+        if todo:
+            got = self.states.capture([sequences[i] for i in todo])
+            self.kept.update(zip([keys[i] for i in todo], got, strict=True))
+            self.captured += sum(len(sequences[i]) for i in todo)
+        return [self.kept[k] for k in keys]
+
+
+def capture_alone(p, loaded, run_dir: Path, tokens: int) -> tuple[dict, KeptStates]:
+    """The capture alone over the first `tokens` tokens of the training order, kept for the train-alone row."""
+    states, contract = loaded
+    kept = KeptStates(states)
     train_tokens = conversations.load_tokens(run_dir / "00_prepare" / "train.safetensors")
-    data, _, _ = online.capture_setup(p, train_tokens, train_tokens, run_dir / "02_train")
+    val_tokens = conversations.load_tokens(run_dir / "00_prepare" / "val.safetensors")
+    data, val, _ = online.capture_setup(p, train_tokens, val_tokens, run_dir / "02_train", loaded=(kept, contract))
     started, done = time.perf_counter(), 0
     for seq in data.train_sequences(0, 0):
         done += len(seq.input_ids)
         if done >= tokens:
             break
-    return {"mode": "capture alone", "tokens": done, "tokens_per_s": round(done / (time.perf_counter() - started), 1)}
+    seconds = time.perf_counter() - started
+    for _ in val.val_sequences():  # kept too (not timed): the train-alone row captures nothing of its own
+        pass
+    return {"mode": "capture alone", "tokens": done, "tokens_per_s": round(done / seconds, 1)}, kept
+
+
+def reader_alone(p, run_dir: Path, tokens: int) -> dict:
+    """The shards path without the trainer: 01_extract's shards read (train.prefetch_shards ahead), packed into
+    micro-batches (train.batch_prefetch ahead) and moved to the trainer's device, nothing trained."""
+    import torch
+
+    from eagle3lib.extract.shards import ShardSet
+    from eagle3lib.train.batches import batch_to, micro_batches, shard_sequences
+
+    shard_set = ShardSet(run_dir / "01_extract" / "train")
+
+    def sequences(epoch, start=0):
+        return shard_sequences(shard_set, p.run.seed, epoch, start, prefetch=p.train.prefetch_shards)
+
+    started, done = time.perf_counter(), 0
+    stream = micro_batches(sequences, p.train, 0, 0, 0)
+    for _, _, mb in stream:
+        batch_to(mb, p.target.device)
+        done += mb["tokens"]
+        if done >= tokens:
+            break
+    stream.close()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return {
+        "mode": "shard reader alone",
+        "tokens": done,
+        "tokens_per_s": round(done / (time.perf_counter() - started), 1),
+    }
+
+
+def in_process_mode(name: str, params_file: str, overrides: dict, run_dir: Path, scratch: Path, loaded) -> dict:
+    """Online training through an already loaded capture (trainer.run_stage in this process)."""
+    run = scratch_run(run_dir, scratch / name.replace(" ", "_"), with_shards=False)
+    started = time.perf_counter()
+    s = trainer.run_stage(params_file, str(run), overrides, capture=loaded)
+    return summary_row(name, s, run, time.perf_counter() - started)
 
 
 def train_mode(name: str, params_file: str, overrides: dict, run_dir: Path, scratch: Path) -> dict:
@@ -55,7 +125,10 @@ def train_mode(name: str, params_file: str, overrides: dict, run_dir: Path, scra
     run = scratch_run(run_dir, scratch / name.replace(" ", "_"), with_shards=source == "shards")
     started = time.perf_counter()
     s = trainer.launch(params_file, str(run), overrides, 1)
-    wall = time.perf_counter() - started
+    return summary_row(name, s, run, time.perf_counter() - started)
+
+
+def summary_row(name: str, s: dict, run: Path, wall: float) -> dict:
     row = {"mode": name, "tokens": s["tokens"], "tokens_per_s": s["train_tokens_per_s"], "wall_s": round(wall, 1)}
     row |= {"data_wait_s": s["data_wait_s"], "est_accept_len@3": s["eval"]["est_accept_len"].get("3")}
     capture = run / "02_train" / placement.CAPTURE_SUMMARY
@@ -80,6 +153,9 @@ def main():
         action="store_true",
         help="add the Ray mode (train.online_placement: ray, a local cluster); Ray from this environment or .ray-site",
     )
+    ap.add_argument("--backend", choices=["hf", "sglang_inprocess"], default=None, help="default: the params'")
+    ap.add_argument("--no-shards", action="store_true", help="leave out the offline (shards) mode")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more params overrides")
     args = ap.parse_args()
     run_dir = Path(args.run_dir)
     common = {
@@ -87,28 +163,49 @@ def main():
         "train.resume": False,
         "train.eval_every": 10**6,  # one evaluation at the end: the rate is the step's and the capture's
         "train.checkpoint_every": 10**6,
-    }
-    modes = [
-        ("offline (shards)", {}),
-        ("online thread", {"train.source": "online"}),
-        ("online gloo processes", {"train.source": "online", "train.online_placement": "process"}),
-    ][: 2 if args.no_process else 3]
-    if args.ray:
-        ray_site = ROOT / ".ray-site"  # where the tests read Ray from, outside the workbook's environment
-        if ray_site.is_dir() and str(ray_site) not in sys.path:
-            sys.path.append(str(ray_site))
-        modes.append(("online ray actors", {"train.source": "online", "train.online_placement": "ray"}))
+    } | dict(parse_override(kv) for kv in args.set)
+    if args.backend:
+        common["extract.backend"] = args.backend
+    online_mode = common | {"train.source": "online"}
+    p = load_params(args.params, online_mode)
+    modes = []
+    if not args.no_shards and (run_dir / "01_extract" / "train").is_dir():
+        modes.append(("offline (shards)", common))
+    if p.extract.backend == "hf":
+        if not args.no_process:
+            modes.append(("online gloo processes", online_mode | {"train.online_placement": "process"}))
+        if args.ray:
+            ray_site = ROOT / ".ray-site"  # where the tests read Ray from, outside the workbook's environment
+            if ray_site.is_dir() and str(ray_site) not in sys.path:
+                sys.path.append(str(ray_site))
+            modes.append(("online ray actors", online_mode | {"train.online_placement": "ray"}))
+    # what the pipeline pulls ahead of the last step: the queue and a micro-batch being packed
+    margin = (p.train.online_queue_batches + 2) * p.train.batch_rows * p.train.max_seq_len
     rows = []
+
+    def show(row):
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
     with tempfile.TemporaryDirectory(prefix="online-bench-") as scratch:
-        rows.append(capture_alone(args.params, common, run_dir, args.tokens))
-        print(json.dumps(rows[-1]), flush=True)
+        loaded = online.load_states(p)
+        row, kept = capture_alone(p, loaded, run_dir, args.tokens + margin)
+        show(row)
+        before = kept.captured
+        row = in_process_mode("train alone", args.params, online_mode, run_dir, Path(scratch), (kept, loaded[1]))
+        show(row | {"captured_while_training": kept.captured - before})
+        kept.kept.clear()
+        show(in_process_mode("online thread", args.params, online_mode, run_dir, Path(scratch), loaded))
         for name, overrides in modes:
-            rows.append(train_mode(name, args.params, common | overrides, run_dir, Path(scratch)))
-            print(json.dumps(rows[-1]), flush=True)
+            if name == "offline (shards)":
+                show(reader_alone(load_params(args.params, common), run_dir, args.tokens))
+            show(train_mode(name, args.params, overrides, run_dir, Path(scratch)))
+        getattr(loaded[0], "close", lambda: None)()
     by = {r["mode"]: r["tokens_per_s"] for r in rows}
-    capture, train = by["capture alone"], by["offline (shards)"]
+    capture, train = by["capture alone"], by["train alone"]
     bound = 1 / (1 / capture + 1 / train)
     summary = {"mode": "take-turns bound", "tokens_per_s": round(bound, 1), "capture": capture, "train": train}
+    summary |= {"backend": p.extract.backend, "separate_devices_bound": min(capture, train)}
     rows.append(summary)
     print(f"\n{'mode':<24} {'tokens/s':>9} {'of bound':>9}")
     for r in rows:

@@ -401,6 +401,26 @@ class Params(Section):
             self.extract.splits = []
         return self
 
+    @model_validator(mode="after")
+    def _online_capture_backend(self):
+        if self.train.source != "online":
+            return self
+        backend, train = self.extract.backend, self.train
+        if backend not in ("hf", "sglang_inprocess"):
+            raise ValueError(
+                f"train.source: online captures with extract.backend hf (the target in the trainer's process) or "
+                f"sglang_inprocess (SGLang's model runner in the trainer's process, on GPUs); {backend!r} serves "
+                "states over HTTP and is not wired to online training: set one of those, or train.source: shards"
+            )
+        if backend == "sglang_inprocess" and (train.online_placement != "thread" or train.nproc_per_node > 1):
+            raise ValueError(
+                "train.source: online with extract.backend sglang_inprocess runs SGLang's model runner in a thread "
+                "of one trainer process (its tensor-parallel ranks on the engine's GPUs, the trainer on the first): "
+                f"set train.online_placement: thread (not {train.online_placement!r}) and train.nproc_per_node: 1 "
+                f"(not {train.nproc_per_node}), or use extract.backend: hf for the other placements"
+            )
+        return self
+
     @classmethod
     def section_names(cls) -> list[str]:
         """The params file's top-level sections (not the bookkeeping fields file and dtype_choices)."""

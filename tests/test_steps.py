@@ -181,6 +181,10 @@ def test_online_plan_splits_the_devices_and_expects_the_rate_of_the_runs_measure
     assert "placement ray): Ray places a capture actor on a GPU and 2 trainer actor(s) on a GPU each" in ray_gpus
     assert "(side by side, min(c, t)" in ray_gpus
     assert "(taking turns, 1/(1/c + 1/t)" in train_steps.online_plan_text(params(**ray), contract)
+    sglang = params(**{"train.source": "online", "extract.backend": "sglang_inprocess", "target.device": "cuda"})
+    text = train_steps.online_plan_text(sglang, contract)
+    assert "SGLang's model runner captures in a thread of the one training process" in text
+    assert "no expected rate yet: no capture rate measured" in text  # hf's capture rate is not SGLang's
 
 
 def test_train_result_and_overview():

@@ -388,6 +388,67 @@ def test_online_cache_first_epoch_writes_the_extraction_and_later_epochs_read_it
     assert json.loads((cache / "manifest.json").read_text())["shards"] == extracted["shards"]
 
 
+class EngineStandIn:
+    """SGLang's model runner as EngineStates drives it (extend: consecutive sequences in one ragged batch, their
+    states in token order), computed by the hf target one unpadded forward a sequence: the real one needs a GPU
+    (benchmarks/h200/online.sh runs it there)."""
+
+    def __init__(self, model):
+        self.model, self.batches, self.closed = model, [], False
+
+    def extend(self, seqs, capture):
+        self.batches.append([len(q) for q in seqs])
+        rows = [hf.capture_hidden_states(self.model, torch.tensor([q]), torch.ones(1, len(q)), AUX) for q in seqs]
+        return torch.cat([a[0] for a, _ in rows]), torch.cat([f[0] for _, f in rows])
+
+    def close(self):
+        self.closed = True
+
+
+def test_online_through_sglang_inprocess_states_trains_the_shards_drafter(tmp_path, small_target):
+    """extract.backend sglang_inprocess online: EngineStates packs consecutive sequences up to batch_tokens real
+    tokens (no padding) into one extend, splits the states back per sequence and hands them to the trainer; with
+    the same states per sequence, the drafter is the shards run's, byte for byte. A capture handed to the stage
+    is the caller's: the stage leaves it open."""
+    from eagle3lib.extract.sglang_inprocess import EngineStates
+
+    model, tokenizer = small_target
+    run_dir = make_run(tmp_path, model, tokenizer, {}, batch_tokens=1)
+    drafter = run_dir / "02_train" / "drafter" / "model.safetensors"
+    trainer.run_stage(params_file(tmp_path), str(run_dir))
+    offline = drafter.read_bytes()
+    p = load_params(params_file(tmp_path), {"train.source": "online"})
+    engine = EngineStandIn(model)
+    loaded = (EngineStates(engine, 300), online.capture_contract(p, model, tokenizer))
+    s = trainer.run_stage(params_file(tmp_path), str(run_dir), {"train.source": "online"}, capture=loaded)
+    assert drafter.read_bytes() == offline and s["online"]["tokens"] > 0
+    assert max(sum(b) for b in engine.batches) <= 300 and max(len(b) for b in engine.batches) > 3  # ragged groups
+    assert not engine.closed
+
+
+def test_capture_groups_pad_or_sum_within_the_budget():
+    lengths = [5, 1, 4, 9, 2, 2, 20, 3]
+    padded = list(online.capture_groups(range(8), lengths.__getitem__, 10))
+    assert padded == [[0, 1], [2], [3], [4, 5], [6], [7]]  # 3 x 5 > 10; 20 goes alone
+    ragged = list(online.capture_groups(range(8), lengths.__getitem__, 10, ragged=True))
+    assert ragged == [[0, 1, 2], [3], [4, 5], [6], [7]]  # 5 + 1 + 4 = 10
+
+
+def test_online_sglang_inprocess_trains_in_sglangs_interpreter_and_fails_with_its_log(tmp_path, small_target):
+    """trainer.launch starts the stage in engine.python; an interpreter without sglang fails there, and the
+    error brings the reason and the log. The backends that serve states over HTTP, and placements other than a
+    thread of one trainer, are refused when the params load."""
+    run_dir = make_run(tmp_path, *small_target, {"source": "online"})
+    over = {"extract.backend": "sglang_inprocess", "engine.name": "sglang", "engine.python": sys.executable}
+    with pytest.raises(TrainingError, match=r"(?s)exited 1.*has no sglang: start the stage with trainer.launch"):
+        trainer.launch(params_file(tmp_path), str(run_dir), over, 1)
+    assert "ModuleNotFoundError" in (run_dir / "02_train" / "sglang-online.log").read_text()
+    with pytest.raises(ParamsError, match="'vllm' serves states over HTTP and is not wired to online training"):
+        load_params(params_file(tmp_path), {"extract.backend": "vllm"})
+    with pytest.raises(ParamsError, match=r"set train.online_placement: thread \(not 'process'\)"):
+        load_params(params_file(tmp_path), {"extract.backend": "sglang_inprocess", "train.online_placement": "process"})
+
+
 def folder_bytes(root: Path) -> int:
     return sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
 

@@ -1,27 +1,92 @@
 #!/usr/bin/env bash
-# Issue 33 on one H200: online training (the capture in a thread beside the trainer, one GPU) against training from
-# shards and the capture alone, in one call: the take-turns bound 1 / (1/capture + 1/train) and online's share of it.
-# Staging as peers.sh's (stage1's pyd, stage2, stage3: the target, papermill, the ShareGPT file), then:
-#   bash benchmarks/h200/online.sh        prepare + extract (hf, bf16) and benchmarks/online_throughput.py, into $OUT
-# (The capture-process mode needs a GPU per rank: left out on one GPU.)
+# Issue 33 on one H200: online training (the capture in a thread beside the trainer, one GPU) against its two parts
+# alone and against training from shards, in one call per target (benchmarks/online_throughput.py): capture alone,
+# train alone (from the captured states in memory), online, and the take-turns bound 1 / (1/capture + 1/train).
+# Staging as peers.sh's (stage1's bundle and pyd, stage2, stage3: the target, papermill, the ShareGPT file), then:
+#   bash benchmarks/h200/online.sh          SmolLM2: prepare + extract (hf, bf16), then the modes with the hf capture
+#                                           and with the sglang_inprocess capture (SGLang's model runner in the
+#                                           trainer's process, benchmarks/h200/sglang-python), into $OUT
+#   MODE=8b bash benchmarks/h200/online.sh  Llama-3.1-8B's shape (the extract_inprocess_check.sh target: its config,
+#                                           SGLang's dummy weights; random embeddings, head and norm written for the
+#                                           trainer), SmolLM2's tokenizer: prepare, then the sglang_inprocess modes
+# Every step runs in SGLang's interpreter (its bundle's transformers 5.12.1): the target's fingerprint in 00_prepare's
+# contract is then the one the trainer computes. (The capture-process mode needs a GPU per rank: left out here.)
 set -uo pipefail
 W=/tmp/online; OUT=${OUT:-$PWD/h200-out}; mkdir -p "$OUT" $W
 export PYTHONPATH=$PWD:/tmp/e3site:/tmp/pm-site:/tmp/extra-site JUPYTER_PATH=/tmp/pm-site/share/jupyter \
   HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
-python3 -c "
+SGL=$PWD/benchmarks/h200/sglang-python
+FLAGS='[--attention-backend,triton,--sampling-backend,pytorch,--mem-fraction-static,"0.3"]'
+NAME=online-${MODE:-smol}
+params() {  # the run's params: ci.yaml's, on the GPU, SGLang's flags for the in-process capture
+  $SGL -c "
 import yaml
 p = yaml.safe_load(open('params/ci.yaml'))
-p['run'].update(name='online-gpu', output_root='$W')
+p['run'].update(name='$NAME', output_root='$W')
 p['target'].update(device='cuda', dtype='bfloat16')
 p['data'].update(sources=['/tmp/data/sharegpt-7000.json.xz'], max_conversations=${CONV:-1500}, max_seq_len=2048, val_fraction=0.02)
 p['data']['regenerate'] = {'budget_tokens': 0}
 p['extract'].update(batch_tokens=65536, shard_max_tokens=262144)
 p['train'].update(max_seq_len=4096, batch_rows=1, dtype='auto', online_queue_batches=4)
-p['engine'] = {'name': 'sglang'}
+p['engine'] = {'name': 'sglang', 'python': '$SGL'}
 p.pop('bench', None)
-yaml.safe_dump(p, open('$W/online-gpu.yaml', 'w'))" || exit 3
-python3 -m eagle3lib run $W/online-gpu.yaml --to extract > "$OUT/extract.log" 2>&1 || { tail -n 30 "$OUT/extract.log"; exit 4; }
-tail -n 4 "$OUT/extract.log"
-python3 benchmarks/online_throughput.py --run-dir $W/online-gpu --params $W/online-gpu.yaml --tokens "${TOKENS:-600000}" \
-  --no-process --out "$OUT/modes.jsonl" 2>&1 | grep -v Warning | tail -n 12
+if '${MODE:-smol}' == '8b':
+    p['target'].update(name='/tmp/llama8b', aux_layer_ids=None)
+    p['train'].update(init_layer_from_target=False, draft_vocab_size=32000)
+    p['extract']['batch_tokens'] = 32768
+yaml.safe_dump(p, open('$W/$NAME.yaml', 'w'))" || exit 3
+}
+modes() {  # BACKEND [ARGS...]: the modes, one JSON line each into $OUT/modes.jsonl
+  local backend=$1; shift
+  $SGL benchmarks/online_throughput.py --run-dir $W/$NAME --params $W/$NAME.yaml --tokens "${TOKENS:-600000}" \
+    --backend "$backend" --no-process --set "engine.extra_args=$FLAGS" --out "$OUT/modes-$MODE-$backend.jsonl" "$@" \
+    > "$OUT/$MODE-$backend.log" 2>&1; local rc=$?
+  grep -v "Warning\|Loading\|it/s\]" "$OUT/$MODE-$backend.log" | tail -n 9; [ $rc = 0 ] || tail -n 30 "$OUT/$MODE-$backend.log"
+}
+MODE=${MODE:-smol}
+if [ "$MODE" = 8b ]; then
+  $SGL - <<'PY' || exit 4
+import json, os, shutil, torch
+from safetensors.torch import save_file
+from eagle3lib import target
+tok = target.embedded_target_dir(target.default_cache_dir())
+llama8b = {  # meta-llama/Llama-3.1-8B-Instruct's config.json, as extract_inprocess_check.sh writes it
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
+    "eos_token_id": [128001, 128008, 128009], "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "vocab_size": 128256,
+}
+os.makedirs("/tmp/llama8b", exist_ok=True)
+json.dump(llama8b, open("/tmp/llama8b/config.json", "w"), indent=1)
+for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+    if os.path.isfile(f"{tok}/{f}"):
+        shutil.copy(f"{tok}/{f}", "/tmp/llama8b")
+g = torch.Generator(device="cuda").manual_seed(0)  # the trainer reads these three; SGLang makes its own (dummy)
+head = {k: (torch.randn(128256, 4096, generator=g, device="cuda") * 0.02).bfloat16().cpu()
+        for k in ("model.embed_tokens.weight", "lm_head.weight")}
+save_file(head | {"model.norm.weight": torch.ones(4096, dtype=torch.bfloat16)}, "/tmp/llama8b/model.safetensors")
+print("llama8b head written")
+PY
+  params; FLAGS='[--attention-backend,triton,--sampling-backend,pytorch,--mem-fraction-static,"0.3",--load-format,dummy]'
+  $SGL -m eagle3lib run $W/$NAME.yaml --to prepare > "$OUT/prepare-8b.log" 2>&1 || { tail -n 30 "$OUT/prepare-8b.log"; exit 4; }
+  tail -n 3 "$OUT/prepare-8b.log"
+  TOKENS=${TOKENS:-300000} modes sglang_inprocess --no-shards
+else
+  params
+  $SGL -m eagle3lib run $W/$NAME.yaml --to extract > "$OUT/extract.log" 2>&1 || { tail -n 30 "$OUT/extract.log"; exit 4; }
+  tail -n 4 "$OUT/extract.log"
+  modes sglang_inprocess
+  modes hf
+fi
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
+if [ "$MODE" = smol ]; then  # the notebook's path: 02_train with trainer.launch starting the stage in SGLang's interpreter
+  $SGL -m eagle3lib run $W/$NAME.yaml --only 02_train --set train.source=online --set extract.backend=sglang_inprocess \
+    --set "engine.extra_args=$FLAGS" --set train.max_tokens=300000 > "$OUT/stage-online-sglang.log" 2>&1; rc=$?
+  tail -n 6 "$OUT/stage-online-sglang.log"; cp $W/$NAME/02_train/sglang-online.log "$OUT/" 2>/dev/null
+  [ $rc = 0 ] || { grep -v "it/s\]" "$OUT/stage-online-sglang.log" | tail -n 40; }
+fi

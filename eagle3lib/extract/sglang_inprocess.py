@@ -257,6 +257,34 @@ class Engine:
         return False
 
 
+def split_states(aux, final, lengths: list[int]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """A ragged batch's states [T, .] (on the GPU, in token order) as (aux [n, k*H], final [n, H]) on the host per
+    sequence of these lengths: one copy of each, then views."""
+    aux, final = aux.to("cpu", copy=True), final.to("cpu", copy=True)
+    return list(zip(aux.split(lengths), final.split(lengths), strict=True))
+
+
+class EngineStates:
+    """Online training's StateSource (train/online.py) over an Engine: one extend() of consecutive sequences, packed
+    without padding, their states handed to the trainer on the host (as the hf source hands them)."""
+
+    name = "sglang_inprocess"
+    ragged = True
+
+    def __init__(self, engine: Engine, batch_tokens: int):
+        self.engine, self.batch_tokens = engine, int(batch_tokens)
+        self.device = torch.cuda.current_device() if torch.cuda.is_available() else None
+
+    def capture(self, sequences: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if self.device is not None:  # the current GPU is per thread: the capture thread's is not set
+            torch.cuda.set_device(self.device)
+        aux, final = self.engine.extend([s.tolist() for s in sequences], capture=True)
+        return split_states(aux, final, [len(s) for s in sequences])
+
+    def close(self) -> None:
+        self.engine.close()
+
+
 def _sync():
     if torch.cuda.is_available():
         torch.cuda.synchronize()

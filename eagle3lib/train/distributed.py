@@ -14,6 +14,10 @@ from eagle3lib.train.checkpoint import weights_digest
 # The trainer ranks' group when the world also holds a capture process (train.online_placement: process, rank 0
 # captures); None: every rank trains.
 _trainers = None
+# Whether this process's default group is the trainers' (joined by init_process_group below). With extract.backend
+# sglang_inprocess online, SGLang's model runner makes the default group of its tensor-parallel ranks instead: the
+# one trainer then trains alone and leaves that group to SGLang.
+_joined = False
 
 
 def split_capture_rank() -> bool:
@@ -34,20 +38,27 @@ def training_group():
 
 def rank_and_world() -> tuple[int, int]:
     """(this process's rank among the trainers, number of trainers); (0, 1) outside torchrun."""
-    if dist.is_available() and dist.is_initialized():
+    if trainers_joined():
         return dist.get_rank(_trainers), dist.get_world_size(_trainers)
     return 0, 1
+
+
+def trainers_joined() -> bool:
+    """Whether this process trains in a process group of trainers (and capture ranks) it joined."""
+    return _joined and dist.is_available() and dist.is_initialized()
 
 
 def init_process_group(device: str) -> str:
     """Join torchrun's process group when WORLD_SIZE > 1 (NCCL on CUDA, gloo elsewhere); returns the device
     this rank trains on (its LOCAL_RANK's GPU under NCCL)."""
+    global _joined
     if int(os.environ.get("WORLD_SIZE", 1)) > 1 and not dist.is_initialized():
         backend = "nccl" if device.startswith("cuda") else "gloo"
         if backend == "nccl":
             device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
             torch.cuda.set_device(device)
         dist.init_process_group(backend)
+        _joined = True
     return device
 
 

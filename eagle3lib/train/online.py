@@ -15,8 +15,9 @@ way the producer is a StateSource: `hf` here and on the CPU; `sglang_inprocess` 
 from __future__ import annotations
 
 import contextlib
+import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
@@ -32,7 +33,9 @@ class StateSource(Protocol):
     """A capture backend as online training drives it.
 
     capture(sequences)  -> [(aux [n, k*H], final [n, H])] on the CPU, one per id tensor, in order
-    batch_tokens        padded tokens per capture call (the producer groups consecutive sequences up to it)
+    batch_tokens        tokens per capture call (the producer groups consecutive sequences up to it): padded
+                        tokens, or with `ragged = True` (a source that packs sequences without padding) real ones
+    close()             optional: what the source holds (an engine's ranks) is let go
     """
 
     batch_tokens: int
@@ -40,10 +43,27 @@ class StateSource(Protocol):
     def capture(self, sequences: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
 
 
+def capture_groups(items: Iterable, length: Callable, batch_tokens: int, ragged: bool = False) -> Iterator[list]:
+    """Consecutive items grouped into capture calls of at most batch_tokens tokens, each group yielded as soon as
+    the next item does not fit: padded to the group's longest, or with `ragged` summed (a longer one goes alone)."""
+    group, longest, used = [], 0, 0
+    for item in items:
+        n = length(item)
+        cost = used + n if ragged else (len(group) + 1) * max(longest, n)
+        if group and cost > batch_tokens:
+            yield group
+            group, longest, used = [], 0, 0
+        group.append(item)
+        longest, used = max(longest, n), used + n
+    if group:
+        yield group
+
+
 class HFStates:
     """The hf backend as a StateSource: one forward of the Hugging Face target per group of sequences."""
 
     name = "hf"
+    ragged = False
 
     def __init__(self, model, aux_layer_ids, batch_tokens: int):
         self.model, self.aux_layer_ids, self.batch_tokens = model, [int(i) for i in aux_layer_ids], batch_tokens
@@ -95,19 +115,14 @@ class OnlineData:
 
     def sequences(self, seq_ids) -> Iterator[Sequence]:
         """These sequences, each cut to max_seq_len (the packer's cut: the states of a prefix are the prefix's
-        states), captured in groups of consecutive ones of at most batch_tokens padded tokens."""
-        starts = self.tokens["seq_starts"]
-        group, longest = [], 0
-        for s in seq_ids:
-            a = int(starts[s])
-            n = min(self.lengths[s], self.max_seq_len or self.lengths[s])
-            if group and (len(group) + 1) * max(longest, n) > self.states.batch_tokens:
-                yield from self._captured(group)
-                group, longest = [], 0
-            group.append((a, n))
-            longest = max(longest, n)
-        if group:
+        states), captured in groups of consecutive ones of at most batch_tokens tokens (capture_groups)."""
+        starts, ragged = self.tokens["seq_starts"], getattr(self.states, "ragged", False)
+        spans = ((int(starts[s]), min(self.lengths[s], self.max_seq_len or self.lengths[s])) for s in seq_ids)
+        for group in capture_groups(spans, lambda span: span[1], self.states.batch_tokens, ragged):
             yield from self._captured(group)
+
+    def close(self) -> None:
+        getattr(self.states, "close", lambda: None)()
 
     def _captured(self, group: list[tuple[int, int]]) -> Iterator[Sequence]:
         ids = [self.tokens["input_ids"][a : a + n].long() for a, n in group]
@@ -227,13 +242,8 @@ class _SourceCapture:
     def shard(self, tok, lengths, first, end, store_dtype, bar):
         starts = tok["seq_starts"]
         seqs = [tok["input_ids"][int(starts[s]) : int(starts[s + 1])].long() for s in range(first, end)]
-        groups, group = [], []
-        for seq in seqs:  # consecutive sequences up to batch_tokens padded tokens a capture
-            if group and (len(group) + 1) * max(len(seq), *(len(g) for g in group)) > self.states.batch_tokens:
-                groups.append(group)
-                group = []
-            group.append(seq)
-        groups.append(group)
+        ragged = getattr(self.states, "ragged", False)
+        groups = capture_groups(seqs, len, self.states.batch_tokens, ragged)
         got = [pair for g in groups for pair in self.states.capture(g)]
         bar.update(sum(len(seq) for seq in seqs))
         return torch.cat([a for a, _ in got]).to(store_dtype), torch.cat([f for _, f in got]).to(store_dtype)
@@ -251,19 +261,34 @@ def capture_contract(p, model_or_info, tokenizer) -> dict:
     return target.make_contract(p.target.name, model_or_info, tokenizer, aux_ids, p.target.dtype)
 
 
-def capture_setup(p, train_tokens: dict, val_tokens: dict, train_dir: Path) -> tuple[OnlineData, OnlineData, dict]:
-    """The target loaded in this process (extract.backend hf: the only capture backend that runs in the trainer's
-    process) and (train data, val data, contract) capturing through it; with train.online_cache_first_epoch the
-    first epoch's states go to train_dir/CACHE_DIR."""
+def load_states(p) -> tuple[StateSource, dict]:
+    """(the params' capture backend as a StateSource, the states' contract), the target loaded in this process:
+    hf, the Hugging Face model; sglang_inprocess, SGLang's model runner (this process must be SGLang's
+    interpreter: trainer.launch starts the stage there), its tensor-parallel ranks beside it."""
     from eagle3lib import target
     from eagle3lib.params import cache_dir
 
-    if p.extract.backend != "hf":
-        raise ValueError(
-            f"train.source: online captures with extract.backend 'hf' in this host's processes; "
-            f"{p.extract.backend!r} is not wired to online training yet: set extract.backend: hf, or train from "
-            "its shards (train.source: shards)"
+    if p.extract.backend == "sglang_inprocess":
+        import importlib.util
+
+        from eagle3lib.extract import sglang_inprocess
+        from eagle3lib.extract.backends import engine_settings
+
+        if importlib.util.find_spec("sglang") is None:
+            raise ModuleNotFoundError(
+                "train.source: online with extract.backend sglang_inprocess captures with SGLang in the trainer's "
+                f"process, and this interpreter ({sys.executable}) has no sglang: start the stage with "
+                "trainer.launch (the 02_train notebook and `python -m eagle3lib run` do: it runs the trainer in "
+                "engine.python), or set extract.backend: hf"
+            )
+        target_dir = target.resolve_target(p.target.name, cache_dir(p))
+        info, tokenizer = target.load_target_info(
+            target_dir, cache_dir(p), trust_remote_code=p.target.trust_remote_code
         )
+        contract = capture_contract(p, info, tokenizer)
+        flags = engine_settings(p, "sglang")["extra_args"]
+        engine = sglang_inprocess.Engine(target_dir, contract["aux_layer_ids"], p.target.dtype, flags)
+        return sglang_inprocess.EngineStates(engine, p.extract.batch_tokens), contract
     model, tokenizer = target.load_target(
         p.target.name,
         cache_dir(p),
@@ -272,7 +297,18 @@ def capture_setup(p, train_tokens: dict, val_tokens: dict, train_dir: Path) -> t
         trust_remote_code=p.target.trust_remote_code,
     )
     contract = capture_contract(p, model, tokenizer)
-    states = HFStates(model, contract["aux_layer_ids"], p.extract.batch_tokens)
+    return HFStates(model, contract["aux_layer_ids"], p.extract.batch_tokens), contract
+
+
+def capture_setup(
+    p, train_tokens: dict, val_tokens: dict, train_dir: Path, loaded: tuple | None = None
+) -> tuple[OnlineData, OnlineData, dict]:
+    """(train data, val data, contract) capturing through the params' backend in this process (load_states, or
+    `loaded`, what it returned: a capture shared by several runs); with train.online_cache_first_epoch the first
+    epoch's states go to train_dir/CACHE_DIR."""
+    from eagle3lib import target
+
+    states, contract = loaded or load_states(p)
     max_len, shard_max = p.train.max_seq_len, p.extract.shard_max_tokens
     cache = None
     if p.train.online_cache_first_epoch:

@@ -61,7 +61,13 @@ def online_plan_text(p, contract: dict) -> str:
     train = p.train
     trainers = train.nproc_per_node
     on_gpu = p.target.device.startswith("cuda")
-    if train.online_placement == "thread":
+    if p.extract.backend == "sglang_inprocess":
+        split = (
+            "SGLang's model runner captures in a thread of the one training process (run in SGLang's interpreter), "
+            "the trainer on the engine's first GPU"
+        )
+        shared = True
+    elif train.online_placement == "thread":
         split = f"the capture runs in a thread of each of the {trainers} training process(es), on their device"
         shared = True
     elif train.online_placement == "ray" and on_gpu:

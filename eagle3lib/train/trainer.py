@@ -51,6 +51,7 @@ from eagle3lib.train.distributed import (
     init_process_group,
     rank_and_world,
     split_capture_rank,
+    trainers_joined,
     training_group,
 )
 from eagle3lib.train.loss import compute_dtype, linear_soft_ce, target_probs
@@ -435,7 +436,8 @@ def draft_vocab_from_tokens(train_tokens: dict, val_tokens: dict, vocab_size: in
 
 def build_setup(p, run_dir: Path, device="cpu", capture=None) -> tuple[TrainSetup, dict]:
     """Everything 02_train needs from the params and the earlier stages; returns (setup, vocab stats). capture:
-    the capture actor, with train.online_placement: ray."""
+    the capture actor, with train.online_placement: ray; with thread, what online.load_states returned (a target
+    already loaded, which this stage then captures through and leaves open), else the stage loads its own."""
     from eagle3lib import run_folder, target
     from eagle3lib.drafter import vocab
     from eagle3lib.extract.shards import ShardSet
@@ -477,7 +479,7 @@ def build_setup(p, run_dir: Path, device="cpu", capture=None) -> tuple[TrainSetu
         train_sequences = val_sequences = None
     else:
         online_data, val_data, contract = online.capture_setup(
-            p, train_tokens, val_tokens, run_folder.stage_dir(run_dir, "02_train")
+            p, train_tokens, val_tokens, run_folder.stage_dir(run_dir, "02_train"), loaded=capture
         )
         aux_ids = contract["aux_layer_ids"]
         train_sequences, val_sequences = online_data.train_sequences, val_data.val_sequences()
@@ -544,7 +546,8 @@ def build_setup(p, run_dir: Path, device="cpu", capture=None) -> tuple[TrainSetu
 
 def run_stage(params_file: str, run_dir: str, overrides: dict | None = None, capture=None) -> dict:
     """Build and train in this process (rank-aware under torchrun); writes train_summary.json on rank 0. capture:
-    the capture actor a trainer actor is handed (train.online_placement: ray, ray_placement.launch)."""
+    the capture actor a trainer actor is handed (train.online_placement: ray, ray_placement.launch), or a loaded
+    capture to train online through (build_setup)."""
     from eagle3lib.params import load_params
 
     p = load_params(params_file, overrides)
@@ -570,14 +573,18 @@ def run_stage(params_file: str, run_dir: str, overrides: dict | None = None, cap
             return {}
     rank, world = rank_and_world()
     setup, vocab_stats = build_setup(p, Path(run_dir), device, capture)
-    summary = train(
-        setup,
-        p.train,
-        p.run.seed,
-        device,
-        max_depth=max(16, max(p.bench.depths)),
-        log=(print if rank == 0 else (lambda *a: None)),
-    )
+    try:
+        summary = train(
+            setup,
+            p.train,
+            p.run.seed,
+            device,
+            max_depth=max(16, max(p.bench.depths)),
+            log=(print if rank == 0 else (lambda *a: None)),
+        )
+    finally:
+        if setup.online and capture is None:  # an engine this stage started (its tensor-parallel ranks) stops
+            setup.online.close()
     summary.update(
         vocab=vocab_stats,
         world_size=world,
@@ -588,7 +595,7 @@ def run_stage(params_file: str, run_dir: str, overrides: dict | None = None, cap
     )
     if rank == 0:
         (setup.out_dir / "train_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    if dist.is_initialized():  # the trainers and, with online_placement: process, the capture process
+    if trainers_joined():  # the trainers and, with online_placement: process, the capture process
         dist.barrier()
         dist.destroy_process_group()
     return summary
@@ -603,6 +610,8 @@ def launch(params_file: str, run_dir: str, overrides: dict | None, nproc: int) -
     p = load_params(params_file, overrides)
     if p.train.source == "online" and p.train.online_placement == "ray":
         return ray_placement.launch(run_stage, params_file, run_dir, overrides, nproc)
+    if p.train.source == "online" and p.extract.backend == "sglang_inprocess":
+        return launch_in_sglang(p, params_file, run_dir, overrides)
     if p.train.source == "online" and p.train.online_placement == "process":
         nproc += 1
     if nproc <= 1:
@@ -623,6 +632,49 @@ def launch(params_file: str, run_dir: str, overrides: dict | None, nproc: int) -
     ]
     subprocess.run(cmd, check=True)
     return json.loads((Path(run_dir) / "02_train" / "train_summary.json").read_text())
+
+
+def launch_in_sglang(p, params_file: str, run_dir: str, overrides: dict | None) -> dict:
+    """Online with extract.backend sglang_inprocess: the stage in SGLang's interpreter (engine.python, or
+    .venv-sglang), one trainer process whose thread drives SGLang's model runner. Its output is shown as it
+    comes and kept in 02_train/sglang-online.log; a failure raises with the log's last lines."""
+    import os
+    import subprocess
+
+    from eagle3lib import run_folder
+    from eagle3lib.extract.backends import engine_settings
+
+    engine = engine_settings(p, "sglang")
+    if engine["python"] is None:
+        raise FileNotFoundError(
+            "train.source: online with extract.backend sglang_inprocess trains in SGLang's interpreter and none was "
+            "found: set engine.name: sglang and engine.python, or build .venv-sglang (make sglang-env)"
+        )
+    out_dir = Path(run_folder.stage_dir(Path(run_dir), "02_train"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    root = str(Path(__file__).resolve().parents[2])  # so that SGLang's interpreter imports this eagle3lib
+    env = dict(os.environ, **engine["env"])
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.pop("WORLD_SIZE", None)  # one trainer: SGLang's ranks make their own group
+    cmd = [engine["python"], "-m", "eagle3lib.train.trainer", params_file, str(run_dir), json.dumps(overrides or {})]
+    log = out_dir / "sglang-online.log"
+    with (
+        open(log, "w") as f,
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc,
+    ):
+        for line in proc.stdout:
+            f.write(line)
+            f.flush()
+            print(line, end="", flush=True)
+        code = proc.wait()
+    summary = out_dir / "train_summary.json"
+    if code != 0 or not summary.is_file():
+        tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-40:])
+        raise TrainingError(
+            f"online training in SGLang's interpreter exited {code} (checkpoints already written are kept and "
+            f"resume); command: {' '.join(cmd)}\nlast lines of {log}:\n{tail}"
+        )
+    return json.loads(summary.read_text())
 
 
 if __name__ == "__main__":  # torchrun --nproc_per_node N -m eagle3lib.train.trainer PARAMS RUN_DIR [OVERRIDES_JSON]
