@@ -71,26 +71,29 @@ def capture_alone(p, loaded, run_dir: Path, tokens: int) -> tuple[dict, KeptStat
     train_tokens = conversations.load_tokens(run_dir / "00_prepare" / "train.safetensors")
     val_tokens = conversations.load_tokens(run_dir / "00_prepare" / "val.safetensors")
     data, val, _ = online.capture_setup(p, train_tokens, val_tokens, run_dir / "02_train", loaded=(kept, contract))
+    # the validation split first, not timed: kept for the train-alone row, and the engine's kernels compiled (SGLang's
+    # Triton attention compiles at its first batches: 7,800 tokens/s timed cold against ~200,000 warm on an H200)
+    for _ in val.val_sequences():
+        pass
     started, done = time.perf_counter(), 0
     for seq in data.train_sequences(0, 0):
         done += len(seq.input_ids)
         if done >= tokens:
             break
     seconds = time.perf_counter() - started
-    for _ in val.val_sequences():  # kept too (not timed): the train-alone row captures nothing of its own
-        pass
     return {"mode": "capture alone", "tokens": done, "tokens_per_s": round(done / seconds, 1)}, kept
 
 
-def reader_alone(p, run_dir: Path, tokens: int) -> dict:
-    """The shards path without the trainer: 01_extract's shards read (train.prefetch_shards ahead), packed into
-    micro-batches (train.batch_prefetch ahead) and moved to the trainer's device, nothing trained."""
+def reader_alone(p, run_dir: Path, tokens: int, verify: bool = True, to_device: bool = True) -> dict:
+    """The shards path without the trainer: 01_extract's shards read (train.prefetch_shards ahead, sha256 checked
+    unless not `verify`), packed into micro-batches (train.batch_prefetch ahead) and moved to the trainer's device
+    (unless not `to_device`), nothing trained."""
     import torch
 
     from eagle3lib.extract.shards import ShardSet
     from eagle3lib.train.batches import batch_to, micro_batches, shard_sequences
 
-    shard_set = ShardSet(run_dir / "01_extract" / "train")
+    shard_set = ShardSet(run_dir / "01_extract" / "train", verify=verify)
 
     def sequences(epoch, start=0):
         return shard_sequences(shard_set, p.run.seed, epoch, start, prefetch=p.train.prefetch_shards)
@@ -98,18 +101,16 @@ def reader_alone(p, run_dir: Path, tokens: int) -> dict:
     started, done = time.perf_counter(), 0
     stream = micro_batches(sequences, p.train, 0, 0, 0)
     for _, _, mb in stream:
-        batch_to(mb, p.target.device)
+        if to_device:
+            batch_to(mb, p.target.device)
         done += mb["tokens"]
         if done >= tokens:
             break
     stream.close()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    return {
-        "mode": "shard reader alone",
-        "tokens": done,
-        "tokens_per_s": round(done / (time.perf_counter() - started), 1),
-    }
+    name = "shard reader alone" + ("" if verify else ", no sha256") + ("" if to_device else ", to host only")
+    return {"mode": name, "tokens": done, "tokens_per_s": round(done / (time.perf_counter() - started), 1)}
 
 
 def in_process_mode(name: str, params_file: str, overrides: dict, run_dir: Path, scratch: Path, loaded) -> dict:
@@ -155,6 +156,10 @@ def main():
     )
     ap.add_argument("--backend", choices=["hf", "sglang_inprocess"], default=None, help="default: the params'")
     ap.add_argument("--no-shards", action="store_true", help="leave out the offline (shards) mode")
+    ap.add_argument("--repeat", type=int, default=1, help="train alone and online this many times each, in turns")
+    ap.add_argument(
+        "--reader-variants", action="store_true", help="the shard reader alone also without sha256 and without the move"
+    )
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more params overrides")
     args = ap.parse_args()
     run_dir = Path(args.run_dir)
@@ -191,20 +196,38 @@ def main():
         loaded = online.load_states(p)
         row, kept = capture_alone(p, loaded, run_dir, args.tokens + margin)
         show(row)
-        before = kept.captured
-        row = in_process_mode("train alone", args.params, online_mode, run_dir, Path(scratch), (kept, loaded[1]))
-        show(row | {"captured_while_training": kept.captured - before})
+        # the trainer's first steps in a process (CUDA context, cuBLAS, the allocator) are not timed with a mode's
+        warm = online_mode | {"train.max_tokens": 16 * p.train.batch_rows * p.train.max_seq_len}
+        in_process_mode("warm-up", args.params, warm, run_dir, Path(scratch), (kept, loaded[1]))
+        for n in range(args.repeat):  # in turns: a drift of the machine reaches both
+            before = kept.captured
+            row = in_process_mode(
+                f"train alone {n}", args.params, online_mode, run_dir, Path(scratch), (kept, loaded[1])
+            )
+            show(row | {"mode": "train alone", "captured_while_training": kept.captured - before})
+            show(in_process_mode(f"online thread {n}", args.params, online_mode, run_dir, Path(scratch), loaded))
+            rows[-1]["mode"] = "online thread"
         kept.kept.clear()
-        show(in_process_mode("online thread", args.params, online_mode, run_dir, Path(scratch), loaded))
         for name, overrides in modes:
             if name == "offline (shards)":
-                show(reader_alone(load_params(args.params, common), run_dir, args.tokens))
+                shards_params = load_params(args.params, common)
+                show(reader_alone(shards_params, run_dir, args.tokens))
+                if args.reader_variants:
+                    show(reader_alone(shards_params, run_dir, args.tokens, verify=False))
+                    show(reader_alone(shards_params, run_dir, args.tokens, verify=False, to_device=False))
             show(train_mode(name, args.params, overrides, run_dir, Path(scratch)))
         getattr(loaded[0], "close", lambda: None)()
-    by = {r["mode"]: r["tokens_per_s"] for r in rows}
-    capture, train = by["capture alone"], by["train alone"]
+    by = {}
+    for r in rows:
+        by.setdefault(r["mode"], []).append(r["tokens_per_s"])
+    capture, train = by["capture alone"][0], sum(by["train alone"]) / len(by["train alone"])
     bound = 1 / (1 / capture + 1 / train)
-    summary = {"mode": "take-turns bound", "tokens_per_s": round(bound, 1), "capture": capture, "train": train}
+    summary = {
+        "mode": "take-turns bound",
+        "tokens_per_s": round(bound, 1),
+        "capture": capture,
+        "train": round(train, 1),
+    }
     summary |= {"backend": p.extract.backend, "separate_devices_bound": min(capture, train)}
     rows.append(summary)
     print(f"\n{'mode':<24} {'tokens/s':>9} {'of bound':>9}")

@@ -6,6 +6,7 @@
 #   bash benchmarks/h200/online.sh          SmolLM2: prepare + extract (hf, bf16), then the modes with the hf capture
 #                                           and with the sglang_inprocess capture (SGLang's model runner in the
 #                                           trainer's process, benchmarks/h200/sglang-python), into $OUT
+#   (BACKENDS="sglang_inprocess" for one of them; STAGE=0 leaves out the 02_train notebook's online run at the end)
 #   MODE=8b bash benchmarks/h200/online.sh  Llama-3.1-8B's shape (the extract_inprocess_check.sh target: its config,
 #                                           SGLang's dummy weights; random embeddings, head and norm written for the
 #                                           trainer), SmolLM2's tokenizer: prepare, then the sglang_inprocess modes
@@ -63,8 +64,8 @@ llama8b = {  # meta-llama/Llama-3.1-8B-Instruct's config.json, as extract_inproc
 }
 os.makedirs("/tmp/llama8b", exist_ok=True)
 json.dump(llama8b, open("/tmp/llama8b/config.json", "w"), indent=1)
-for f in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-    if os.path.isfile(f"{tok}/{f}"):
+for f in os.listdir(tok):  # the tokenizer's files, its chat template (chat_template.jinja) among them
+    if f != "config.json" and f.endswith((".json", ".jinja", ".txt")):
         shutil.copy(f"{tok}/{f}", "/tmp/llama8b")
 g = torch.Generator(device="cuda").manual_seed(0)  # the trainer reads these three; SGLang makes its own (dummy)
 head = {k: (torch.randn(128256, 4096, generator=g, device="cuda") * 0.02).bfloat16().cpu()
@@ -75,16 +76,15 @@ PY
   params; FLAGS='[--attention-backend,triton,--sampling-backend,pytorch,--mem-fraction-static,"0.3",--load-format,dummy]'
   $SGL -m eagle3lib run $W/$NAME.yaml --to prepare > "$OUT/prepare-8b.log" 2>&1 || { tail -n 30 "$OUT/prepare-8b.log"; exit 4; }
   tail -n 3 "$OUT/prepare-8b.log"
-  TOKENS=${TOKENS:-300000} modes sglang_inprocess --no-shards
+  TOKENS=${TOKENS:-300000} modes sglang_inprocess --no-shards --repeat 2
 else
   params
   $SGL -m eagle3lib run $W/$NAME.yaml --to extract > "$OUT/extract.log" 2>&1 || { tail -n 30 "$OUT/extract.log"; exit 4; }
   tail -n 4 "$OUT/extract.log"
-  modes sglang_inprocess
-  modes hf
+  for b in ${BACKENDS:-sglang_inprocess hf}; do modes $b --repeat 2 --reader-variants; done
 fi
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-if [ "$MODE" = smol ]; then  # the notebook's path: 02_train with trainer.launch starting the stage in SGLang's interpreter
+if [ "$MODE" = smol ] && [ "${STAGE:-1}" = 1 ]; then  # the notebook's path: 02_train with trainer.launch starting the stage in SGLang's interpreter
   $SGL -m eagle3lib run $W/$NAME.yaml --only 02_train --set train.source=online --set extract.backend=sglang_inprocess \
     --set "engine.extra_args=$FLAGS" --set train.max_tokens=300000 > "$OUT/stage-online-sglang.log" 2>&1; rc=$?
   tail -n 6 "$OUT/stage-online-sglang.log"; cp $W/$NAME/02_train/sglang-online.log "$OUT/" 2>/dev/null
