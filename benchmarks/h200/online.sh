@@ -51,17 +51,9 @@ import json, os, shutil, torch
 from safetensors.torch import save_file
 from eagle3lib import target
 tok = target.embedded_target_dir(target.default_cache_dir())
-llama8b = {  # meta-llama/Llama-3.1-8B-Instruct's config.json, as extract_inprocess_check.sh writes it
-    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0, "bos_token_id": 128000,
-    "eos_token_id": [128001, 128008, 128009], "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
-    "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 131072, "mlp_bias": False,
-    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
-    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
-    "rope_scaling": {"factor": 8.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
-    "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
-    "vocab_size": 128256,
-}
+# meta-llama/Llama-3.1-8B-Instruct's config.json (benchmarks/h200/llama3.1-8b-config.json); SGLang's dummy
+# loader makes the weights on the GPU
+llama8b = json.load(open("benchmarks/h200/llama3.1-8b-config.json"))
 os.makedirs("/tmp/llama8b", exist_ok=True)
 json.dump(llama8b, open("/tmp/llama8b/config.json", "w"), indent=1)
 for f in os.listdir(tok):  # the tokenizer's files, its chat template (chat_template.jinja) among them
