@@ -1,15 +1,15 @@
 """Online training (train.source: online): the target's states are captured while the drafter trains and handed
 to it through a bounded queue, never written (docs/design.md §8, online mode).
 
-    states = HFStates(model, aux_ids, batch_tokens)        # a capture backend: sequences -> (aux, final)
+    states, contract = load_states(p)                       # extract.backend's capture: sequences -> (aux, final)
     data = OnlineData(states, tokens, seed, max_seq_len, shard_max_tokens)
     data.train_sequences(epoch, start)                      # what micro_batches packs, in the shards' order
 
 The capture runs in a thread of the trainer's process (online_placement: thread, the queue is in_background's)
 or in a process of its own that sends the micro-batches (online_placement: process, train/placement.py), or in a
 Ray actor whose micro-batches go through Ray's object store (online_placement: ray, train/ray_placement.py). Every
-way the producer is a StateSource: `hf` here and on the CPU; `sglang_inprocess` on GPUs plugs in as another one
-(its model runner's prefill returns the same aux and final states, extract/sglang_inprocess.py).
+way the producer is a StateSource: HFStates (`hf`, any placement, the CPU too), or EngineStates (`sglang_inprocess`,
+GPU hosts: SGLang's model runner in a thread of the one trainer process, extract/sglang_inprocess.py).
 """
 
 from __future__ import annotations
