@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import make_run, params_file, small_target, state  # noqa: F401  (small_target: a fixture)
+from test_train import (  # noqa: F401  (small_target: a fixture)
+    assert_capture_summary_and_drafter_as,
+    make_run,
+    params_file,
+    small_target,
+    state,
+)
 
 from eagle3lib.params import ParamsError, load_params
 from eagle3lib.train import TrainingError, placement, ray_placement, trainer
@@ -65,11 +71,7 @@ def test_ray_actors_train_what_the_thread_does_and_resume_from_the_checkpoint(
     run = make_run(tmp_path, *small_target, COMMON | {"grad_accum": 2, "online_placement": "ray"})
     s = trainer.launch(params_file(tmp_path), str(run), {}, 1)
     assert s["world_size"] == 1 and s["steps"] == 3
-    capture = json.loads((run / "02_train" / placement.CAPTURE_SUMMARY).read_text())
-    assert capture["started_at"] == {"epoch": 0, "sequence": 0} and capture["tokens"] >= s["tokens"]
-    a, b = state(thread_run / "02_train" / "drafter"), state(run / "02_train" / "drafter")
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    assert_capture_summary_and_drafter_as(run, s, thread_run)
 
     s = trainer.launch(params_file(tmp_path), str(run), {"train.max_tokens": 128 * 2 * 6}, 1)
     capture = json.loads((run / "02_train" / placement.CAPTURE_SUMMARY).read_text())

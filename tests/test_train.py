@@ -326,6 +326,16 @@ def test_online_run_writes_no_states_and_a_bad_option_is_refused(tmp_path, small
         load_params(params_file(tmp_path), {"train.source": "shards", "train.online_cache_first_epoch": True})
 
 
+def assert_capture_summary_and_drafter_as(run: Path, summary: dict, reference: Path) -> None:
+    """A run whose capture ran apart (a process or a Ray actor): it captured from the start at least what it
+    trained, and its drafter is the reference run's, byte for byte."""
+    capture = json.loads((run / "02_train" / placement.CAPTURE_SUMMARY).read_text())
+    assert capture["started_at"] == {"epoch": 0, "sequence": 0} and capture["tokens"] >= summary["tokens"]
+    a, b = state(reference / "02_train" / "drafter"), state(run / "02_train" / "drafter")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
 def test_online_capture_process_over_gloo_trains_what_the_thread_does(tmp_path, small_target):
     """online_placement: process: rank 0 captures and sends micro-batches through gloo to the trainer ranks, which
     train the drafter the capture thread trains (each process one thread, so the sums run in the same order), and
@@ -341,11 +351,7 @@ def test_online_capture_process_over_gloo_trains_what_the_thread_does(tmp_path, 
     process = make_run(tmp_path / "process", *small_target, common | {"grad_accum": 2, "online_placement": "process"})
     s = trainer.launch(params_file(tmp_path / "process"), str(process), {}, 1)
     assert s["world_size"] == 1 and s["steps"] == 3
-    capture = json.loads((process / "02_train" / placement.CAPTURE_SUMMARY).read_text())
-    assert capture["started_at"] == {"epoch": 0, "sequence": 0} and capture["tokens"] >= s["tokens"]
-    a, b = state(thread / "02_train" / "drafter"), state(process / "02_train" / "drafter")
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    assert_capture_summary_and_drafter_as(process, s, thread)
     more = {"train.max_tokens": 128 * 2 * 6}
     s = trainer.launch(params_file(tmp_path / "process"), str(process), more, 1)
     capture = json.loads((process / "02_train" / placement.CAPTURE_SUMMARY).read_text())
