@@ -1,5 +1,6 @@
 """Tests for eagle3lib.extract.shards and .hf on a tiny random Llama (the real architecture), real files on disk."""
 
+import hashlib
 import json
 import os
 import random
@@ -407,7 +408,6 @@ def test_bad_inputs_refused(model, tmp_path):
 
 
 def test_shard_prefetch_yields_what_plain_reading_does(model, tokens, tmp_path, monkeypatch):
-    from eagle3lib.extract import shards as extract_module
     from eagle3lib.train.batches import shard_sequences
 
     out = str(tmp_path / "hidden")
@@ -422,10 +422,8 @@ def test_shard_prefetch_yields_what_plain_reading_does(model, tokens, tmp_path, 
                 assert torch.equal(x, y)
     # each shard's sha256 is computed once: the second epoch read the same unchanged files without hashing
     hashed = []
-    real_sha256 = extract_module.hashlib.sha256
-    monkeypatch.setattr(
-        extract_module.hashlib, "sha256", lambda data=b"": hashed.append(len(data)) or real_sha256(data)
-    )
+    real_sha256 = hashlib.sha256
+    monkeypatch.setattr(hashlib, "sha256", lambda data=b"": hashed.append(len(data)) or real_sha256(data))
     list(shard_sequences(shards, seed=3, epoch=2, prefetch=2))
     assert hashed == []
     assert len(list(shard_sequences(ShardSet(out), seed=3, epoch=2, prefetch=2))) == 40  # a new ShardSet hashes again
