@@ -137,6 +137,21 @@ def test_plans():
     assert plan_shards(lengths, 2, 6, 25) == [(2, 5), (5, 6)]
 
 
+def test_one_batch_planner_for_every_capture():
+    """Longest first (the extraction backends, bench.predict) or consecutive (online training's capture, the
+    in-process engine's batches), padded or ragged; a sequence longer than the budget goes alone."""
+    lengths = [5, 1, 4, 9, 2, 2, 20, 3]
+    assert plan_batches(lengths, range(8), 10) == [[6], [3], [0, 2], [7, 4, 5], [1]]  # ties by id: 4 before 5
+    assert plan_batches(lengths, range(8), 10, ragged=True) == [[6], [3], [0, 2], [7, 4, 5, 1]]
+    padded = plan_batches(lengths, range(8), 10, in_order=True)
+    assert padded == [[0, 1], [2], [3], [4, 5], [6], [7]]  # 3 x 5 > 10; 20 goes alone
+    ragged = plan_batches(lengths, range(8), 10, ragged=True, in_order=True)
+    assert ragged == [[0, 1, 2], [3], [4, 5], [6], [7]]  # 5 + 1 + 4 = 10
+    assert plan_batches(lengths, [7, 0, 1], 10, in_order=True) == [[7, 0], [1]]  # the given order, not the ids'
+    assert plan_batches(lengths, range(2, 5), 13, ragged=True, in_order=True) == [[2, 3], [4]]
+    assert plan_batches(lengths, [], 10) == [] == plan_batches(lengths, range(3, 3), 8, ragged=True, in_order=True)
+
+
 # --------------------------------------------------------------------------- round trip
 
 

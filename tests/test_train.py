@@ -432,14 +432,6 @@ def test_online_through_sglang_inprocess_states_trains_the_shards_drafter(tmp_pa
     assert not engine.closed
 
 
-def test_capture_groups_pad_or_sum_within_the_budget():
-    lengths = [5, 1, 4, 9, 2, 2, 20, 3]
-    padded = list(online.capture_groups(range(8), lengths.__getitem__, 10))
-    assert padded == [[0, 1], [2], [3], [4, 5], [6], [7]]  # 3 x 5 > 10; 20 goes alone
-    ragged = list(online.capture_groups(range(8), lengths.__getitem__, 10, ragged=True))
-    assert ragged == [[0, 1, 2], [3], [4, 5], [6], [7]]  # 5 + 1 + 4 = 10
-
-
 def test_online_sglang_inprocess_trains_in_sglangs_interpreter_and_fails_with_its_log(tmp_path, small_target):
     """trainer.launch starts the stage in engine.python; an interpreter without sglang fails there, and the
     error brings the reason and the log. The backends that serve states over HTTP, and placements other than a

@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Protocol
@@ -41,22 +41,6 @@ class StateSource(Protocol):
     batch_tokens: int
 
     def capture(self, sequences: list[torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]: ...
-
-
-def capture_groups(items: Iterable, length: Callable, batch_tokens: int, ragged: bool = False) -> Iterator[list]:
-    """Consecutive items grouped into capture calls of at most batch_tokens tokens, each group yielded as soon as
-    the next item does not fit: padded to the group's longest, or with `ragged` summed (a longer one goes alone)."""
-    group, longest, used = [], 0, 0
-    for item in items:
-        n = length(item)
-        cost = used + n if ragged else (len(group) + 1) * max(longest, n)
-        if group and cost > batch_tokens:
-            yield group
-            group, longest, used = [], 0, 0
-        group.append(item)
-        longest, used = max(longest, n), used + n
-    if group:
-        yield group
 
 
 class HFStates:
@@ -115,11 +99,13 @@ class OnlineData:
 
     def sequences(self, seq_ids) -> Iterator[Sequence]:
         """These sequences, each cut to max_seq_len (the packer's cut: the states of a prefix are the prefix's
-        states), captured in groups of consecutive ones of at most batch_tokens tokens (capture_groups)."""
+        states), captured in groups of consecutive ones of at most batch_tokens tokens (shards.plan_batches)."""
+        from eagle3lib.extract.shards import plan_batches
+
         starts, ragged = self.tokens["seq_starts"], getattr(self.states, "ragged", False)
-        spans = ((int(starts[s]), min(self.lengths[s], self.max_seq_len or self.lengths[s])) for s in seq_ids)
-        for group in capture_groups(spans, lambda span: span[1], self.states.batch_tokens, ragged):
-            yield from self._captured(group)
+        cut = [min(n, self.max_seq_len or n) for n in self.lengths]
+        for group in plan_batches(cut, seq_ids, self.states.batch_tokens, ragged=ragged, in_order=True):
+            yield from self._captured([(int(starts[s]), cut[s]) for s in group])
 
     def close(self) -> None:
         getattr(self.states, "close", lambda: None)()
@@ -240,12 +226,14 @@ class _SourceCapture:
         return contextlib.nullcontext()
 
     def shard(self, tok, lengths, first, end, store_dtype, bar):
+        from eagle3lib.extract.shards import plan_batches
+
         starts = tok["seq_starts"]
-        seqs = [tok["input_ids"][int(starts[s]) : int(starts[s + 1])].long() for s in range(first, end)]
+        seqs = {s: tok["input_ids"][int(starts[s]) : int(starts[s + 1])].long() for s in range(first, end)}
         ragged = getattr(self.states, "ragged", False)
-        groups = capture_groups(seqs, len, self.states.batch_tokens, ragged)
-        got = [pair for g in groups for pair in self.states.capture(g)]
-        bar.update(sum(len(seq) for seq in seqs))
+        groups = plan_batches(lengths, range(first, end), self.states.batch_tokens, ragged=ragged, in_order=True)
+        got = [pair for g in groups for pair in self.states.capture([seqs[s] for s in g])]
+        bar.update(sum(len(seq) for seq in seqs.values()))
         return torch.cat([a for a, _ in got]).to(store_dtype), torch.cat([f for _, f in got]).to(store_dtype)
 
     def stats(self):

@@ -17,14 +17,19 @@ def plan_shards(lengths, first, end, shard_max_tokens):
     return ranges
 
 
-def plan_batches(lengths, seq_ids, batch_tokens):
-    """Group seq_ids into batches with padded B*T <= batch_tokens, longest first (a longer
-    sequence than the budget goes alone). The order is deterministic."""
-    order = sorted(seq_ids, key=lambda s: (-int(lengths[s]), s))
-    batches = []
+def plan_batches(lengths, seq_ids, batch_tokens, *, ragged=False, in_order=False) -> list[list[int]]:
+    """seq_ids (indices into lengths) in groups of at most batch_tokens tokens, one capture call or forward each: a
+    group costs len(group) x its longest (padded), or with `ragged` the sum of its lengths (packed without padding).
+    Longest first, ties by id, or with `in_order` consecutive in the given order; a sequence longer than the
+    budget goes alone."""
+    order = list(seq_ids) if in_order else sorted(seq_ids, key=lambda s: (-int(lengths[s]), s))
+    groups, longest, used = [], 0, 0
     for s in order:
-        if batches and (len(batches[-1]) + 1) * int(lengths[batches[-1][0]]) <= batch_tokens:
-            batches[-1].append(s)
+        n = int(lengths[s])
+        if groups and (used + n if ragged else (len(groups[-1]) + 1) * max(longest, n)) <= batch_tokens:
+            groups[-1].append(s)
+            longest, used = max(longest, n), used + n
         else:
-            batches.append([s])
-    return batches
+            groups.append([s])
+            longest, used = n, n
+    return groups
