@@ -20,8 +20,9 @@ from pathlib import Path
 
 import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
 from eagle3lib.extract import shards
+from eagle3lib.params import load_params
 from eagle3lib.target import torch_dtype
-from eagle3lib.train import trainer
+from eagle3lib.train import launch
 
 
 def prepare_run(src: Path, out: Path, store_dtype: str) -> dict:
@@ -62,7 +63,7 @@ def main():
     rows = {}
     for store_dtype in args.store_dtypes:
         run = prepare_run(args.run_dir, out, store_dtype)
-        summary = trainer.run_stage(args.params, str(run["run_dir"]), overrides)
+        summary = launch.run_stage(load_params(args.params, overrides), str(run["run_dir"]))
         ev = summary["eval"]
         rows[store_dtype] = {
             "bytes_per_token": run["bytes_per_token"],

@@ -33,7 +33,8 @@ sys.path.insert(0, str(ROOT))
 
 from eagle3lib.params import load_params, parse_override  # noqa: E402
 from eagle3lib.prepare import conversations  # noqa: E402
-from eagle3lib.train import online, placement, trainer  # noqa: E402
+from eagle3lib.train import launch, online  # noqa: E402
+from eagle3lib.train.sources.base import CAPTURE_SUMMARY  # noqa: E402
 
 
 def scratch_run(run_dir: Path, into: Path, with_shards: bool) -> Path:
@@ -114,10 +115,10 @@ def reader_alone(p, run_dir: Path, tokens: int, verify: bool = True, to_device: 
 
 
 def in_process_mode(name: str, params_file: str, overrides: dict, run_dir: Path, scratch: Path, loaded) -> dict:
-    """Online training through an already loaded capture (trainer.run_stage in this process)."""
+    """Online training through an already loaded capture (launch.run_stage in this process)."""
     run = scratch_run(run_dir, scratch / name.replace(" ", "_"), with_shards=False)
     started = time.perf_counter()
-    s = trainer.run_stage(params_file, str(run), overrides, capture=loaded)
+    s = launch.run_stage(load_params(params_file, overrides), str(run), handed=loaded)
     return summary_row(name, s, run, time.perf_counter() - started)
 
 
@@ -125,14 +126,14 @@ def train_mode(name: str, params_file: str, overrides: dict, run_dir: Path, scra
     source = overrides.get("train.source", "shards")
     run = scratch_run(run_dir, scratch / name.replace(" ", "_"), with_shards=source == "shards")
     started = time.perf_counter()
-    s = trainer.launch(params_file, str(run), overrides, 1)
+    s = launch.launch(load_params(params_file, overrides), str(run))
     return summary_row(name, s, run, time.perf_counter() - started)
 
 
 def summary_row(name: str, s: dict, run: Path, wall: float) -> dict:
     row = {"mode": name, "tokens": s["tokens"], "tokens_per_s": s["train_tokens_per_s"], "wall_s": round(wall, 1)}
     row |= {"data_wait_s": s["data_wait_s"], "est_accept_len@3": s["eval"]["est_accept_len"].get("3")}
-    capture = run / "02_train" / placement.CAPTURE_SUMMARY
+    capture = run / "02_train" / CAPTURE_SUMMARY
     if capture.is_file():
         row["capture_process"] = json.loads(capture.read_text())
     elif s.get("online"):

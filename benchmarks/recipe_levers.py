@@ -26,7 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from eagle3lib.params import load_params, parse_override  # noqa: E402
-from eagle3lib.train import trainer  # noqa: E402
+from eagle3lib.train import loop  # noqa: E402
+from eagle3lib.train.setup import build_setup  # noqa: E402
 
 
 def parse_lever(text: str) -> tuple[str, dict]:
@@ -51,11 +52,11 @@ def run_lever(
         {"train.max_minutes": minutes} if tokens is None else {"train.max_tokens": tokens, "train.max_minutes": 600}
     )
     p = load_params(params_file, {**overrides, **budget, "train.resume": False})
-    setup, vocab_stats = trainer.build_setup(p, run_dir)
+    setup, vocab_stats = build_setup(p, run_dir)
     with tempfile.TemporaryDirectory() as scratch:
         setup.out_dir = Path(scratch)
         t0 = time.time()
-        summary = trainer.train(setup, p.train, seed=seed, log=lambda *_: None)
+        summary = loop.train(setup, p.train, seed=seed, log=lambda *_: None)
     ev = summary["eval"]
     return {
         "lever": name,

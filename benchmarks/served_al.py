@@ -15,7 +15,7 @@ need --mem-fraction small enough for all). RUN_DIR needs a finished
 00_prepare (held-out prompts). Predicted AL: the target's states on each served reply (prompt + the engine's own
 tokens), the drafter's TTT evaluation (bench.predict, train.ttt_steps steps, extrapolated past them), per set.
 Offline AL, for every drafter that imports (served or not: SGLang 0.5.17 cannot serve norm_before_residual):
-our trainer's own evaluation (trainer.evaluate: TTT over the run's validation rows, estimated AL per depth), the
+our trainer's own evaluation (loop.evaluate: TTT over the run's validation rows, estimated AL per depth), the
 one metric every trainer's drafter is measured by here. Servers run in the target's dtype (--dtype; SGLang 0.5.17
 feeds the target's states to the draft's fc uncast, so a draft in another dtype than the target fails).
 Rows: {trainer, config, depth, set, served_al, predicted_al, requests, completion_tokens} + --meta NAME=JSON, and
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
 from eagle3lib import engines, target
-from eagle3lib.bench import predict, sweep
+from eagle3lib.bench import measurement, predict
 from eagle3lib.bench import steps as bench_steps
 from eagle3lib.convert import layouts
 from eagle3lib.params import cache_dir, load_params
@@ -85,13 +85,14 @@ def prepare_drafters(drafters: dict[str, str], target_dir: str, cache, engine: s
 
 def offline_al(p, run_dir: Path, canonical: str, steps: int) -> dict:
     """Our trainer's validation of a drafter (any trainer's, imported): {depth: estimated AL}, step_acc, cond_acc."""
-    from eagle3lib.train import trainer
+    from eagle3lib.train import loop
+    from eagle3lib.train.setup import build_setup
 
-    setup, _ = trainer.build_setup(p, run_dir, p.target.device)
+    setup, _ = build_setup(p, run_dir, p.target.device)
     setup.drafter = load_drafter(Path(canonical), device=p.target.device)
     # build_setup leaves the target's embedding and head on the host; train() moves them to its device, as here
     setup.embed, setup.head = setup.embed.to(p.target.device), setup.head.to(p.target.device)
-    summary = trainer.evaluate(setup, steps, steps, p.target.device)
+    summary = loop.evaluate(setup, steps, steps, p.target.device)
     return {
         "accept_len_at": {int(d): v for d, v in summary["est_accept_len"].items()},
         "step_acc": summary["step_acc"],
@@ -116,9 +117,9 @@ def serve_all(
             with server:
                 by_set = {}
                 for set_name, prompts in prompts_by_set.items():
-                    by_set[set_name] = sweep.measure_set(server, prompts, max_tokens, 1, {})
+                    by_set[set_name] = measurement.measure_set(server, prompts, max_tokens, 1, {})
                 results[(name, depth)] = by_set
-            spec = {s: sweep.spec_over(p.engine.name, m["parts"]).get("accept_len") for s, m in by_set.items()}
+            spec = {s: measurement.spec_over(p.engine.name, m["parts"]).get("accept_len") for s, m in by_set.items()}
             print(f"{name} depth {depth}: served AL {json.dumps(spec)}", flush=True)
         except Exception as e:  # one failing server must not hide the others' figures
             errors[(name, depth)] = f"{type(e).__name__}: {e}"
@@ -173,7 +174,7 @@ def rows_of(results: dict, predicted: dict, offline: dict, depths: list[int], me
             )
     for (name, depth), by_set in sorted(results.items()):
         for set_name, m in by_set.items():
-            spec = sweep.spec_over(engine, m["parts"])
+            spec = measurement.spec_over(engine, m["parts"])
             rows.append(
                 {
                     "trainer": name.split(":")[0],

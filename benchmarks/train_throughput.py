@@ -33,7 +33,7 @@ from eagle3lib.drafter import Drafter, DrafterConfig
 from eagle3lib.train.batches import batch_to
 from eagle3lib.train.distributed import all_reduce_grads, check_same_weights
 from eagle3lib.train.speedups import compile_decoder_layer, convert_to_float8
-from eagle3lib.train.trainer import ttt_loss_sums, with_host_layout
+from eagle3lib.train.ttt_step import ttt_loss_sums, with_host_layout
 
 try:
     from benchmarks.drafter_shapes import LLAMA_8B, SMALL
@@ -124,7 +124,7 @@ def measure(
 ) -> dict:
     """Median tokens/s of full training steps on rows of seq tokens (rows: packed_rows' layouts; default one
     document of random tokens), and peak memory. Under torchrun every rank runs the step on its own row and the
-    gradients are all-reduced as eagle3lib.train.trainer does; tokens/s is then the sum over ranks.
+    gradients are all-reduced as eagle3lib.train.ttt_step does; tokens/s is then the sum over ranks.
     all_rows: the loss scores every position, valid or not (the ablation of ttt_loss_sums' only_valid_rows)."""
     cuda = device.startswith("cuda")
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -148,7 +148,7 @@ def measure(
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype) * 0.02
     head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, device=device, dtype=dtype) * 0.02
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)  # as eagle3lib.train.trainer makes it
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)  # as eagle3lib.train.optimizer makes it
     # Rows wait on the host and each goes to the device before its step (untimed), so the peak memory is that of
     # one row's step, as in training.
     # with_host_layout: the rows' layout and valid rows made on the host, as the trainer makes them (device_layout:

@@ -390,6 +390,11 @@ class Params(Section):
     bench: BenchParams = BenchParams()
 
     file: str | None = Field(None, exclude=True, description="the params file this came from")
+    overrides: dict = Field(
+        default_factory=dict,
+        exclude=True,
+        description="the overrides applied to it (a process started for a stage loads the same)",
+    )
     dtype_choices: dict = Field(
         {}, exclude=True, description="'section.dtype' -> {auto, picked, why} for each dtype given as auto"
     )
@@ -538,6 +543,7 @@ def load_params(path: str | Path, overrides: dict | None = None) -> Params:
     except ValidationError as e:
         raise ParamsError(_format_errors(e, str(path))) from None
     p.file = str(path.resolve())
+    p.overrides = dict(overrides or {})
     _resolve_paths(p, path.resolve().parent)
     _resolve_auto_dtypes(p)
     return p

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from eagle3lib.train import placement
+from eagle3lib.train.sources.base import CAPTURE_SUMMARY
 from eagle3lib.workbook import pipeline
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -22,7 +22,7 @@ def test_online_run_trains_with_no_hidden_states_on_disk(tmp_path, embedded_cach
     train = result["02_train"]["figures"]
     assert train["eval"]["loss_per_step"][0] < 0.9 * train["initial_eval"]["loss_per_step"][0]
     assert train["world_size"] == 1 and train["steps"] == train["total_steps"] == 63  # 16,000 tokens of 256-token rows
-    capture = json.loads((run_dir / "02_train" / placement.CAPTURE_SUMMARY).read_text())
+    capture = json.loads((run_dir / "02_train" / CAPTURE_SUMMARY).read_text())
     assert capture["tokens"] >= train["tokens"] and capture["capture_tokens_per_s"] > 0
     # 0 bytes of hidden states: the safetensors files are the token files, the checkpoints and the drafter
     files = [p for p in run_dir.rglob("*") if p.is_file()]

@@ -18,8 +18,10 @@ from test_train import (  # noqa: F401  (small_target: a fixture)
 )
 
 from eagle3lib.params import ParamsError, load_params
-from eagle3lib.train import TrainingError, placement, ray_placement, trainer
+from eagle3lib.train import TrainingError, launch
 from eagle3lib.train.checkpoint import STATE_FILE
+from eagle3lib.train.sources import ray_actors
+from eagle3lib.train.sources.base import CAPTURE_SUMMARY
 
 # Ray goes into .ray-site, outside the workbook's environment (it is needed by this placement only).
 RAY_SITE = Path(__file__).resolve().parent.parent / ".ray-site"
@@ -50,7 +52,7 @@ def thread_run(small_target, tmp_path_factory):  # noqa: F811
     root = tmp_path_factory.mktemp("thread")
     run = make_run(root, *small_target, COMMON | {"grad_accum": 2})
     subprocess.run(
-        [sys.executable, "-m", "eagle3lib.train.trainer", params_file(root), str(run)],
+        [sys.executable, "-m", "eagle3lib.train.launch", params_file(root), str(run)],
         env=os.environ | {"OMP_NUM_THREADS": "1"},
         check=True,
         capture_output=True,
@@ -69,21 +71,21 @@ def test_ray_actors_train_what_the_thread_does_and_resume_from_the_checkpoint(
     thread run here; the sums run in the same order). A rerun with a larger budget captures from the checkpoint's
     position on. The cluster is the one launch starts on this host (its cores)."""
     run = make_run(tmp_path, *small_target, COMMON | {"grad_accum": 2, "online_placement": "ray"})
-    s = trainer.launch(params_file(tmp_path), str(run), {}, 1)
+    s = launch.launch(load_params(params_file(tmp_path)), str(run))
     assert s["world_size"] == 1 and s["steps"] == 3
     assert_capture_summary_and_drafter_as(run, s, thread_run)
 
-    s = trainer.launch(params_file(tmp_path), str(run), {"train.max_tokens": 128 * 2 * 6}, 1)
-    capture = json.loads((run / "02_train" / placement.CAPTURE_SUMMARY).read_text())
+    s = launch.launch(load_params(params_file(tmp_path), {"train.max_tokens": 128 * 2 * 6}), str(run))
+    capture = json.loads((run / "02_train" / CAPTURE_SUMMARY).read_text())
     checkpoint = json.loads((run / "02_train" / "checkpoints" / "step_0000003" / STATE_FILE).read_text())
     assert capture["started_at"] == {"epoch": checkpoint["epoch"], "sequence": checkpoint["sequence_in_epoch"]}
     assert s["steps"] == 6 and capture["started_at"]["sequence"] > 0
 
     cores = int(local_ray.cluster_resources()["CPU"])
     with pytest.raises(TrainingError, match=f"needs {cores + 1} CPUs .* the Ray cluster has {cores}"):
-        trainer.launch(params_file(tmp_path), str(run), {}, cores)
-    with pytest.raises(TrainingError, match="start the stage with trainer.launch"):
-        trainer.run_stage(params_file(tmp_path), str(run))
+        launch.launch(load_params(params_file(tmp_path), {"train.nproc_per_node": cores}), str(run))
+    with pytest.raises(TrainingError, match="start the stage with launch.launch"):
+        launch.run_stage(load_params(params_file(tmp_path)), str(run))
     with pytest.raises(ParamsError, match="train.ray_address only applies to train.online_placement: ray"):
         load_params(params_file(tmp_path), {"train.online_placement": "thread", "train.ray_address": "h:1"})
 
@@ -98,9 +100,9 @@ def test_two_ray_trainers_sum_their_gradients_as_one_trainer_does(
     trainer with grad_accum 2, to float rounding (the sums run in another order). A cluster of 3 logical CPUs on
     this host, as the process placement's test runs 3 processes on 2 cores."""
     local_ray.shutdown()
-    ray_placement.start_local(local_ray, ray_placement.LOCAL_STORE_MIN, num_cpus=3)
+    ray_actors.start_local(local_ray, ray_actors.LOCAL_STORE_MIN, num_cpus=3)
     run = make_run(tmp_path, *small_target, COMMON | {"online_placement": "ray"})
-    s = trainer.launch(params_file(tmp_path), str(run), {}, 2)
+    s = launch.launch(load_params(params_file(tmp_path), {"train.nproc_per_node": 2}), str(run))
     assert s["world_size"] == 2 and len(set(s["rank_weight_digests"])) == 1 and s["steps"] == 3
     a, b = state(thread_run / "02_train" / "checkpoints" / "step_0000003"), state(run / "02_train" / "drafter")
     for k in a:
@@ -110,4 +112,4 @@ def test_two_ray_trainers_sum_their_gradients_as_one_trainer_does(
 def test_without_ray_the_placement_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed: its import fails
     with pytest.raises(TrainingError, match=r"pip install 'ray>=2.52'"):
-        ray_placement.import_ray()
+        ray_actors.import_ray()

@@ -105,12 +105,12 @@ def test_offline_al_is_the_drafters_not_its_layouts(run, tmp_path):
     drafter as our checkpoint and as its speculators export gets the same AL, another drafter another."""
     from eagle3lib.convert import layouts
     from eagle3lib.params import load_params
-    from eagle3lib.train import trainer
     from eagle3lib.train.checkpoint import save_drafter
+    from eagle3lib.train.setup import build_setup
 
     run_dir, target_dir = run
     params = str(run_dir.parent.parent / "params.yaml")
-    setup, _ = trainer.build_setup(load_params(params), run_dir)
+    setup, _ = build_setup(load_params(params), run_dir)
     folders = {}
     for seed in (1, 2):
         torch.manual_seed(seed)

@@ -1,6 +1,6 @@
 """bench.predict: the training stage's acceptance estimate on the benchmark's prompts and greedy replies, per set,
 is the training eval itself on validation rows made from the same data. A tiny random Llama (test_extract's), its
-greedy replies to random prompts, and a drafter trained (trainer.TrainStep) on one set's rows only (~10 s)."""
+greedy replies to random prompts, and a drafter trained (TrainStep) on one set's rows only (~10 s)."""
 
 import json
 
@@ -13,8 +13,9 @@ from eagle3lib.bench.replay import greedy_decode
 from eagle3lib.drafter import Drafter, DrafterConfig, vocab
 from eagle3lib.extract.hf import capture_hidden_states
 from eagle3lib.params import TrainParams
-from eagle3lib.train import trainer
+from eagle3lib.train import loop
 from eagle3lib.train.batches import Sequence, make_batch, pack_rows
+from eagle3lib.train.ttt_step import TrainStep
 
 AUX = [1, 3, 5]  # test_train's for this 6-layer target (its default [2, 3, 3] is not three layers)
 STEPS, MAX_DEPTH = 3, 6
@@ -33,11 +34,10 @@ def row_sequences(model, sequences):
 
 
 def setup_for(model, drafter, rows):
-    return trainer.TrainSetup(
+    return loop.TrainSetup(
         drafter=drafter,
         embed=model.get_input_embeddings().weight.detach().float(),
         head=model.lm_head.weight.detach().float(),
-        train_sequences=None,
         val_rows=rows,
         contract={},
         out_dir=None,
@@ -45,14 +45,14 @@ def setup_for(model, drafter, rows):
 
 
 def training_eval(model, drafter, sequences, packed_len=None):
-    """trainer.evaluate on the sequences' rows: one a row, or (packed_len) packed by pack_rows as build_setup
+    """loop.evaluate on the sequences' rows: one a row, or (packed_len) packed by pack_rows as build_setup
     packs validation rows, several documents a row and padding to packed_len."""
     seqs = row_sequences(model, sequences)
     if packed_len:
         rows = [make_batch([r], packed_len) for r in pack_rows(iter(seqs), packed_len)]
     else:
         rows = [make_batch([[q]], len(q.input_ids)) for q in seqs]
-    return trainer.evaluate(setup_for(model, drafter, rows), STEPS, MAX_DEPTH, "cpu")
+    return loop.evaluate(setup_for(model, drafter, rows), STEPS, MAX_DEPTH, "cpu")
 
 
 @pytest.fixture(scope="module")
@@ -77,9 +77,7 @@ def bench():
         make_batch([[q]], len(q.input_ids)) for q in row_sequences(model, [s for s in sequences if s["set"] == "code"])
     ]
     params = TrainParams(ttt_steps=STEPS, dtype="float32", grad_clip=1.0)
-    step = trainer.TrainStep(
-        setup_for(model, drafter, code), torch.optim.AdamW(drafter.parameters()), params, "cpu", 0, 1
-    )
+    step = TrainStep(setup_for(model, drafter, code), torch.optim.AdamW(drafter.parameters()), params, "cpu", 0, 1)
     for i in range(60):
         step([(0, i, code[i % len(code)])], 3e-3)
     per_set = predict_per_set(model, drafter.eval(), sequences, AUX, MAX_DEPTH, steps=STEPS)

@@ -20,9 +20,11 @@ from eagle3lib.extract import hf
 from eagle3lib.extract.shards import states, store_states
 from eagle3lib.params import ParamsError, load_params
 from eagle3lib.prepare import conversations
-from eagle3lib.train import TrainingError, online, placement, trainer
+from eagle3lib.train import TrainingError, launch, loop, online
 from eagle3lib.train.batches import Sequence, batch_states, in_background, make_batch, pack_rows
 from eagle3lib.train.checkpoint import STATE_FILE, latest_checkpoint, load_drafter
+from eagle3lib.train.setup import build_setup
+from eagle3lib.train.sources.base import CAPTURE_SUMMARY
 
 AUX = [1, 3, 5]
 ROOT = Path(__file__).resolve().parent.parent
@@ -125,9 +127,9 @@ def state(folder):
 def test_training_learns_and_writes_the_canonical_checkpoint(tmp_path, small_target):
     run_dir = make_run(tmp_path, *small_target, {"max_tokens": 128 * 40, "eval_every": 40})
     p = load_params(params_file(tmp_path))
-    setup, vocab_stats = trainer.build_setup(p, run_dir)
-    before = trainer.evaluate(setup, 3, 5, "cpu")
-    summary = trainer.train(setup, p.train, log=lambda *a: None)
+    setup, vocab_stats = build_setup(p, run_dir)
+    before = loop.evaluate(setup, 3, 5, "cpu")
+    summary = loop.train(setup, p.train, log=lambda *a: None)
     after = summary["eval"]
     assert after["loss_per_step"][0] < 0.8 * before["loss_per_step"][0]
     assert after["step_acc"][0] > before["step_acc"][0]
@@ -148,7 +150,7 @@ def test_training_learns_and_writes_the_canonical_checkpoint(tmp_path, small_tar
 def kill_after_checkpoint(params: str, run_dir, step_dir: str):
     """Train in a subprocess and SIGKILL it once checkpoints/<step_dir> is written; returns the checkpoints folder."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "eagle3lib.train.trainer", params, str(run_dir)],
+        [sys.executable, "-m", "eagle3lib.train.launch", params, str(run_dir)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -165,11 +167,11 @@ def kill_after_checkpoint(params: str, run_dir, step_dir: str):
 def test_resume_after_kill_ends_where_an_uninterrupted_run_does(tmp_path, small_target):
     slow = {"batch_rows": 4, "max_seq_len": 256, "max_tokens": 1024 * 16, "checkpoint_every": 4, "eval_every": 100}
     ref_dir = make_run(tmp_path / "ref", *small_target, slow)
-    trainer.run_stage(params_file(tmp_path / "ref"), str(ref_dir))
+    launch.run_stage(load_params(params_file(tmp_path / "ref")), str(ref_dir))
     run_dir = make_run(tmp_path / "killed", *small_target, slow)
     kill_after_checkpoint(params_file(tmp_path / "killed"), run_dir, "step_0000004")
     assert not (run_dir / "02_train" / "drafter").exists()
-    summary = trainer.run_stage(params_file(tmp_path / "killed"), str(run_dir))
+    summary = launch.run_stage(load_params(params_file(tmp_path / "killed")), str(run_dir))
     assert summary["steps"] == 16
     ref, resumed = state(ref_dir / "02_train" / "drafter"), state(run_dir / "02_train" / "drafter")
     for k in ref:
@@ -184,11 +186,11 @@ def test_online_run_killed_resumes_where_it_stood_and_ends_as_an_uninterrupted_o
     slow = {"source": "online", "batch_rows": 4, "max_seq_len": 256, "max_tokens": 1024 * 12, "checkpoint_every": 4}
     slow |= {"eval_every": 100}
     ref_dir = make_run(tmp_path / "ref", *small_target, slow)
-    ref = trainer.run_stage(params_file(tmp_path / "ref"), str(ref_dir))
+    ref = launch.run_stage(load_params(params_file(tmp_path / "ref")), str(ref_dir))
     run_dir = make_run(tmp_path / "killed", *small_target, slow)
     ckpt = kill_after_checkpoint(params_file(tmp_path / "killed"), run_dir, "step_0000004")
     at = json.loads((latest_checkpoint(ckpt) / STATE_FILE).read_text())
-    summary = trainer.run_stage(params_file(tmp_path / "killed"), str(run_dir))
+    summary = launch.run_stage(load_params(params_file(tmp_path / "killed")), str(run_dir))
     assert summary["steps"] == ref["steps"] == 12 and summary["tokens"] == ref["tokens"]
     assert summary["online"]["started_at"] == {"epoch": at["epoch"], "sequence": at["sequence_in_epoch"]}
     assert at["step"] >= 4 and (at["epoch"], at["sequence_in_epoch"]) > (0, 0)
@@ -202,11 +204,11 @@ def test_rerun_with_other_params_trains_anew_and_sets_the_old_run_aside(tmp_path
     from its final checkpoint: it trains from step 0, and the old checkpoints are kept aside."""
     run_dir = make_run(tmp_path, *small_target, {})
     drafter = run_dir / "02_train" / "drafter" / "model.safetensors"
-    trainer.run_stage(params_file(tmp_path), str(run_dir))
+    launch.run_stage(load_params(params_file(tmp_path)), str(run_dir))
     first = drafter.read_bytes()
-    trainer.run_stage(params_file(tmp_path), str(run_dir))  # same params: resumes at the end, same weights
+    launch.run_stage(load_params(params_file(tmp_path)), str(run_dir))  # same params: resumes at the end, same weights
     assert drafter.read_bytes() == first and "resumed from" in capsys.readouterr().out
-    summary = trainer.run_stage(params_file(tmp_path), str(run_dir), {"train.lr": 0.0031})
+    summary = launch.run_stage(load_params(params_file(tmp_path), {"train.lr": 0.0031}), str(run_dir))
     out = capsys.readouterr().out
     assert "not resuming" in out and "train.lr: 0.003 -> 0.0031" in out
     assert drafter.read_bytes() != first and summary["steps"] == 12
@@ -214,7 +216,9 @@ def test_rerun_with_other_params_trains_anew_and_sets_the_old_run_aside(tmp_path
     assert [e["step"] for e in entries if "eval" not in e] == list(range(1, 13))
     assert latest_checkpoint(run_dir / "02_train" / "checkpoints.previous") is not None
     # A shape change trains anew too, instead of failing inside load_state_dict.
-    trainer.run_stage(params_file(tmp_path), str(run_dir), {"train.lr": 0.0031, "train.draft_vocab_size": 64})
+    launch.run_stage(
+        load_params(params_file(tmp_path), {"train.lr": 0.0031, "train.draft_vocab_size": 64}), str(run_dir)
+    )
     assert "train.draft_vocab_size: 96 -> 64" in capsys.readouterr().out
     assert load_drafter(run_dir / "02_train" / "drafter").cfg.draft_vocab_size == 64
 
@@ -224,14 +228,14 @@ def test_torchrun_two_processes_equal_one_with_the_same_global_batch(tmp_path, s
     single = make_run(tmp_path / "single", *small_target, common | {"grad_accum": 2})
     # torchrun gives each rank one thread; the reference gets one too, so float sums run in the same order.
     subprocess.run(
-        [sys.executable, "-m", "eagle3lib.train.trainer", params_file(tmp_path / "single"), str(single)],
+        [sys.executable, "-m", "eagle3lib.train.launch", params_file(tmp_path / "single"), str(single)],
         env=os.environ | {"OMP_NUM_THREADS": "1"},
         check=True,
         capture_output=True,
     )
     s1 = json.loads((single / "02_train" / "train_summary.json").read_text())
     ddp = make_run(tmp_path / "ddp", *small_target, common | {"grad_accum": 1})
-    s2 = trainer.launch(params_file(tmp_path / "ddp"), str(ddp), {}, 2)
+    s2 = launch.launch(load_params(params_file(tmp_path / "ddp"), {"train.nproc_per_node": 2}), str(ddp))
     assert s2["world_size"] == 2 and len(s2["rank_weight_digests"]) == 2
     assert len(set(s2["rank_weight_digests"])) == 1, "ranks diverged"
     assert s1["steps"] == s2["steps"] == 3 and s1["tokens"] == s2["tokens"]
@@ -245,7 +249,7 @@ def test_torchrun_two_processes_equal_one_with_the_same_global_batch(tmp_path, s
         [
             sys.executable,
             "-m",
-            "eagle3lib.train.trainer",
+            "eagle3lib.train.launch",
             params_file(tmp_path / "single"),
             str(single),
             json.dumps(more),
@@ -254,7 +258,7 @@ def test_torchrun_two_processes_equal_one_with_the_same_global_batch(tmp_path, s
         check=True,
         capture_output=True,
     )
-    s2 = trainer.launch(params_file(tmp_path / "ddp"), str(ddp), more, 2)
+    s2 = launch.launch(load_params(params_file(tmp_path / "ddp"), more | {"train.nproc_per_node": 2}), str(ddp))
     s1 = json.loads((single / "02_train" / "train_summary.json").read_text())
     assert s1["steps"] == s2["steps"] == 6 and len(set(s2["rank_weight_digests"])) == 1
     log = [json.loads(line) for line in (ddp / "02_train" / "log.jsonl").read_text().splitlines()]
@@ -267,15 +271,15 @@ def test_torchrun_two_processes_equal_one_with_the_same_global_batch(tmp_path, s
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, small_target):
     run_dir = make_run(tmp_path, *small_target, {"max_tokens": 128 * 4})
     p = load_params(params_file(tmp_path))
-    setup, _ = trainer.build_setup(p, run_dir)
-    trainer.train(setup, p.train, log=lambda *a: None)
+    setup, _ = build_setup(p, run_dir)
+    loop.train(setup, p.train, log=lambda *a: None)
     good = run_dir / "02_train" / "checkpoints" / "step_0000004"
     before = (good / "model.safetensors").read_bytes()
     p = load_params(params_file(tmp_path), {"train.max_tokens": 128 * 12})
-    setup, _ = trainer.build_setup(p, run_dir)
+    setup, _ = build_setup(p, run_dir)
     setup.head[5] = float("nan")  # a corrupt target head: every target distribution turns nan
     with pytest.raises(TrainingError, match=r"loss became nan at step 4.*step_0000004.*train.lr"):
-        trainer.train(setup, p.train, log=lambda *a: None)
+        loop.train(setup, p.train, log=lambda *a: None)
     assert (good / "model.safetensors").read_bytes() == before
     assert latest_checkpoint(run_dir / "02_train" / "checkpoints") == good
 
@@ -289,15 +293,15 @@ def test_online_and_shards_train_the_same_drafter(tmp_path, small_target):
     (1e-3 at lr 3e-3; measured 6e-4 after 12 steps)."""
     run_dir = make_run(tmp_path, *small_target, {}, batch_tokens=1)
     drafter = run_dir / "02_train" / "drafter" / "model.safetensors"
-    shards = trainer.run_stage(params_file(tmp_path), str(run_dir))
+    shards = launch.run_stage(load_params(params_file(tmp_path)), str(run_dir))
     offline = drafter.read_bytes()
-    online = trainer.run_stage(params_file(tmp_path), str(run_dir), {"train.source": "online"})
+    online = launch.run_stage(load_params(params_file(tmp_path), {"train.source": "online"}), str(run_dir))
     assert drafter.read_bytes() == offline
     assert online["steps"] == shards["steps"] == 12 and online["tokens"] == shards["tokens"]
     assert online["eval"]["loss_per_step"] == pytest.approx(shards["eval"]["loss_per_step"], rel=1e-6)
     assert online["online"]["started_at"] == {"epoch": 0, "sequence": 0} and online["online"]["tokens"] > 0
     batched_online = {"train.source": "online", "extract.batch_tokens": 1024, "train.resume": False}
-    trainer.run_stage(params_file(tmp_path), str(run_dir), batched_online)
+    launch.run_stage(load_params(params_file(tmp_path), batched_online), str(run_dir))
     batched, ref = state(run_dir / "02_train" / "drafter"), load_file_state(offline)
     assert any(not torch.equal(batched[k], ref[k]) for k in ref), "padded groups were expected to round differently"
     worst = max((batched[k].float() - ref[k].float()).abs().max().item() for k in ref)
@@ -314,7 +318,7 @@ def test_online_run_writes_no_states_and_a_bad_option_is_refused(tmp_path, small
     run_dir = make_run(tmp_path, *small_target, {"source": "online", "max_tokens": 128 * 4})
     shutil.rmtree(run_dir / "01_extract")
     before = folder_bytes(tmp_path)
-    summary = trainer.run_stage(params_file(tmp_path), str(run_dir))
+    summary = launch.run_stage(load_params(params_file(tmp_path)), str(run_dir))
     assert summary["steps"] == 4
     written = {p.relative_to(run_dir / "02_train").parts[0] for p in (run_dir / "02_train").rglob("*") if p.is_file()}
     assert written == {"checkpoints", "drafter", "log.jsonl", "train_summary.json"}
@@ -329,7 +333,7 @@ def test_online_run_writes_no_states_and_a_bad_option_is_refused(tmp_path, small
 def assert_capture_summary_and_drafter_as(run: Path, summary: dict, reference: Path) -> None:
     """A run whose capture ran apart (a process or a Ray actor): it captured from the start at least what it
     trained, and its drafter is the reference run's, byte for byte."""
-    capture = json.loads((run / "02_train" / placement.CAPTURE_SUMMARY).read_text())
+    capture = json.loads((run / "02_train" / CAPTURE_SUMMARY).read_text())
     assert capture["started_at"] == {"epoch": 0, "sequence": 0} and capture["tokens"] >= summary["tokens"]
     a, b = state(reference / "02_train" / "drafter"), state(run / "02_train" / "drafter")
     for k in a:
@@ -343,23 +347,23 @@ def test_online_capture_process_over_gloo_trains_what_the_thread_does(tmp_path, 
     common = {"source": "online", "max_tokens": 128 * 2 * 3, "checkpoint_every": 3, "eval_every": 100}
     thread = make_run(tmp_path / "thread", *small_target, common | {"grad_accum": 2})
     subprocess.run(
-        [sys.executable, "-m", "eagle3lib.train.trainer", params_file(tmp_path / "thread"), str(thread)],
+        [sys.executable, "-m", "eagle3lib.train.launch", params_file(tmp_path / "thread"), str(thread)],
         env=os.environ | {"OMP_NUM_THREADS": "1"},
         check=True,
         capture_output=True,
     )
     process = make_run(tmp_path / "process", *small_target, common | {"grad_accum": 2, "online_placement": "process"})
-    s = trainer.launch(params_file(tmp_path / "process"), str(process), {}, 1)
+    s = launch.launch(load_params(params_file(tmp_path / "process")), str(process))
     assert s["world_size"] == 1 and s["steps"] == 3
     assert_capture_summary_and_drafter_as(process, s, thread)
     more = {"train.max_tokens": 128 * 2 * 6}
-    s = trainer.launch(params_file(tmp_path / "process"), str(process), more, 1)
-    capture = json.loads((process / "02_train" / placement.CAPTURE_SUMMARY).read_text())
+    s = launch.launch(load_params(params_file(tmp_path / "process"), more), str(process))
+    capture = json.loads((process / "02_train" / CAPTURE_SUMMARY).read_text())
     checkpoint = json.loads((process / "02_train" / "checkpoints" / "step_0000003" / STATE_FILE).read_text())
     assert capture["started_at"] == {"epoch": checkpoint["epoch"], "sequence": checkpoint["sequence_in_epoch"]}
     assert s["steps"] == 6 and capture["started_at"]["sequence"] > 0
     two = make_run(tmp_path / "two", *small_target, common | {"online_placement": "process"})
-    s = trainer.launch(params_file(tmp_path / "two"), str(two), {}, 2)
+    s = launch.launch(load_params(params_file(tmp_path / "two"), {"train.nproc_per_node": 2}), str(two))
     assert s["world_size"] == 2 and len(set(s["rank_weight_digests"])) == 1 and s["steps"] == 3
     b = state(two / "02_train" / "drafter")
     a = state(thread / "02_train" / "checkpoints" / "step_0000003")
@@ -373,10 +377,10 @@ def test_online_cache_first_epoch_writes_the_extraction_and_later_epochs_read_it
     misses the shard it stopped in: reading epoch 1 finishes the cache first."""
     run_dir = make_run(tmp_path, *small_target, {"max_tokens": 128 * 40, "eval_every": 100}, batch_tokens=1)
     drafter = run_dir / "02_train" / "drafter" / "model.safetensors"
-    trainer.run_stage(params_file(tmp_path), str(run_dir))
+    launch.run_stage(load_params(params_file(tmp_path)), str(run_dir))
     offline = drafter.read_bytes()
     cached = {"train.source": "online", "train.online_cache_first_epoch": True, "extract.store_dtype": "float32"}
-    s = trainer.run_stage(params_file(tmp_path), str(run_dir), cached)
+    s = launch.run_stage(load_params(params_file(tmp_path), cached), str(run_dir))
     assert drafter.read_bytes() == offline
     cache = run_dir / "02_train" / online.CACHE_DIR
     extracted = json.loads((run_dir / "01_extract" / "train" / "manifest.json").read_text())
@@ -421,25 +425,25 @@ def test_online_through_sglang_inprocess_states_trains_the_shards_drafter(tmp_pa
     model, tokenizer = small_target
     run_dir = make_run(tmp_path, model, tokenizer, {}, batch_tokens=1)
     drafter = run_dir / "02_train" / "drafter" / "model.safetensors"
-    trainer.run_stage(params_file(tmp_path), str(run_dir))
+    launch.run_stage(load_params(params_file(tmp_path)), str(run_dir))
     offline = drafter.read_bytes()
     p = load_params(params_file(tmp_path), {"train.source": "online"})
     engine = EngineStandIn(model)
     loaded = (EngineStates(engine, 300), online.capture_contract(p, model, tokenizer))
-    s = trainer.run_stage(params_file(tmp_path), str(run_dir), {"train.source": "online"}, capture=loaded)
+    s = launch.run_stage(load_params(params_file(tmp_path), {"train.source": "online"}), str(run_dir), handed=loaded)
     assert drafter.read_bytes() == offline and s["online"]["tokens"] > 0
     assert max(sum(b) for b in engine.batches) <= 300 and max(len(b) for b in engine.batches) > 3  # ragged groups
     assert not engine.closed
 
 
 def test_online_sglang_inprocess_trains_in_sglangs_interpreter_and_fails_with_its_log(tmp_path, small_target):
-    """trainer.launch starts the stage in engine.python; an interpreter without sglang fails there, and the
+    """launch.launch starts the stage in engine.python; an interpreter without sglang fails there, and the
     error brings the reason and the log. The backends that serve states over HTTP, and placements other than a
     thread of one trainer, are refused when the params load."""
     run_dir = make_run(tmp_path, *small_target, {"source": "online"})
     over = {"extract.backend": "sglang_inprocess", "engine.name": "sglang", "engine.python": sys.executable}
-    with pytest.raises(TrainingError, match=r"(?s)exited 1.*has no sglang: start the stage with trainer.launch"):
-        trainer.launch(params_file(tmp_path), str(run_dir), over, 1)
+    with pytest.raises(TrainingError, match=r"(?s)exited 1.*has no sglang: start the stage with launch.launch"):
+        launch.launch(load_params(params_file(tmp_path), over), str(run_dir))
     assert "ModuleNotFoundError" in (run_dir / "02_train" / "sglang-online.log").read_text()
     with pytest.raises(ParamsError, match="'vllm' serves states over HTTP and is not wired to online training"):
         load_params(params_file(tmp_path), {"extract.backend": "vllm"})
@@ -459,9 +463,9 @@ def test_fp8_shards_train_as_bf16_shards_do(tmp_path, small_target):
         root = tmp_path / str(dtype).removeprefix("torch.")
         run_dir = make_run(root, *small_target, {"max_tokens": 128 * 8, "eval_every": 8}, store_dtype=dtype)
         p = load_params(params_file(root))
-        setup, _ = trainer.build_setup(p, run_dir)
-        before = trainer.evaluate(setup, 3, 3, "cpu")
-        runs[dtype] = (before, trainer.train(setup, p.train, log=lambda *a: None))
+        setup, _ = build_setup(p, run_dir)
+        before = loop.evaluate(setup, 3, 3, "cpu")
+        runs[dtype] = (before, loop.train(setup, p.train, log=lambda *a: None))
     (b_bf16, s_bf16), (b_fp8, s_fp8) = runs.values()
     assert s_bf16["steps"] == s_fp8["steps"] == 8
     assert b_fp8["loss_per_step"] == pytest.approx(b_bf16["loss_per_step"], rel=0.02)
@@ -523,7 +527,7 @@ def test_deepseek_v3_shaped_target_extracts_and_trains(tmp_path, embedded_cache)
         assert torch.allclose(model.lm_head(final.clone()), ref.logits, atol=1e-5)
     assert torch.equal(aux[0, :, :64], ref.hidden_states[1][0])
     run_dir = make_run(tmp_path, model, tokenizer, {"max_tokens": 128 * 3, "eval_every": 3})
-    summary = trainer.run_stage(params_file(tmp_path), str(run_dir))
+    summary = launch.run_stage(load_params(params_file(tmp_path)), str(run_dir))
     assert summary["steps"] == 3 and torch.isfinite(torch.tensor(summary["eval"]["loss_per_step"])).all()
 
 
@@ -588,7 +592,7 @@ def test_init_layer_from_target_and_the_recipe_levers_script(tmp_path, small_tar
     run_dir = make_run(tmp_path, *small_target, {"max_tokens": 128 * 4, "eval_every": 4})
     model = small_target[0]
     p = load_params(params_file(tmp_path), {"train.init_layer_from_target": True})
-    setup, _ = trainer.build_setup(p, run_dir)
+    setup, _ = build_setup(p, run_dir)
     last = model.model.layers[-1]
     h = model.config.hidden_size
     assert torch.equal(setup.drafter.layer.mlp.down_proj.weight, last.mlp.down_proj.weight)
@@ -629,7 +633,7 @@ def test_init_from_warm_starts_from_each_layout_and_refuses_what_does_not_fit(tm
 
     run_dir = make_run(tmp_path, *small_target, {"max_tokens": 128 * 4, "eval_every": 4})
     p = load_params(params_file(tmp_path))
-    setup, _ = trainer.build_setup(p, run_dir)
+    setup, _ = build_setup(p, run_dir)
     donor = setup.drafter
     torch.manual_seed(7)
     with torch.no_grad():
@@ -644,7 +648,7 @@ def test_init_from_warm_starts_from_each_layout_and_refuses_what_does_not_fit(tm
     }
     want = donor.state_dict()
     for name, folder in folders.items():
-        warm, stats = trainer.build_setup(load_params(params_file(tmp_path), {"train.init_from": str(folder)}), run_dir)
+        warm, stats = build_setup(load_params(params_file(tmp_path), {"train.init_from": str(folder)}), run_dir)
         got = warm.drafter.state_dict()
         assert all(torch.equal(got[k], want[k].to(got[k].dtype)) for k in want), name
         assert (
@@ -661,7 +665,7 @@ def test_init_from_warm_starts_from_each_layout_and_refuses_what_does_not_fit(tm
         other.cfg.aux_layer_ids = aux or other.cfg.aux_layer_ids
         save_drafter(other, folder, donor_contract | contract_change | ({"aux_layer_ids": aux} if aux else {}))
         with pytest.raises(TrainingError, match=match):
-            trainer.build_setup(load_params(params_file(tmp_path), {"train.init_from": str(folder)}), run_dir)
+            build_setup(load_params(params_file(tmp_path), {"train.init_from": str(folder)}), run_dir)
 
     foreign = {"target": "other/model", "target_fingerprint": "f" * 16}
     refused(tmp_path / "f1", foreign, r"trained for target 'other/model' .*this run's target is '")
@@ -673,12 +677,12 @@ def test_init_from_warm_starts_from_each_layout_and_refuses_what_does_not_fit(tm
     )
     small = load_params(params_file(tmp_path), {"train.draft_vocab_size": 64, "train.init_from": str(ours)})
     with pytest.raises(TrainingError, match=r"lm_head.weight is \(96, 64\) there, \(64, 64\) here"):
-        trainer.build_setup(small, run_dir)
+        build_setup(small, run_dir)
     with pytest.raises(TrainingError, match="no config.json"):
-        trainer.build_setup(load_params(params_file(tmp_path), {"train.init_from": str(tmp_path)}), run_dir)
+        build_setup(load_params(params_file(tmp_path), {"train.init_from": str(tmp_path)}), run_dir)
     normed = load_params(params_file(tmp_path), {"train.eagle31_norms": ["norm_output"], "train.init_from": str(ours)})
     with pytest.raises(TrainingError, match=r"EAGLE-3.1 norms are none, this run's .*\['norm_output'\]"):
-        trainer.build_setup(normed, run_dir)
+        build_setup(normed, run_dir)
 
 
 def test_eagle31_norms_train_and_reach_the_checkpoint(tmp_path, small_target):
@@ -687,10 +691,10 @@ def test_eagle31_norms_train_and_reach_the_checkpoint(tmp_path, small_target):
     norms = ["norm_before_fc", "norm_output", "norm_before_residual"]
     run_dir = make_run(tmp_path, *small_target, {"max_tokens": 128 * 20, "eval_every": 20, "eagle31_norms": norms})
     p = load_params(params_file(tmp_path))
-    setup, _ = trainer.build_setup(p, run_dir)
+    setup, _ = build_setup(p, run_dir)
     assert setup.drafter.cfg.variants == dict.fromkeys(norms, True)
-    before = trainer.evaluate(setup, 3, 5, "cpu")
-    summary = trainer.train(setup, p.train, log=lambda *a: None)
+    before = loop.evaluate(setup, 3, 5, "cpu")
+    summary = loop.train(setup, p.train, log=lambda *a: None)
     assert summary["eval"]["loss_per_step"][0] < 0.9 * before["loss_per_step"][0]
     folder = run_dir / "02_train" / "drafter"
     assert all(json.loads((folder / "config.json").read_text())[n] is True for n in norms)
@@ -699,7 +703,7 @@ def test_eagle31_norms_train_and_reach_the_checkpoint(tmp_path, small_target):
     assert all(torch.equal(loaded[k], v) for k, v in setup.drafter.state_dict().items())
     both = load_params(params_file(tmp_path), {"train.eagle31_norms": ["norm_before_fc", "fc_norm"]})
     with pytest.raises(TrainingError, match="train.eagle31_norms: norm_before_fc and fc_norm are exclusive"):
-        trainer.build_setup(both, run_dir)
+        build_setup(both, run_dir)
 
 
 def test_muon_trains_the_matrices_and_its_state_resumes(tmp_path, small_target):
@@ -710,7 +714,7 @@ def test_muon_trains_the_matrices_and_its_state_resumes(tmp_path, small_target):
 
     run_dir = make_run(tmp_path, *small_target, {"max_tokens": 128 * 20, "eval_every": 20, "optimizer": "muon"})
     p = load_params(params_file(tmp_path))
-    setup, _ = trainer.build_setup(p, run_dir)
+    setup, _ = build_setup(p, run_dir)
     names = {id(v): k for k, v in setup.drafter.named_parameters()}
     muon, adamw = split_for_muon(setup.drafter)
     assert {names[id(t)] for t in muon} >= {
@@ -720,8 +724,8 @@ def test_muon_trains_the_matrices_and_its_state_resumes(tmp_path, small_target):
     }
     assert {"lm_head.weight", "norm.weight"} <= {names[id(t)] for t in adamw}
     assert all(t.ndim == 2 for t in muon) and not any("lm_head" in names[id(t)] for t in muon)
-    before = trainer.evaluate(setup, 3, 5, "cpu")
-    summary = trainer.train(setup, p.train, log=lambda *a: None)
+    before = loop.evaluate(setup, 3, 5, "cpu")
+    summary = loop.train(setup, p.train, log=lambda *a: None)
     assert summary["eval"]["loss_per_step"][0] < 0.9 * before["loss_per_step"][0]
 
     def one_step(opt, model, seed):

@@ -13,7 +13,7 @@ from transformers import LlamaConfig
 
 from eagle3lib.drafter import Drafter, DrafterConfig
 from eagle3lib.drafter.vocab import build_draft_vocab
-from eagle3lib.train import trainer
+from eagle3lib.train import optimizer, ttt_step
 from eagle3lib.train.batches import Sequence, make_batch
 
 VOCAB = HIDDEN = 16
@@ -47,7 +47,7 @@ def spied(monkeypatch):
     batch = make_batch([[sequence(DOC_A), sequence(DOC_B)]], 11)
     embed = torch.randn(VOCAB, HIDDEN)
     calls, fed = [], {}
-    real_ce, real_ttt = trainer.linear_soft_ce, drafter.ttt_forward
+    real_ce, real_ttt = ttt_step.linear_soft_ce, drafter.ttt_forward
 
     def record_ce(h, weight, probs, valid, offset, **kw):
         loss, best = real_ce(h, weight, probs, valid, offset=offset, **kw)
@@ -58,9 +58,9 @@ def spied(monkeypatch):
         fed["embeds"] = embeds
         return real_ttt(aux, embeds, *args, **kw)
 
-    monkeypatch.setattr(trainer, "linear_soft_ce", record_ce)
+    monkeypatch.setattr(ttt_step, "linear_soft_ce", record_ce)
     monkeypatch.setattr(drafter, "ttt_forward", record_ttt)
-    sums, counts_k, rights, valids = trainer.ttt_loss_sums(drafter, batch, embed, torch.eye(VOCAB), 3)
+    sums, counts_k, rights, valids = ttt_step.ttt_loss_sums(drafter, batch, embed, torch.eye(VOCAB), 3)
     return drafter, batch, embed, calls, fed, counts_k, rights, valids
 
 
@@ -91,14 +91,14 @@ def test_step_k_at_t_is_fed_token_t_plus_1_plus_k_and_scored_against_token_t_plu
 
 def test_learning_rate_warms_up_linearly_then_decays_by_cosine_to_a_tenth():
     lr, total, warmup = 1e-3, 110, 10
-    assert [trainer.lr_at(s, total, lr, warmup) for s in (0, 4, 9)] == pytest.approx([1e-4, 5e-4, 1e-3])
-    assert trainer.lr_at(10, total, lr, warmup) == pytest.approx(lr)  # the peak, where the cosine starts
-    assert trainer.lr_at(60, total, lr, warmup) == pytest.approx(lr * (0.1 + 0.9 * 0.5))  # halfway down
-    assert trainer.lr_at(110, total, lr, warmup) == pytest.approx(0.1 * lr)
-    assert trainer.lr_at(500, total, lr, warmup) == pytest.approx(0.1 * lr)  # past the end: held at the floor
-    decay = [trainer.lr_at(s, total, lr, warmup) for s in range(10, 111)]
+    assert [optimizer.lr_at(s, total, lr, warmup) for s in (0, 4, 9)] == pytest.approx([1e-4, 5e-4, 1e-3])
+    assert optimizer.lr_at(10, total, lr, warmup) == pytest.approx(lr)  # the peak, where the cosine starts
+    assert optimizer.lr_at(60, total, lr, warmup) == pytest.approx(lr * (0.1 + 0.9 * 0.5))  # halfway down
+    assert optimizer.lr_at(110, total, lr, warmup) == pytest.approx(0.1 * lr)
+    assert optimizer.lr_at(500, total, lr, warmup) == pytest.approx(0.1 * lr)  # past the end: held at the floor
+    decay = [optimizer.lr_at(s, total, lr, warmup) for s in range(10, 111)]
     assert all(a >= b for a, b in zip(decay, decay[1:]))
-    assert trainer.lr_at(0, 1, lr, 0) == pytest.approx(lr)  # no warm-up, one step
+    assert optimizer.lr_at(0, 1, lr, 0) == pytest.approx(lr)  # no warm-up, one step
 
 
 def test_the_host_layout_changes_nothing_but_where_it_is_made(spied):
@@ -106,12 +106,12 @@ def test_the_host_layout_changes_nothing_but_where_it_is_made(spied):
     does) gives the loss, counts and metrics of the same batch without it, where they are read back inside the
     step; its valid rows are the valid masks', and the merged attention takes its layout."""
     drafter, batch, embed, _, _, counts, rights, valids = spied
-    hosted = trainer.with_host_layout(batch, 3)
+    hosted = ttt_step.with_host_layout(batch, 3)
     assert [r.tolist() for r in hosted["loss_rows"]] == [VALID[k] for k in range(3)]  # one row: flat = position
     assert not hosted["row_layout"].one_document and hosted["row_layout"].segments.cu_seqlens.tolist() == [0, 5, 9, 11]
     for attention in ("dense", "merged"):
-        ref = trainer.ttt_loss_sums(drafter, batch, embed, torch.eye(VOCAB), 3, attention=attention)
-        got = trainer.ttt_loss_sums(drafter, hosted, embed, torch.eye(VOCAB), 3, attention=attention)
+        ref = ttt_step.ttt_loss_sums(drafter, batch, embed, torch.eye(VOCAB), 3, attention=attention)
+        got = ttt_step.ttt_loss_sums(drafter, hosted, embed, torch.eye(VOCAB), 3, attention=attention)
         torch.testing.assert_close(got[0], ref[0])
         for a, b in zip(got[1:], ref[1:]):
             assert torch.equal(a, b), attention

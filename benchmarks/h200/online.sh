@@ -76,7 +76,7 @@ else
   for b in ${BACKENDS:-sglang_inprocess hf}; do modes $b --repeat 2 --reader-variants; done
 fi
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
-if [ "$MODE" = smol ] && [ "${STAGE:-1}" = 1 ]; then  # the notebook's path: 02_train with trainer.launch starting the stage in SGLang's interpreter
+if [ "$MODE" = smol ] && [ "${STAGE:-1}" = 1 ]; then  # the notebook's path: 02_train with launch.launch starting the stage in SGLang's interpreter
   $SGL -m eagle3lib run $W/$NAME.yaml --only 02_train --set train.source=online --set extract.backend=sglang_inprocess \
     --set "engine.extra_args=$FLAGS" --set train.max_tokens=300000 > "$OUT/stage-online-sglang.log" 2>&1; rc=$?
   tail -n 6 "$OUT/stage-online-sglang.log"; cp $W/$NAME/02_train/sglang-online.log "$OUT/" 2>/dev/null

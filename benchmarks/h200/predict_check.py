@@ -10,7 +10,7 @@ from pathlib import Path
 from eagle3lib import target
 from eagle3lib.bench import predict, prompt_sets, replay
 from eagle3lib.prepare import conversations
-from eagle3lib.train import checkpoint, trainer
+from eagle3lib.train import checkpoint, ttt_step
 
 run, device = Path(sys.argv[1]), sys.argv[2]
 cache = target.default_cache_dir()
@@ -31,7 +31,7 @@ for dtype in ("bfloat16", "float32") if device == "cuda" else ("float32",):
             target.torch_dtype(drafter_dtype)
         )
         for attention in ("dense", "flex", "merged", "auto") if device == "cuda" else ("dense",):
-            predict.ttt_loss_sums = functools.partial(trainer.ttt_loss_sums, attention=attention)
+            predict.ttt_loss_sums = functools.partial(ttt_step.ttt_loss_sums, attention=attention)
             out = predict.predict_per_set(
                 model, drafter.eval(), seqs, drafter.cfg.aux_layer_ids, 5, steps=3, device=device
             )

@@ -2,7 +2,7 @@
 
 Each benchmark sequence (a prompt and the target's greedy reply, from the no-speculation baseline) becomes a
 row exactly as a validation row is made (batches.make_batch of one document, loss mask on the reply), with
-the target's hidden states computed here, and runs through the same TTT evaluation (trainer.ttt_loss_sums,
+the target's hidden states computed here, and runs through the same TTT evaluation (ttt_step.ttt_loss_sums,
 metrics.AcceptanceCounter). So the estimate per set sits beside the acceptance the engines measure on the
 same sets, with no difference of data between them. As in training, step 0 also scores the first reply token,
 which an engine takes from the prefill, not from a draft.
@@ -20,7 +20,7 @@ from eagle3lib.extract.shards import plan_batches
 from eagle3lib.target import check_aux_layer_ids, num_layers
 from eagle3lib.train.batches import Sequence, make_batch
 from eagle3lib.train.metrics import AcceptanceCounter
-from eagle3lib.train.trainer import ttt_loss_sums
+from eagle3lib.train.ttt_step import ttt_loss_sums
 
 ALL = "all"
 
@@ -77,7 +77,7 @@ def predict_per_set(
     """{set: training-eval summary} over sequences [{"id", "set", "prompt_ids", "token_ids"}], plus "all".
 
     Each summary is AcceptanceCounter.summary(max_depth) (step_acc, cond_acc, joint_acc, est_accept_len,
-    positions = valid positions at step 0, ...) with loss_per_step as trainer.evaluate adds it, "sequences",
+    positions = valid positions at step 0, ...) with loss_per_step as loop.evaluate adds it, "sequences",
     and "accept_len_at" {depth: estimated acceptance length} for depths 1..max_depth. steps: the TTT steps
     (the drafter's train.ttt_steps; required, the checkpoint does not record them). The target's states stay
     in its dtype, as online training keeps them; ttt_loss_sums casts them to the drafter's. The drafter is

@@ -6,8 +6,8 @@ to it through a bounded queue, never written (docs/design.md §8, online mode).
     data.train_sequences(epoch, start)                      # what micro_batches packs, in the shards' order
 
 The capture runs in a thread of the trainer's process (online_placement: thread, the queue is in_background's)
-or in a process of its own that sends the micro-batches (online_placement: process, train/placement.py), or in a
-Ray actor whose micro-batches go through Ray's object store (online_placement: ray, train/ray_placement.py). Every
+or in a process of its own that sends the micro-batches (online_placement: process, train/sources/process.py), or in a
+Ray actor whose micro-batches go through Ray's object store (online_placement: ray, train/sources/ray_actors.py). Every
 way the producer is a StateSource: HFStates (`hf`, any placement, the CPU too), or EngineStates (`sglang_inprocess`,
 GPU hosts: SGLang's model runner in a thread of the one trainer process, extract/sglang_inprocess.py).
 """
@@ -249,10 +249,21 @@ def capture_contract(p, model_or_info, tokenizer) -> dict:
     return target.make_contract(p.target.name, model_or_info, tokenizer, aux_ids, p.target.dtype)
 
 
+def contract_without_weights(p) -> dict:
+    """The states' contract for a trainer that captures nothing itself (a capture process or actor sends them):
+    from the target's config and tokenizer, no weights loaded."""
+    from eagle3lib import target
+    from eagle3lib.params import cache_dir
+
+    target_dir = target.resolve_target(p.target.name, cache_dir(p))
+    info, tokenizer = target.load_target_info(target_dir, cache_dir(p), p.target.trust_remote_code)
+    return capture_contract(p, info, tokenizer)
+
+
 def load_states(p) -> tuple[StateSource, dict]:
     """(the params' capture backend as a StateSource, the states' contract), the target loaded in this process:
     hf, the Hugging Face model; sglang_inprocess, SGLang's model runner (this process must be SGLang's
-    interpreter: trainer.launch starts the stage there), its tensor-parallel ranks beside it."""
+    interpreter: launch.launch starts the stage there), its tensor-parallel ranks beside it."""
     from eagle3lib import target
     from eagle3lib.params import cache_dir
 
@@ -266,7 +277,7 @@ def load_states(p) -> tuple[StateSource, dict]:
             raise ModuleNotFoundError(
                 "train.source: online with extract.backend sglang_inprocess captures with SGLang in the trainer's "
                 f"process, and this interpreter ({sys.executable}) has no sglang: start the stage with "
-                "trainer.launch (the 02_train notebook and `python -m eagle3lib run` do: it runs the trainer in "
+                "launch.launch (the 02_train notebook and `python -m eagle3lib run` do: it runs the trainer in "
                 "engine.python), or set extract.backend: hf"
             )
         target_dir = target.resolve_target(p.target.name, cache_dir(p))

@@ -1,7 +1,10 @@
 """The drafter's optimizer: AdamW over every trainable weight, or Muon over the 2D matrices of the layer and fc
-with AdamW over the rest (the draft head, norms), as speculators 0.9.0 trains by default."""
+with AdamW over the rest (the draft head, norms), as speculators 0.9.0 trains by default; and the learning rate's
+schedule."""
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -66,3 +69,11 @@ def make_optimizer(model: torch.nn.Module, name: str, lr: float, weight_decay: f
         muon = torch.optim.Muon(muon_params, lr=lr, weight_decay=weight_decay, adjust_lr_fn="match_rms_adamw")
         return MuonWithAdamW(muon, adamw(adamw_params))
     raise ValueError(f"train.optimizer {name!r}: expected adamw or muon")
+
+
+def lr_at(step: int, total_steps: int, lr: float, warmup: int, final_fraction: float = 0.1) -> float:
+    """Linear warmup, then cosine decay to final_fraction·lr at total_steps."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, total_steps - warmup))
+    return lr * (final_fraction + (1 - final_fraction) * 0.5 * (1 + math.cos(math.pi * progress)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle3lib import run_folder
+from eagle3lib.train import sources
 
 ARTIFACTS = ["drafter/model.safetensors", "drafter/config.json", "drafter/eagle3.json"]
 OVERVIEW = (
@@ -39,7 +40,7 @@ def fine_tune_text(summary: dict) -> str:
 
 
 def result(summary: dict) -> dict:
-    """For Stage.save: the summary of trainer.launch, its final validation's headline figures (with
+    """For Stage.save: the summary of launch.launch, its final validation's headline figures (with
     train.init_from, the started-from drafter's too)."""
     ev = summary["eval"]
     headline = {
@@ -59,29 +60,7 @@ def online_plan_text(p, contract: dict) -> str:
     its plain forward's) and training's t (02_train from shards). Sharing a device (the thread, or processes on one
     CPU) the two take turns: 1 / (1/c + 1/t); on devices of their own the slower one sets the pace: min(c, t)."""
     train = p.train
-    trainers = train.nproc_per_node
-    on_gpu = p.target.device.startswith("cuda")
-    if p.extract.backend == "sglang_inprocess":
-        split = (
-            "SGLang's model runner captures in a thread of the one training process (run in SGLang's interpreter), "
-            "the trainer on the engine's first GPU"
-        )
-        shared = True
-    elif train.online_placement == "thread":
-        split = f"the capture runs in a thread of each of the {trainers} training process(es), on their device"
-        shared = True
-    elif train.online_placement == "ray" and on_gpu:
-        split = f"Ray places a capture actor on a GPU and {trainers} trainer actor(s) on a GPU each (object store)"
-        shared = False
-    elif train.online_placement == "ray":  # as the processes: the cores of one CPU, unless a cluster has more
-        split = f"Ray places a capture actor and {trainers} trainer actor(s) on a CPU core each (object store)"
-        shared = True
-    elif on_gpu:
-        split = f"the capture process on cuda:0, {trainers} trainer(s) on cuda:1..{trainers} (NCCL)"
-        shared = False
-    else:
-        split = f"the capture process and {trainers} trainer(s) share this CPU's cores (gloo)"
-        shared = True
+    split, shared = sources.online_placement(p).device_split(p)
     root = Path(p.run.output_root)
     fingerprint = contract["target_fingerprint"]
     capture = run_folder.last_measured(

@@ -3,7 +3,7 @@ otherwise) and train.nproc_per_node trainer actors (a GPU each on CUDA), on this
 cluster (RAY_ADDRESS or train.ray_address); the micro-batches go through Ray's object store: shared memory on one
 node, Ray's object transfer between nodes (docs/design.md §8, online mode).
 
-The capture actor makes the micro-batches placement.serve_capture makes (online.capture_setup's producer,
+The capture actor makes the micro-batches the process placement's serve_capture makes (online.capture_setup's producer,
 micro_batches from the first trainer's checkpoint position, the same order) and hands micro-batch n to every
 trainer, its states only to the one that trains it (n % trainers, as TrainStep shares a step's group). The queue
 is a number of object refs: a trainer keeps train.online_queue_batches calls of `next_item` outstanding and adds
@@ -28,7 +28,7 @@ import torch
 
 from eagle3lib.train import TrainingError, online
 from eagle3lib.train.batches import micro_batches, pack_val_rows
-from eagle3lib.train.placement import CAPTURE_SUMMARY
+from eagle3lib.train.sources.base import CAPTURE_SUMMARY, OnlinePlacement, StageProcess, StageRun
 
 RAY_MISSING = (
     "train.online_placement: ray needs Ray in this environment (and on every host of the cluster): "
@@ -157,7 +157,7 @@ class CaptureActor:
 
 
 class TrainerActor:
-    """One trainer: runs the stage (trainer.run_stage, handed in by trainer.launch) with the capture actor."""
+    """One trainer: runs the stage (launch.run_stage, handed in by the driver) with the capture actor."""
 
     def ready(self) -> bool:
         return True
@@ -170,17 +170,26 @@ class TrainerActor:
             s.bind(("", 0))
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
-    def train(self, stage, params_file: str, run_dir: str, overrides: dict, capture, env: dict) -> dict:
+    def train(self, run_stage, params_file: str, run_dir: str, overrides: dict, capture, env: dict) -> dict:
+        from eagle3lib.params import load_params
+
         os.environ.update(env)
-        return stage(params_file, run_dir, overrides, capture=capture)
+        return run_stage(load_params(params_file, overrides), run_dir, handed=capture)
 
 
 class RayCaptureClient:
-    """A trainer's side: the validation rows, then the stream of micro-batches from a loop state's position."""
+    """A trainer's side, a BatchSource: the validation rows, then the stream of micro-batches from a loop state's
+    position."""
 
-    def __init__(self, capture, trainer: int):
+    def __init__(self, capture, trainer: int, contract: dict):
         self.ray = import_ray()
-        self.capture, self.trainer = capture, trainer
+        self.capture, self.trainer, self.contract = capture, trainer, contract
+
+    def summary(self) -> dict:
+        return {}  # the capture actor writes its own (CAPTURE_SUMMARY)
+
+    def close(self) -> None:
+        pass
 
     def _get(self, ref):
         try:
@@ -188,7 +197,8 @@ class RayCaptureClient:
         except self.ray.exceptions.RayError as e:
             raise TrainingError(f"the capture actor failed: {getattr(e, 'cause', None) or e}") from e
 
-    def val_rows(self) -> list[dict]:
+    def val_rows(self, train_params=None) -> list[dict]:
+        """The capture actor packed them (with the same train params)."""
         (ref,) = self._get(self.capture.val_rows.remote())
         return [from_store(row) for row in self._get(ref)]
 
@@ -293,18 +303,16 @@ def place(ray, trainers: int, on_gpu: bool):
     return group
 
 
-def launch(stage, params_file: str, run_dir: str, overrides: dict | None, trainers: int) -> dict:
-    """Run 02_train with the capture and `trainers` trainers as Ray actors; `stage` is trainer.run_stage (passed
-    in: this layer does not import the trainer). Returns the first trainer's summary."""
-    from eagle3lib.params import load_params
-
+def launch(run: StageRun) -> dict:
+    """Run 02_train with the capture and train.nproc_per_node trainers as Ray actors. Returns the first trainer's
+    summary."""
     ray = import_ray()
     from ray.util.placement_group import remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    p, stage, trainers, overrides = run.p, run.run_stage, run.p.train.nproc_per_node, run.p.overrides
     # the actors may start elsewhere (another node, another working directory)
-    params_file, run_dir = str(Path(params_file).resolve()), str(Path(run_dir).resolve())
-    p = load_params(params_file, overrides)
+    params_file, run_dir = str(Path(p.file).resolve()), str(Path(run.run_dir).resolve())
     on_gpu = p.target.device.startswith("cuda")
     connect(ray, p)
     group = place(ray, trainers, on_gpu)
@@ -354,3 +362,33 @@ def result(ray, ref):
         if isinstance(cause, Exception):
             raise cause from e
         raise TrainingError(f"a Ray actor failed: {e}") from e
+
+
+class RayActors(OnlinePlacement):
+    """A capture actor and train.nproc_per_node trainer actors, placed by Ray (this host's or a cluster's)."""
+
+    name = "ray"
+
+    def launch(self, run: StageRun) -> dict:
+        return launch(run)
+
+    def check_started(self, proc: StageProcess) -> None:
+        if proc.handed is None:
+            raise TrainingError(
+                "train.online_placement: ray runs the capture and the trainers as Ray actors: start the stage with "
+                "launch.launch (the 02_train notebook and `python -m eagle3lib run` do), or set "
+                "train.online_placement: thread"
+            )
+
+    def open(self, proc: StageProcess, tokens: dict) -> RayCaptureClient:
+        from eagle3lib.train.distributed import rank_and_world
+
+        return RayCaptureClient(proc.handed, rank_and_world()[0], online.contract_without_weights(proc.p))
+
+    def device_split(self, p) -> tuple[str, bool]:
+        trainers = p.train.nproc_per_node
+        if p.target.device.startswith("cuda"):
+            split = f"Ray places a capture actor on a GPU and {trainers} trainer actor(s) on a GPU each (object store)"
+            return split, False
+        # as the processes: the cores of one CPU, unless a cluster has more
+        return f"Ray places a capture actor and {trainers} trainer actor(s) on a CPU core each (object store)", True

@@ -13,8 +13,8 @@ The queue is bounded by credits: a trainer grants train.online_queue_batches at 
 it takes a micro-batch; the capture sends only against credit, so it runs that many ahead and waits after. A
 trainer that stops sends STOP and takes what it had granted; the capture, on reading it, ends.
 
-Beyond one host: train.online_placement: ray (train/ray_placement.py) puts the same producer in a Ray actor and
-the states in Ray's object store; its client has CaptureClient's two calls (val_rows, stream).
+Beyond one host: train.online_placement: ray (sources/ray_actors.py) puts the same producer in a Ray actor and
+the states in Ray's object store.
 """
 
 from __future__ import annotations
@@ -27,13 +27,14 @@ import torch.distributed as dist
 
 from eagle3lib.train import TrainingError, online
 from eagle3lib.train.batches import micro_batches, pack_val_rows
+from eagle3lib.train.distributed import split_capture_rank
+from eagle3lib.train.sources.base import CAPTURE_SUMMARY, OnlinePlacement, StageProcess
 
 BATCH, VAL, VAL_END, ERROR = 1, 2, 3, 4
 STOP = -1
 HEADER = 8
 ID_KEYS = ("input_ids", "loss_mask", "doc_ids", "position_ids")
 MAX_ERROR_BYTES = 8192
-CAPTURE_SUMMARY = "capture_summary.json"  # the capture process's figures, beside train_summary.json
 
 _control = None  # the gloo group of headers and credits (made once per process, by every rank, in order)
 
@@ -134,11 +135,13 @@ def _credit(rank: int) -> int:
 
 
 class CaptureClient:
-    """A trainer's side: the validation rows, then the stream of micro-batches from a loop state's position."""
+    """A trainer's side, a BatchSource: the validation rows, then the stream of micro-batches from a loop state's
+    position."""
 
     def __init__(self, p, contract: dict, device):
         from eagle3lib import target
 
+        self.contract = contract
         self.device, self.length = device, p.train.max_seq_len
         self.hidden, self.aux = contract["hidden_size"], contract["hidden_size"] * len(contract["aux_layer_ids"])
         self.dtype = target.torch_dtype(p.target.dtype)
@@ -168,7 +171,8 @@ class CaptureClient:
             dist.recv(mb["final"], 0)
         return kind, epoch, index, mb
 
-    def val_rows(self) -> list[dict]:
+    def val_rows(self, train_params=None) -> list[dict]:
+        """The capture process packed them (with the same train params)."""
         rows = []
         while True:
             kind, _, _, mb = self._receive()
@@ -210,3 +214,41 @@ class CaptureClient:
             self.received += 1
         for w, _ in self.credits_in_flight:
             w.wait()
+
+    def summary(self) -> dict:
+        return {}  # the capture process writes its own (CAPTURE_SUMMARY)
+
+    def close(self) -> None:
+        pass
+
+
+class CaptureProcess(OnlinePlacement):
+    """Rank 0 of a torchrun world captures, ranks 1..N train (train.nproc_per_node of them)."""
+
+    name = "process"
+    capture_ranks = 1
+
+    def check_started(self, proc: StageProcess) -> None:
+        if not dist.is_initialized():
+            raise TrainingError(
+                "train.online_placement: process runs a capture process beside the trainers: start the stage with "
+                "launch.launch (the 02_train notebook does), or set train.online_placement: thread"
+            )
+
+    def serves_capture(self, proc: StageProcess) -> bool:
+        is_capture = split_capture_rank()
+        control_group()  # every rank makes it, in the same order
+        if is_capture:
+            serve_capture(proc.p, Path(proc.run_dir), proc.device)
+            dist.barrier()
+            dist.destroy_process_group()
+        return is_capture
+
+    def open(self, proc: StageProcess, tokens: dict) -> CaptureClient:
+        return CaptureClient(proc.p, online.contract_without_weights(proc.p), proc.device)
+
+    def device_split(self, p) -> tuple[str, bool]:
+        trainers = p.train.nproc_per_node
+        if p.target.device.startswith("cuda"):
+            return f"the capture process on cuda:0, {trainers} trainer(s) on cuda:1..{trainers} (NCCL)", False
+        return f"the capture process and {trainers} trainer(s) share this CPU's cores (gloo)", True
