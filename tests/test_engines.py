@@ -23,7 +23,7 @@ from eagle3lib import engines
 from eagle3lib.convert import layouts as ex
 from eagle3lib.drafter.vocab import d2t_sha256
 from eagle3lib.engines import EngineError, alive_in_group
-from eagle3lib.engines.interpreter import engine_env, run_inside
+from eagle3lib.engines.interpreter import REPO, InterpreterError, engine_env, module_env, run_inside, run_module
 from eagle3lib.engines.sglang import check_sglang_args, sglang_launch_args
 from eagle3lib.engines.vllm import vllm_launch_args
 from eagle3lib.params import EngineParams
@@ -87,8 +87,53 @@ def test_engine_env_and_inside_runner(monkeypatch):
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "8"  # a size: the environment's when it says
     assert env["TOKENIZERS_PARALLELISM"] == "true"  # engine.env over ours
     assert env["PYTHONPATH"] == os.pathsep.join(["/inside", "/a"])
-    with pytest.raises(RuntimeError, match=r"(?s)no_such_script.py.*failed \(exit 2\); expected a JSON report"):
+    with pytest.raises(InterpreterError, match=r"(?s)no_such_script.py.*failed \(exit 2\); expected a JSON report"):
         run_inside("no_such_script.py", [], sys.executable)
+
+
+MODULE_RUN = """
+import sys
+for i in range(50):
+    print(f"out {i}", flush=True)
+print("err line", file=sys.stderr, flush=True)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def test_module_run_in_an_engines_interpreter(monkeypatch, tmp_path):
+    """run_module: stdout and stderr as one stream, every line to the log and to the handler; a failure names the
+    command and exit status and brings the log's last 40 lines; the environment puts this eagle3lib first."""
+    monkeypatch.setenv("PYTHONPATH", "/a")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "0")
+    env = module_env({"EXTRA": "1"})
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(REPO), "/a"] and env["EXTRA"] == "1"
+    assert env["HF_HUB_OFFLINE"] == "0"  # the stage's own environment, not the engines' ENGINE_ENV
+    (tmp_path / "mod_run.py").write_text(MODULE_RUN)
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env["PYTHONPATH"]])
+    seen, log = [], tmp_path / "logs" / "run.log"
+    run_module(sys.executable, "mod_run", ["0"], log, env=env, on_line=seen.append)
+    assert seen[0] == "out 0\n" and seen[-1] == "err line\n" and len(seen) == 51
+    assert log.read_text() == "".join(seen)
+    with pytest.raises(InterpreterError, match=r"(?s)`.* -m mod_run` exited 3; command: .* -m mod_run 3\n") as e:
+        run_module(sys.executable, "mod_run", ["3"], log, env=env, on_line=seen.append)
+    assert str(e.value).endswith("".join(f"out {i}\n" for i in range(11, 50)) + "err line\n")
+    assert "out 10\n" not in str(e.value)
+
+    class Refused(RuntimeError):
+        pass
+
+    with pytest.raises(Refused, match=r"^made nothing \(exit 0\); command: "):
+        run_module(
+            sys.executable,
+            "mod_run",
+            ["0"],
+            log,
+            env=env,
+            on_line=seen.append,
+            finished=lambda: False,
+            failure=lambda code: f"made nothing (exit {code})",
+            error=Refused,
+        )
 
 
 def test_launch_flags():
