@@ -5,9 +5,6 @@ one trainer process (its tensor-parallel ranks on the engine's other GPUs)."""
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 from eagle3lib import run_folder
 from eagle3lib.train import TrainingError, online
 from eagle3lib.train.batches import micro_batches, pack_val_rows
@@ -66,8 +63,7 @@ class InEngineThread(InThread):
         """The stage in SGLang's interpreter (engine.python, or .venv-sglang), one trainer process whose thread drives
         SGLang's model runner. Its output is shown as it comes and kept in 02_train/sglang-online.log; a failure
         raises with the log's last lines."""
-        import subprocess
-
+        from eagle3lib.engines.interpreter import module_env, run_module
         from eagle3lib.extract.backends import engine_settings
 
         engine = engine_settings(run.p, "sglang")
@@ -77,29 +73,21 @@ class InEngineThread(InThread):
                 "was found: set engine.name: sglang and engine.python, or build .venv-sglang (make sglang-env)"
             )
         out_dir = run_folder.stage_dir(run.run_dir, "02_train")
-        out_dir.mkdir(parents=True, exist_ok=True)
-        root = str(Path(__file__).resolve().parents[3])  # so that SGLang's interpreter imports this eagle3lib
-        env = dict(os.environ, **engine["env"])
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+        env = module_env(engine["env"])
         env.pop("WORLD_SIZE", None)  # one trainer: SGLang's ranks make their own group
-        cmd = [engine["python"], "-m", TRAIN_ENTRY, *run.command_args()]
-        log = out_dir / ENGINE_LOG
-        with (
-            open(log, "w") as f,
-            subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env) as proc,
-        ):
-            for line in proc.stdout:
-                f.write(line)
-                f.flush()
-                print(line, end="", flush=True)
-            code = proc.wait()
-        summary = out_dir / SUMMARY
-        if code != 0 or not summary.is_file():
-            tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-40:])
-            raise TrainingError(
+        run_module(
+            engine["python"],
+            TRAIN_ENTRY,
+            run.command_args(),
+            out_dir / ENGINE_LOG,
+            env=env,
+            finished=(out_dir / SUMMARY).is_file,
+            failure=lambda code: (
                 f"online training in SGLang's interpreter exited {code} (checkpoints already written are kept and "
-                f"resume); command: {' '.join(cmd)}\nlast lines of {log}:\n{tail}"
-            )
+                "resume)"
+            ),
+            error=TrainingError,
+        )
         return run.summary()
 
     def device_split(self, p) -> tuple[str, bool]:
