@@ -1,7 +1,7 @@
 """The cost model replayed on a finished benchmark: what it would have predicted for each measured depth.
 
 05_benchmark records the baseline, the in-process timings, the training eval's acceptance and every measured
-row. This script feeds them back through bench.sweep.choose_and_measure, with a stand-in engine that returns
+row. This script feeds them back through bench.plan.choose_and_measure, with a stand-in sweep that returns
 the recorded rows, so a change to bench/cost.py can be judged against real engine measurements without
 restarting an engine. Each depth is predicted by the model calibrated on the depths measured before it, as in
 the live sweep; depths the new model plans but the run never measured are listed and skipped.
@@ -22,9 +22,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tqdm import tqdm  # noqa: E402
-
-from eagle3lib.bench import sweep  # noqa: E402
+from eagle3lib.bench import plan  # noqa: E402
 from eagle3lib.params import BenchParams  # noqa: E402
 
 
@@ -35,15 +33,23 @@ def result(folder: Path, stage: str) -> dict:
     raise FileNotFoundError(f"no {stage}_result.json or {stage}/result.json in {folder}")
 
 
-class RecordedEngine:
-    """run(depth, prompts, prediction, ...) as benchmark() calls it, answered from the recorded rows."""
+class RecordedSweep:
+    """A sweep (bench.sweep.Sweep) whose measure(depth, prompts, prediction, ...) is answered from the recorded
+    rows: its rows start as the recorded baseline's."""
 
     def __init__(self, rows: list[dict]):
         self.recorded = rows
+        self.prompts = [{}]  # one stand-in: the recorded rows answer for every prompt
         self.rows = [dict(r) for r in rows if r["depth"] == 0]
         self.missing: list[int] = []
 
-    def __call__(self, depth, used, prediction=None, note="", calibration=False, concurrency=None):
+    def say(self, line: str) -> None:
+        pass
+
+    def expect(self, configurations: int) -> None:
+        pass
+
+    def measure(self, depth, used, prediction=None, note="", calibration=False, concurrency=None):
         found = [
             dict(r)
             for r in self.recorded
@@ -67,17 +73,8 @@ def replay(folder: Path, tolerance: float = 0.15) -> dict:
     depths = sorted({r["depth"] for r in rows if r["depth"]})
     concurrency = sorted({r["concurrency"] for r in rows})
     params = BenchParams(depths=depths, concurrency=concurrency, max_depth=max(depths), quick_below=0.0)
-    engine = RecordedEngine(rows)
-    model = sweep.choose_and_measure(
-        params,
-        train["eval"],
-        lambda: (forward, draft),
-        engine.rows,
-        [{}],
-        engine,
-        tqdm(total=0, disable=True),
-        lambda _: None,
-    )
+    engine = RecordedSweep(rows)
+    model = plan.choose_and_measure(engine, params, train["eval"], lambda: (forward, draft))
     table = []
     for r in engine.rows:
         if not r["depth"]:

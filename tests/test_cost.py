@@ -1,7 +1,6 @@
 """The cost model predicts tokens/s per depth from measured costs; checked on synthetic timings."""
 
 import pytest
-from tqdm import tqdm
 
 from eagle3lib.bench import cost
 
@@ -155,13 +154,20 @@ def test_the_limits_text_reads_a_recorded_sweep():
 
 
 class SyntheticEngine:
-    """An engine whose speed follows known costs: run(depth, prompts, ...) returns the rows benchmark's
-    run() would, computed from `truth` (a Costs) and an acceptance the engine measures."""
+    """A sweep on an engine whose speed follows known costs: measure(depth, prompts, ...) returns the rows
+    sweep.Sweep.measure would, computed from `truth` (a Costs) and an acceptance the engine measures."""
 
-    def __init__(self, truth, engine_cond, concurrency):
+    def __init__(self, truth, engine_cond, concurrency, prompts):
         self.truth, self.cond, self.concurrency, self.runs, self.rows = truth, engine_cond, concurrency, [], []
+        self.prompts = prompts
 
-    def __call__(self, depth, used, prediction=None, note="", calibration=False, concurrency=None):
+    def say(self, line):
+        pass
+
+    def expect(self, configurations):
+        pass
+
+    def measure(self, depth, used, prediction=None, note="", calibration=False, concurrency=None):
         self.runs.append((depth, len(used), calibration))
         out = []
         for c in concurrency or self.concurrency:
@@ -185,27 +191,18 @@ class SyntheticEngine:
 
 
 def test_the_sweep_measures_the_true_best_depth_and_recommends_only_what_beat_the_baseline():
-    from eagle3lib.bench import sweep
+    from eagle3lib.bench import plan, sweep
     from eagle3lib.params import BenchParams
 
     truth = synthetic(prefill_share=0.1, overhead=6.0)
     train_cond = [0.75, 0.7, 0.7, 0.65, 0.6]
     engine_cond = [0.6, 0.56, 0.56, 0.52, 0.48]  # the engine accepts less than training predicted (scale 0.8)
     bench = BenchParams(depths=[16, 10, 5], concurrency=[1, 8], quick_below=0.75, quick_prompts=8)
-    engine = SyntheticEngine(truth, engine_cond, bench.concurrency)
     prompts = [{"id": str(i), "prompt_ids": [1]} for i in range(12)]
-    engine(None, prompts)
+    engine = SyntheticEngine(truth, engine_cond, bench.concurrency, prompts)
+    engine.measure(None, prompts)
     clean = synthetic(prefill_share=0.1)  # what the in-process probe sees: no engine overhead
-    model = sweep.choose_and_measure(
-        bench,
-        {"cond_acc": train_cond},
-        lambda: (clean.forward_ms, clean.draft_ms),
-        engine.rows,
-        prompts,
-        engine,
-        tqdm(total=0, disable=True),
-        lambda _line: None,
-    )
+    model = plan.choose_and_measure(engine, bench, {"cond_acc": train_cond}, lambda: (clean.forward_ms, clean.draft_ms))
     measured = {d for d, _, _ in engine.runs if d}
     assert engine.runs[1][2] and engine.runs[1][0] == model["calibrated_on"]  # the first pick calibrates
     true_best = {c: cost.best_depth(cost.predict(truth, engine_cond, range(1, 17), [c]), c)["depth"] for c in (1, 8)}
@@ -228,19 +225,16 @@ def test_when_every_depth_loses_the_picks_still_run_every_prompt():
     """A drafter whose drafts are rarely accepted: every depth is predicted far below the baseline, the user's
     depths run quick, but the cost model's picks are measured on the full prompt set (the answer "no speculation"
     rests on them)."""
-    from eagle3lib.bench import sweep
+    from eagle3lib.bench import plan, sweep
     from eagle3lib.params import BenchParams
 
     truth = synthetic(prefill_share=0.1, overhead=30.0)
     weak = [0.05, 0.05, 0.05]
     bench = BenchParams(depths=[16, 10], concurrency=[1, 8], max_depth=16, quick_below=0.75, quick_prompts=8)
-    engine = SyntheticEngine(truth, weak, bench.concurrency)
     prompts = [{"id": str(i), "prompt_ids": [1]} for i in range(12)]
-    engine(None, prompts)
-    model = sweep.choose_and_measure(
-        bench, {"cond_acc": weak}, lambda: (truth.forward_ms, truth.draft_ms), engine.rows, prompts, engine, tqdm(total=0, disable=True),
-        lambda _line: None,
-    )  # fmt: skip
+    engine = SyntheticEngine(truth, weak, bench.concurrency, prompts)
+    engine.measure(None, prompts)
+    model = plan.choose_and_measure(engine, bench, {"cond_acc": weak}, lambda: (truth.forward_ms, truth.draft_ms))
     full = {d for d, n, _ in engine.runs if d and n == len(prompts)}
     assert set(model["picks"].values()) <= full and {16, 10} <= set(model["quick"])
     assert all(r["speedup"] < 1 for r in engine.rows if r["depth"])
@@ -253,19 +247,16 @@ def test_a_first_run_sweep_measures_the_baseline_and_the_picks_and_answers_the_a
     """bench.neighbours off and bench.asked_depths predict or quick (params/tiny.yaml's first run): servers start
     for the baseline and the picks only (every prompt, every concurrency); the asked depths are the calibrated
     model's predictions, or a few prompts at the lowest concurrency, and asked_depths says which."""
-    from eagle3lib.bench import steps, sweep
+    from eagle3lib.bench import plan, steps, sweep
     from eagle3lib.params import BenchParams
 
     truth = synthetic(prefill_share=0.1, overhead=6.0)
     cond = [0.75, 0.7, 0.7, 0.65, 0.6]
     bench = BenchParams(depths=[16, 10, 5], concurrency=[1, 8], asked_depths=asked, neighbours=False, quick_prompts=3)
-    engine = SyntheticEngine(truth, cond, bench.concurrency)
     prompts = [{"id": str(i), "prompt_ids": [1]} for i in range(12)]
-    engine(None, prompts)
-    model = sweep.choose_and_measure(
-        bench, {"cond_acc": cond}, lambda: (truth.forward_ms, truth.draft_ms), engine.rows, prompts, engine,
-        tqdm(total=0, disable=True), lambda _line: None,
-    )  # fmt: skip
+    engine = SyntheticEngine(truth, cond, bench.concurrency, prompts)
+    engine.measure(None, prompts)
+    model = plan.choose_and_measure(engine, bench, {"cond_acc": cond}, lambda: (truth.forward_ms, truth.draft_ms))
     picks = set(model["picks"].values())
     full = {d for d, n, _ in engine.runs if d and n == len(prompts)}
     assert full == picks | {model["calibrated_on"]} and {16, 10, 5}.isdisjoint(full)  # the first pick calibrates
@@ -289,6 +280,59 @@ def test_a_first_run_sweep_measures_the_baseline_and_the_picks_and_answers_the_a
     assert "depth 16, concurrency 1" in steps.asked_depths_text(answered)
     rec = sweep.recommend(engine.rows, "/models/t", {})
     assert {chosen["depth"] for chosen in rec.values()} <= picks | {0}
+
+
+def predicted_rows(speedups: dict[int, list[float]], concurrency=(1, 8)) -> list[dict]:
+    """cost.predict's rows with only what the plan reads: {depth: [speedup at each concurrency]}."""
+    return [{"depth": d, "concurrency": c, "speedup": x} for d, xs in speedups.items() for c, x in zip(concurrency, xs)]
+
+
+# depth 3 is fastest at concurrency 1, depth 2 at 8; depth 4 beats 2 at its best concurrency
+SPEEDUPS = {1: [1.1, 1.05], 2: [1.3, 1.2], 3: [1.5, 1.1], 4: [1.4, 0.9], 5: [1.0, 0.6], 6: [0.7, 0.4]}
+
+
+def test_the_plan_measures_the_picks_and_neighbours_fastest_first_then_the_asked_depths():
+    from eagle3lib.bench import plan
+    from eagle3lib.params import BenchParams
+
+    bench = BenchParams(depths=[6, 2, 1], concurrency=[1, 8], max_depth=6)
+    todo = plan.depths_to_measure(predicted_rows(SPEEDUPS), bench, measured=[3])
+    assert todo.picks == {1: 3, 8: 2}
+    # the picks and the lowest pick's neighbours (2, 4) less what was measured (3), by their best speedup;
+    # then the asked depths that are none of those, in the user's order
+    assert todo.depths == [4, 2, 6, 1] and todo.asked == [6, 1] and todo.predicted_only == []
+    alone = plan.depths_to_measure(predicted_rows(SPEEDUPS), bench.model_copy(update={"neighbours": False}), [3])
+    assert alone.depths == [2, 6, 1]
+    predicted = plan.depths_to_measure(
+        predicted_rows(SPEEDUPS), bench.model_copy(update={"asked_depths": "predict"}), [3]
+    )
+    assert predicted.depths == [4, 2] and predicted.predicted_only == [6, 1]
+    # neighbours stay within 1..max_depth; a depth already measured is not planned again
+    edge = predicted_rows({1: [2.0, 2.0], 2: [1.0, 1.0]})
+    assert plan.depths_to_measure(edge, BenchParams(depths=[2], max_depth=2), measured=[]).depths == [1, 2]
+    assert plan.depths_to_measure(edge, BenchParams(depths=[2], max_depth=2), measured=[1, 2]).depths == []
+
+
+def test_how_a_planned_depth_is_measured():
+    from eagle3lib.bench import plan
+    from eagle3lib.params import BenchParams
+
+    bench = BenchParams(depths=[6, 2, 1], concurrency=[1, 8], max_depth=6, quick_below=0.75, quick_prompts=3)
+    rows = predicted_rows(SPEEDUPS)
+    todo = plan.depths_to_measure(rows, bench, measured=[3])
+    full = plan.how_to_measure(4, [r for r in rows if r["depth"] == 4], todo, bench)
+    assert full == plan.Measurement(4, 1.4, False, None, None)
+    # below quick_below at every concurrency: a few prompts, at least one per request in flight at the highest
+    losing = predicted_rows({6: [0.7, 0.4]})
+    assert plan.how_to_measure(6, losing, todo, bench) == plan.Measurement(6, 0.7, True, 8, None)
+    # a pick runs every prompt however it is predicted
+    assert not plan.how_to_measure(2, predicted_rows({2: [0.5, 0.6]}), todo, bench).quick
+    # asked depths under asked_depths quick: quick_prompts prompts at the lowest concurrency
+    asked = bench.model_copy(update={"asked_depths": "quick"})
+    assert plan.how_to_measure(1, predicted_rows({1: [1.1, 1.05]}), todo, asked) == plan.Measurement(
+        1, 1.1, True, 3, [1]
+    )
+    assert not plan.how_to_measure(4, [r for r in rows if r["depth"] == 4], todo, asked).quick  # a neighbour
 
 
 def test_the_speedup_plot_draws_predictions_and_measurements(tmp_path):

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from eagle3lib import params
-from eagle3lib.bench import per_set, prompt_sets, sweep
+from eagle3lib.bench import per_set, prompt_sets
 from eagle3lib.workbook import plots, widgets
 
 SHARED_BENCHSETS = Path(__file__).resolve().parents[2] / "shared" / "benchsets"
@@ -96,8 +96,8 @@ def test_the_first_questions_cover_every_category():
 
 def test_quick_subsets_take_every_set_in_turn():
     prompts = [{"id": f"{s}/{i}", "set": s} for s in ("a", "b") for i in range(4)] + [{"id": "c/0", "set": "context"}]
-    assert [p["id"] for p in sweep.take(prompts, 4)] == ["a/0", "a/1", "b/0", "b/1"]
-    assert "c/0" not in [p["id"] for p in sweep.take(prompts, 9)]
+    assert [p["id"] for p in prompt_sets.take(prompts, 4)] == ["a/0", "a/1", "b/0", "b/1"]
+    assert "c/0" not in [p["id"] for p in prompt_sets.take(prompts, 9)]
 
 
 def test_long_contexts_are_made_of_held_out_conversations():

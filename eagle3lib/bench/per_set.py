@@ -2,12 +2,12 @@
 per category, and per context length, each with the training stage's prediction where there is one.
 
 Per set figures come from each set's own measurement (sweep.measure); per category and per context length from
-the statistics read around every request at concurrency 1 (sweep.measure_set), summed over the group.
+the statistics read around every request at concurrency 1 (measurement.measure_set), summed over the group.
 """
 
 from __future__ import annotations
 
-from eagle3lib.bench import prompt_sets, sweep
+from eagle3lib.bench import measurement, prompt_sets
 
 
 def _depths(rows: list[dict]) -> list[int]:
@@ -58,7 +58,7 @@ def _grouped(rows: list[dict], key) -> list[dict]:
     for label, by_depth in groups.items():
         cells = {}
         for depth, g in sorted(by_depth.items()):
-            spec = sweep.spec_over(g["engine"], g["parts"])
+            spec = measurement.spec_over(g["engine"], g["parts"])
             cells[depth] = {
                 "accept_len": spec.get("accept_len"),
                 "requests": len(g["parts"]),

@@ -16,7 +16,10 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from eagle3lib.prepare import conversations
+
 HELD_OUT = "held_out"
+CONTEXT = "context"  # the long-context prompts' set: measured at the lowest concurrency, outside the overall row
 # name -> (module, file inside it, the requirement that ships it)
 PACKAGED = {
     "mt_bench": (
@@ -233,10 +236,21 @@ def context_prompts(render, held_out: list[dict], lengths: list[int], per_length
                 history, ids = longer, longer_ids
             messages = history + q["messages"]
             out.append(
-                {"id": f"context/{length}/{q['id']}", "set": "context", "category": context_bucket(len(ids)),
+                {"id": f"context/{length}/{q['id']}", "set": CONTEXT, "category": context_bucket(len(ids)),
                  "turn": 1, "messages": messages, "prompt_ids": ids, "context_target": length}
             )  # fmt: skip
     return out
+
+
+def take(prompts: list[dict], n: int) -> list[dict]:
+    """n of the prompts, the sets taking turns (each set's order kept), so a quick measurement still covers
+    every set; the context set is left out (it is measured on every prompt or not at all)."""
+    sets = {}
+    for p in prompts:
+        if p.get("set") != CONTEXT:
+            sets.setdefault(p.get("set"), []).append(p)
+    chosen = {id(p) for p in conversations.interleave(*sets.values())[:n]}
+    return [p for p in prompts if id(p) in chosen]
 
 
 def prompt_texts(prompts: list[dict]) -> dict:
