@@ -239,6 +239,7 @@ def test_vllm_backend_equals_hf(embedded_target, embedded_cache, chat_tokens, tm
     contract = make_contract("embedded:smollm2-135m-instruct", model, tokenizer, OURS, "float32")
     kw = dict(batch_tokens=1024, shard_max_tokens=600, store_dtype=torch.float32, progress=False)
     ref = hf.extract(model, chat_tokens, OURS, str(tmp_path / "hf"), contract, **kw)
+    layout = shards.ShardLayout(torch.float32, shard_max_tokens=600, batch_tokens=1024)
     cap = VLLMCapture(
         embedded_cache[1],
         OURS,
@@ -250,10 +251,10 @@ def test_vllm_backend_equals_hf(embedded_target, embedded_cache, chat_tokens, tm
         batch_tokens=1024,
     )
     with cap:
-        got = shards.extract_with(cap, chat_tokens, OURS, str(tmp_path / "vllm"), contract, **kw)
+        got = shards.extract_with(cap, chat_tokens, OURS, str(tmp_path / "vllm"), contract, layout, progress=False)
         first = shards.load_manifest(tmp_path / "vllm")["shards"][0]
         os.remove(tmp_path / "vllm" / first["file"])
-        repair = shards.extract_with(cap, chat_tokens, OURS, str(tmp_path / "vllm"), contract, **kw)
+        repair = shards.extract_with(cap, chat_tokens, OURS, str(tmp_path / "vllm"), contract, layout, progress=False)
     print(json.dumps({k: v for k, v in got.items() if not isinstance(v, dict)}, default=str))
     assert got["backend"] == "vllm" and got["complete"] and got["tokens"] == chat_tokens["input_ids"].numel()
     assert got["shards"] == ref["shards"] >= 2 and got["bytes"] == ref["bytes"]
@@ -278,7 +279,7 @@ def test_vllm_backend_equals_hf(embedded_target, embedded_cache, chat_tokens, tm
     for slot in probe["slots"]:  # the neighbours are far: an off-by-one would not hide
         own = slot["rel_rms"][str(slot["want"])]
         assert own < 1e-5 and all(e > 1e3 * own for j, e in slot["rel_rms"].items() if j != str(slot["want"]))
-    again = shards.extract_with(cap, chat_tokens, OURS, str(tmp_path / "vllm"), contract, **kw)
+    again = shards.extract_with(cap, chat_tokens, OURS, str(tmp_path / "vllm"), contract, layout, progress=False)
     assert again["tokens"] == 0 and again["tokens_per_s"] is None and "engine_start_s" not in again
 
 

@@ -81,7 +81,8 @@ def test_inprocess_capture_writes_the_shards_hf_writes(model, tmp_path, store_dt
     cap = ip.InProcessCapture(engine, 64, 256, AUX, store_dtype, batch_tokens=100, plain_batches=2)
     assert isinstance(cap, shards.Capture)
     kw = dict(batch_tokens=100, shard_max_tokens=180, progress=False, store_dtype=store_dtype)
-    r = shards.extract_with(cap, tokens, AUX, tmp_path / "ip", CONTRACT, **kw)
+    layout = shards.ShardLayout(store_dtype, shard_max_tokens=180, batch_tokens=100)
+    r = shards.extract_with(cap, tokens, AUX, tmp_path / "ip", CONTRACT, layout, progress=False)
     assert r["backend"] == "sglang_inprocess" and r["passes"] == 1 and r["plain_prefill_tokens_per_s"] > 0
     assert [c for _, c in engine.calls[:3]] == [False] * 3  # the plain prefill: one batch untimed, two timed
     assert engine.calls[3:] and all(capture for _, capture in engine.calls[3:])

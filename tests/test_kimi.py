@@ -353,6 +353,7 @@ def test_vllm_extracts_the_tiny_kimi_target_as_hf_does(kimi_folder, tmp_path):
     contract = target.make_contract(f"tiny:{kimi_folder}", model, tok, aux, "float32")
     kw = dict(batch_tokens=1024, shard_max_tokens=400, store_dtype=torch.float32, progress=False)
     ref = hf.extract(model, tokens, aux, str(tmp_path / "hf"), contract, **kw)
+    layout = shards.ShardLayout(torch.float32, shard_max_tokens=400, batch_tokens=1024)
     capture = VLLMCapture(
         tiny,
         aux,
@@ -364,7 +365,7 @@ def test_vllm_extracts_the_tiny_kimi_target_as_hf_does(kimi_folder, tmp_path):
         batch_tokens=1024,
     )
     with capture:
-        got = shards.extract_with(capture, tokens, aux, str(tmp_path / "vllm"), contract, **kw)
+        got = shards.extract_with(capture, tokens, aux, str(tmp_path / "vllm"), contract, layout, progress=False)
     assert got["complete"] and got["shards"] == ref["shards"] and got["tokens"] == tokens["input_ids"].numel()
     agree = compare.compare_shard_sets(
         tmp_path / "vllm", tmp_path / "hf", lm_head=model.lm_head.weight.detach(), rel_tol=1e-4

@@ -11,7 +11,7 @@ import time
 
 import torch
 
-from eagle3lib.extract.shards import as_token_tensors, extract_with, plan_batches, plan_shards
+from eagle3lib.extract.shards import ShardLayout, as_token_tensors, extract_with, plan_batches, plan_shards
 
 
 def base_model(model):
@@ -183,8 +183,20 @@ class HFCapture:
         return {}
 
 
-def extract(model, tokens, aux_layer_ids, out_dir, contract, batch_tokens=4096, **options):
+def extract(
+    model,
+    tokens,
+    aux_layer_ids,
+    out_dir,
+    contract,
+    batch_tokens=4096,
+    shard_max_tokens=None,
+    store_dtype=torch.bfloat16,
+    **options,
+):
     """Capture aux + final hidden states for every sequence with the Hugging Face model (the hf
-    backend) and write them as shards in out_dir; options and result as shards.extract_with's."""
+    backend) and write them as shards in out_dir, laid out as ShardLayout(store_dtype, shard_max_tokens,
+    batch_tokens) (batch_tokens is the forward's budget too); options and result as shards.extract_with's."""
     capture = HFCapture(model, aux_layer_ids, batch_tokens)
-    return extract_with(capture, tokens, aux_layer_ids, out_dir, contract, batch_tokens=batch_tokens, **options)
+    layout = ShardLayout(store_dtype, shard_max_tokens, batch_tokens)
+    return extract_with(capture, tokens, aux_layer_ids, out_dir, contract, layout, **options)

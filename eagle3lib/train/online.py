@@ -18,7 +18,7 @@ import contextlib
 import sys
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
 from typing import Protocol
 
@@ -132,80 +132,60 @@ class FirstEpochCache:
     def __init__(self, out_dir, tokens: dict, contract: dict, store_dtype, shard_max_tokens: int, batch_tokens: int):
         from eagle3lib.extract import shards
 
-        self.out_dir, self.contract, self.store_dtype = Path(out_dir), contract, store_dtype
+        self.out_dir, self.contract = Path(out_dir), contract
         self.tok = shards.as_token_tensors(tokens)
-        self.lengths = (self.tok["seq_starts"][1:] - self.tok["seq_starts"][:-1]).tolist()
-        self.shard_max_tokens, self.batch_tokens = shard_max_tokens, batch_tokens
-        self.aux_ids = contract["aux_layer_ids"]
+        self.layout = shards.ShardLayout(store_dtype, shard_max_tokens, batch_tokens)
 
-    def _manifest(self):
+    def _writer(self):
+        """The cache's folder opened for writing (its bad or unlisted shards dropped: their sequences are redone)."""
         from eagle3lib.extract import shards
 
-        return shards.open_extraction(
-            self.out_dir,
-            self.tok,
-            self.aux_ids,
-            self.contract["hidden_size"],
-            self.store_dtype,
-            self.shard_max_tokens,
-            self.batch_tokens,
-            self.contract,
+        aux_ids, hidden_size = self.contract["aux_layer_ids"], self.contract["hidden_size"]
+        writer = shards.ShardWriter(
+            self.out_dir, self.tok, self.contract, self.layout, aux_ids, hidden_size, check_sha256=False
         )
+        for name, why in writer.dropped:
+            print(f"dropped {name}, its sequences will be redone: {why}")
+        return writer
 
     def written(self, sequences: Iterator[Sequence], seq_ids: list[int]) -> Iterator[Sequence]:
         """The sequences, passed on as they come; each planned shard whose sequences all came is written (in a
         thread, one at a time: the capture goes on meanwhile)."""
-        from eagle3lib.extract import shards
-
-        manifest = self._manifest()
-        listed = {e["first_sequence"] for e in manifest["shards"]}
-        shard_of, ranges = {}, shards.plan_shards(self.lengths, 0, len(self.lengths), self.shard_max_tokens)
-        for first, end in ranges:
-            shard_of.update(dict.fromkeys(range(first, end), (first, end)))
+        writer = self._writer()
+        listed = writer.listed()
+        shard_of = {s: (first, end) for first, end in writer.plan() for s in range(first, end)}
         held: dict[tuple[int, int], dict[int, Sequence]] = {}
-        with ThreadPoolExecutor(1) as writer:
-            pending = None
+        with writer:
             for s, seq in zip(seq_ids, sequences, strict=True):
                 first, end = shard_of[s]
                 if first not in listed:
                     held.setdefault((first, end), {})[s] = seq
                     if len(held[(first, end)]) == end - first:
-                        if pending is not None:
-                            shards.list_shard(self.out_dir, manifest, pending.result())
-                        pending = writer.submit(self._write, held.pop((first, end)), first, end)
+                        writer.put(first, end, partial(_joined_states, held.pop((first, end)), first, end))
                 yield seq
-            if pending is not None:
-                shards.list_shard(self.out_dir, manifest, pending.result())
-
-    def _write(self, held: dict[int, Sequence], first: int, end: int) -> dict:
-        from eagle3lib.extract import shards
-
-        aux = torch.cat([held[s].aux for s in range(first, end)])
-        final = torch.cat([held[s].final for s in range(first, end)])
-        stored = shards.store_states(aux, final, len(self.aux_ids), self.store_dtype)
-        tensors = shards.shard_tensors(self.tok, first, end, stored)
-        return shards.write_shard(self.out_dir, tensors, first, self.aux_ids)
 
     def read(self, data: OnlineData, epoch: int, start: int) -> Iterator[Sequence]:
         """Epoch `epoch` (>= 1) from the cache, finished first where epoch 0 left shards out (a resume within it)."""
         from eagle3lib.extract import shards
         from eagle3lib.train.batches import shard_sequences
 
-        manifest = self._manifest()
-        if not manifest["complete"]:
+        if not self._writer().manifest["complete"]:
             shards.extract_with(
                 _SourceCapture(data.states, self.contract),
                 self.tok,
-                self.aux_ids,
+                self.contract["aux_layer_ids"],
                 self.out_dir,
                 self.contract,
-                batch_tokens=self.batch_tokens,
-                shard_max_tokens=self.shard_max_tokens,
-                store_dtype=self.store_dtype,
+                self.layout,
                 progress=False,
                 verify_existing=False,
             )
         return shard_sequences(shards.ShardSet(self.out_dir), data.seed, epoch, start)
+
+
+def _joined_states(held: dict[int, Sequence], first: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(aux, final) of sequences [first, end) in token order, from their captured Sequences."""
+    return torch.cat([held[s].aux for s in range(first, end)]), torch.cat([held[s].final for s in range(first, end)])
 
 
 class _SourceCapture:

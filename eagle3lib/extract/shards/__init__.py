@@ -8,12 +8,12 @@ Input is the prepare stage's flat token arrays; output, in one folder (docs/desi
                                 (store dtype float8_e4m3fn: also aux_scale [N,3], final_scale [N,1], float32)
 
     tokens.py    the token arrays checked (as_token_tensors) and hashed
-    plan.py      shard boundaries and batches, a pure function of the lengths and the budgets
+    plan.py      the layout (ShardLayout), shard boundaries and batches: a pure function of the lengths and budgets
     dtypes.py    the store dtype: a cast, or fp8 with a float32 scale per token and state
     files.py     atomic writes (temp name, fsync, rename)
     format.py    one shard file: safetensors bytes written deterministically, read back and checked
     manifest.py  the folder's contract and manifest, resume's repair, the sequences no shard holds yet
-    writer.py    the Capture protocol and extract_with, the writer every backend goes through
+    writer.py    ShardWriter, the one writer of a folder's shards; the Capture protocol and extract_with
     reader.py    ShardSet, a finished extraction read back
     convert.py   a finished extraction rewritten in another store dtype
 
@@ -37,18 +37,11 @@ from eagle3lib.extract.shards.format import (
     shard_name,
     write_shard,
 )
-from eagle3lib.extract.shards.manifest import (
-    CONTRACT,
-    MANIFEST,
-    list_shard,
-    load_manifest,
-    open_extraction,
-    verify_and_repair,
-)
-from eagle3lib.extract.shards.plan import plan_batches, plan_shards
+from eagle3lib.extract.shards.manifest import CONTRACT, MANIFEST, load_manifest, verify_and_repair
+from eagle3lib.extract.shards.plan import ShardLayout, plan_batches, plan_shards
 from eagle3lib.extract.shards.reader import ShardSet
 from eagle3lib.extract.shards.tokens import as_token_tensors, input_sha256
-from eagle3lib.extract.shards.writer import Capture, extract_with, shard_tensors
+from eagle3lib.extract.shards.writer import Capture, ShardWriter, extract_with
 
 __all__ = [
     "CONTRACT",
@@ -60,7 +53,9 @@ __all__ = [
     "SHARD_KEYS",
     "Capture",
     "ShardError",
+    "ShardLayout",
     "ShardSet",
+    "ShardWriter",
     "as_token_tensors",
     "atomic_write",
     "bytes_per_token",
@@ -70,9 +65,7 @@ __all__ = [
     "dequantize",
     "extract_with",
     "input_sha256",
-    "list_shard",
     "load_manifest",
-    "open_extraction",
     "plan_batches",
     "plan_shards",
     "quantize",
@@ -80,7 +73,6 @@ __all__ = [
     "safetensors_chunks",
     "shard_keys",
     "shard_name",
-    "shard_tensors",
     "states",
     "store_states",
     "verify_and_repair",

@@ -11,6 +11,7 @@ import os
 from eagle3lib.extract.shards.dtypes import FP8, FP8_SCALING
 from eagle3lib.extract.shards.files import write_json
 from eagle3lib.extract.shards.format import FORMAT, ShardError, read_shard
+from eagle3lib.extract.shards.plan import ShardLayout
 from eagle3lib.extract.shards.tokens import input_sha256
 
 MANIFEST = "manifest.json"
@@ -104,8 +105,9 @@ def check_contract_file(out_dir, contract):
         )
 
 
-def begin_manifest(out_dir, tok, aux_layer_ids, hidden_size, store_dtype, shard_max_tokens, batch_tokens):
+def begin_manifest(out_dir, tok, aux_layer_ids, hidden_size, layout: ShardLayout):
     """out_dir's manifest: begun (no shards) when absent, else checked against these tokens and settings."""
+    store_dtype = layout.store_dtype
     want = {
         "format": FORMAT,
         "input_sha256": input_sha256(tok),
@@ -119,7 +121,8 @@ def begin_manifest(out_dir, tok, aux_layer_ids, hidden_size, store_dtype, shard_
         want["state_scaling"] = FP8_SCALING
     manifest = load_manifest(out_dir)
     if manifest is None:
-        manifest = dict(want, shard_max_tokens=shard_max_tokens, batch_tokens=batch_tokens, complete=False, shards=[])
+        sizes = dict(shard_max_tokens=layout.shard_max_tokens, batch_tokens=layout.batch_tokens)
+        manifest = dict(want, **sizes, complete=False, shards=[])
         write_json(os.path.join(out_dir, MANIFEST), manifest)
         return manifest
     diff = [f"  {k}: folder has {manifest.get(k)!r}, this run {v!r}" for k, v in want.items() if manifest.get(k) != v]
@@ -135,15 +138,3 @@ def begin_manifest(out_dir, tok, aux_layer_ids, hidden_size, store_dtype, shard_
             + f"\nUse a new out_dir, or delete {out_dir} to extract again from scratch"
         )
     return manifest
-
-
-def open_extraction(out_dir, tok, aux_layer_ids, hidden_size, store_dtype, shard_max_tokens, batch_tokens, contract):
-    """out_dir's manifest for these tokens and settings, begun when absent, its bad or unlisted shards dropped:
-    what extract_with starts from, for a writer whose states come from elsewhere (online training's first-epoch
-    cache, which list_shard's its shards as they are written)."""
-    os.makedirs(out_dir, exist_ok=True)
-    check_contract_file(out_dir, contract)
-    begin_manifest(out_dir, tok, aux_layer_ids, hidden_size, store_dtype, shard_max_tokens, batch_tokens)
-    for name, why in verify_and_repair(out_dir, check_sha256=False):
-        print(f"dropped {name}, its sequences will be redone: {why}")
-    return load_manifest(out_dir)

@@ -1,7 +1,29 @@
-"""The plan of an extraction: shard boundaries and batches, a pure function of the sequence lengths and the budgets,
-so that a run killed at any point and restarted computes exactly the batches the uninterrupted run would have."""
+"""The plan of an extraction: its layout (ShardLayout, recorded in the manifest), the shard boundaries and the
+batches, a pure function of the sequence lengths and the budgets, so that a run killed at any point and restarted
+computes exactly the batches the uninterrupted run would have."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+
+from eagle3lib.extract.shards.format import default_shard_max_tokens
+
+
+@dataclass(frozen=True)
+class ShardLayout:
+    """How an extraction lays its states out: the store dtype, the tokens at which a shard closes (None: about
+    1 GiB a shard) and the tokens of a backend's batch (plan_batches' budget)."""
+
+    store_dtype: torch.dtype = torch.bfloat16
+    shard_max_tokens: int | None = None
+    batch_tokens: int = 4096
+
+    def sized_for(self, hidden_size: int, n_aux: int) -> ShardLayout:
+        """This layout with shard_max_tokens given, about 1 GiB of these states a shard where it is None."""
+        default = default_shard_max_tokens(hidden_size, self.store_dtype, n_aux)
+        return replace(self, shard_max_tokens=self.shard_max_tokens or default)
 
 
 def plan_shards(lengths, first, end, shard_max_tokens):
