@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from eagle3lib.bench.replay import _truncate, target_forward
+from eagle3lib.bench.replay import target_forward, truncate_cache
 
 
 @dataclass
@@ -243,7 +243,7 @@ def forward_costs(model, drafter, context: int, tokens: list[int], repeats: int 
 
     def target(m):
         target_forward(model, ids[context : context + m], cache)
-        _truncate(cache, context)
+        truncate_cache(cache, context)
 
     def draft_inputs(start, n):
         """(embeds, the draft's own hidden state, positions) of n tokens from `start`: random, as only time counts."""

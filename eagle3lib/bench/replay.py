@@ -100,7 +100,7 @@ def greedy_at(model, hidden_row) -> int:
     return int(model.get_output_embeddings()(hidden_row).argmax())
 
 
-def _truncate(cache, length: int) -> None:
+def truncate_cache(cache, length: int) -> None:
     """Drop a DynamicCache's entries after the first `length` positions."""
     extra = cache.get_seq_length() - length
     if extra > 0:
@@ -147,7 +147,7 @@ def speculative_decode(
     n = len(prompt_ids)
     pre = prefill or prefill_prompt(model, drafter, prompt_ids)
     cache = pre["cache"]
-    _truncate(cache, n)
+    truncate_cache(cache, n)
     embed = model.get_input_embeddings().weight
     dtype = drafter.fc.weight.dtype
 
@@ -182,14 +182,14 @@ def speculative_decode(
             a += 1
             token = greedy_at(model, hidden[a])
         new = drafts[:a] + [token]
-        _truncate(cache, start + a + 1)  # keep the committed token and the accepted drafts
+        truncate_cache(cache, start + a + 1)  # keep the committed token and the accepted drafts
         rounds += 1
         for k in range(a):
             accepted[k] += 1
         out += new
         source += list(range(1, a + 1)) + [TARGET]
         aux, positions, next_tokens = verify_aux[:, : a + 1].to(dtype), list(range(start, start + a + 1)), new
-    _truncate(cache, n)
+    truncate_cache(cache, n)
     return {
         "token_ids": out[:max_tokens],
         "source": source[:max_tokens],
