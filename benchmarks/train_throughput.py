@@ -6,7 +6,7 @@
 
 Rows: by default one document of random tokens filling the row. With --docs, the rows real training sees: the
 sequences of a prepare-stage token file (their lengths, token ids and loss masks; e.g. the embedded ShareGPT
-split through SmolLM2's chat template, `python -m eagle3lib.extract.sglang --save-tokens FILE --n 600
+split through SmolLM2's chat template, `python benchmarks/extract_check.py save-tokens FILE --n 600
 --max-seq-len 4096`) in a seeded order, packed greedily into rows of the length as the trainer packs them
 (train.batches.pack_rows: whole sequences, the rest of a row padding). --impl both runs speculators on the same
 rows (its document_ids, position_ids and loss mask from the same layout).

@@ -19,6 +19,7 @@ from eagle3lib.engines.interpreter import engine_env
 from eagle3lib.engines.sglang import SGLang, check_sglang_args, sglang_captured_ids, sglang_config_ids
 from eagle3lib.extract import compare, hf, shards
 from eagle3lib.extract import sglang as sg
+from eagle3lib.extract.sglang_drafter import write_capture_drafter
 
 REPO = Path(__file__).resolve().parent.parent
 SGLANG_PY = REPO / ".venv-sglang" / "bin" / "python"
@@ -102,7 +103,7 @@ def test_sglang_ids_and_request_against_sglang_code(tmp_path):
 
 def test_capture_drafter_binds_in_sglang_loader(embedded_cache, tmp_path):
     target_dir = embedded_cache[1]
-    d = sg.write_capture_drafter(target_dir, OURS, tmp_path / "capture")
+    d = write_capture_drafter(target_dir, OURS, tmp_path / "capture")
     cfg = json.loads((d / "config.json").read_text())
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 14, 26]
     report = check_sglang(
@@ -120,7 +121,7 @@ def test_sglang_launch_flags_through_sglang_parser(embedded_cache, tmp_path):
     capture drafter's ids: the target captures our HF ids, default and not."""
     target_dir = embedded_cache[1]
     for ours in (OURS, [3, 11, 20]):
-        d = sg.write_capture_drafter(target_dir, ours, tmp_path / f"capture-{ours[0]}")
+        d = write_capture_drafter(target_dir, ours, tmp_path / f"capture-{ours[0]}")
         reports = sg.check_servers(
             target_dir, d, ours, "bfloat16", ["--attention-backend", "triton"], str(SGLANG_PY), device="cpu"
         )
@@ -322,12 +323,12 @@ def test_backend_param_and_dispatch(embedded_cache, tmp_path):
     s = backends.setup(p)
     assert s["model"] is None and s["aux_ids"] == OURS and s["target_dir"] == str(embedded_cache[1])
     assert s["contract"]["hidden_size"] == 576 and s["contract"]["aux_layer_ids"] == OURS
-    cap = backends.make_capture(p, s, log_dir=tmp_path)
+    cap = backends.make_capture(p, s, log_dir=tmp_path).capture
     assert isinstance(cap, VLLMCapture) and cap.layers == OURS + [30] and cap.dtype == p.target.dtype
     assert cap.extra_args == ["--enforce-eager", "--max-model-len", str(p.data.max_seq_len + 16)]
     # engine.* belongs to the deploy engine; it applies to the extraction engine only when it is the same one
     p = P.load_params(
         params, {**cache, "extract.backend": "sglang", "engine.name": "vllm", "engine.extra_args": ["--enforce-eager"]}
     )
-    cap = backends.make_capture(p, backends.setup(p), log_dir=tmp_path)
+    cap = backends.make_capture(p, backends.setup(p), log_dir=tmp_path).capture
     assert isinstance(cap, SGLangCapture) and cap.extra_args == [] and cap.num_layers == 30

@@ -1,8 +1,9 @@
-"""The sglang_inprocess backend's CPU parts: batches, the shard buffers and extract_with through its Capture (with
+"""The sglang_inprocess backend's CPU parts: the shard buffers and extract_with through its Capture (with
 the hf target standing in for SGLang's model runner, which needs a GPU), the interfaces it calls in SGLang 0.5.17's
-own code (.venv-sglang), the notebook's handle and its failure. The GPU check is
-benchmarks/h200/extract_inprocess_check.sh, its output in benchmarks/results/."""
+own code (.venv-sglang), the notebook's handle and its failure. The GPU check is benchmarks/extract_check.py
+inprocess (benchmarks/h200/extract_inprocess_check.sh), its output in benchmarks/results/."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -17,20 +18,12 @@ from eagle3lib import params as P
 from eagle3lib.engines.interpreter import engine_env
 from eagle3lib.extract import hf, shards
 from eagle3lib.extract import sglang_inprocess as ip
+from eagle3lib.extract import sglang_inprocess_extract as ipx
 
 REPO = Path(__file__).resolve().parent.parent
 SGLANG_PY = REPO / ".venv-sglang" / "bin" / "python"
 AUX = [1, 3, 4]
 CONTRACT = {"target": "tiny-random-llama", "hidden_size": 64, "vocab_size": 256, "aux_layer_ids": AUX}
-
-
-def test_pack_batches_are_consecutive_within_the_budget():
-    lengths = [5, 3, 9, 2, 2, 20, 1, 4]
-    got = ip.pack_batches(lengths, 0, len(lengths), 10)
-    assert got == [(0, 2), (2, 3), (3, 5), (5, 6), (6, 8)]  # 20 > 10 goes alone
-    assert [s for a, b in got for s in range(a, b)] == list(range(len(lengths)))
-    assert ip.pack_batches(lengths, 2, 5, 13) == [(2, 5)] and ip.pack_batches(lengths, 3, 3, 8) == []
-    assert all(sum(lengths[a:b]) <= 10 or b - a == 1 for a, b in got)
 
 
 def test_causal_lm_is_the_model_or_its_language_model():
@@ -78,7 +71,7 @@ def model():
 def test_inprocess_capture_writes_the_shards_hf_writes(model, tmp_path, store_dtype):
     tokens = random_tokens(n_seqs=24, seed=3, max_len=49)
     engine = HFStandIn(model)
-    cap = ip.InProcessCapture(engine, 64, 256, AUX, store_dtype, batch_tokens=100, plain_batches=2)
+    cap = ipx.InProcessCapture(engine, 64, 256, AUX, store_dtype, batch_tokens=100, plain_batches=2)
     assert isinstance(cap, shards.Capture)
     kw = dict(batch_tokens=100, shard_max_tokens=180, progress=False, store_dtype=store_dtype)
     layout = shards.ShardLayout(store_dtype, shard_max_tokens=180, batch_tokens=100)
@@ -98,7 +91,7 @@ def test_inprocess_capture_writes_the_shards_hf_writes(model, tmp_path, store_dt
 
 def test_shard_buffers_take_batches_at_their_offsets():
     x = torch.randn(10, 4 * 8)
-    buf = ip.ShardBuffers(10, 8, 3, shards.FP8, pin=False)
+    buf = ipx.ShardBuffers(10, 8, 3, shards.FP8, pin=False)
     at = 0
     for a, b in ((0, 4), (4, 10)):
         at += buf.put(at, shards.store_states(x[a:b, :24], x[a:b, 24:], 3, shards.FP8))
@@ -175,18 +168,19 @@ def test_notebook_handle_runs_the_module_and_fails_with_the_log(tmp_path, embedd
 
     s = backends.setup(p)
     cap = backends.make_capture(p, s, log_dir=tmp_path)
-    assert isinstance(cap, ip.SGLangInProcess) and cap.extra_args == ["--tp", "2"]
-    cmd = cap.command({"train": ("t.safetensors", "out/train")}, "c.json", "float8_e4m3fn", 1000)
-    a, flags = ip._parse(cmd[3:])
-    assert (a.command, a.split, a.store_dtype, a.aux_layer_ids, flags) == (
-        "extract",
+    assert isinstance(cap, ipx.SGLangInProcess) and cap.extra_args == ["--tp", "2"]
+    fp8 = dataclasses.replace(cap, store_dtype="float8_e4m3fn", shard_max_tokens=1000)
+    a, flags = ipx.parse_args(fp8.args({"train": ("t.safetensors", "out/train")}, "c.json"))
+    assert (a.split, a.store_dtype, a.shard_max_tokens, a.aux_layer_ids, flags) == (
         ["train=t.safetensors:out/train"],
         "float8_e4m3fn",
+        1000,
         [2, 15, 27],
         ["--tp", "2"],
     )
     prep = tmp_path / "prep"
     prep.mkdir()
-    with pytest.raises(ip.InProcessError, match=r"(?s)exited 1 with splits \[\] of \['train', 'val'\].*sglang"):
+    with pytest.raises(ip.InProcessError, match=r"(?s)exited 1 with splits \[\] of \['train', 'val'\].*sglang") as e:
         extract_steps.extract_splits(p, s, cap, prep, tmp_path / "out")
-    assert (tmp_path / "sglang-inprocess.log").is_file()
+    assert f"-m {ipx.__name__} --target" in str(e.value)  # the extract command, in that interpreter
+    assert "ModuleNotFoundError" in (tmp_path / "sglang-inprocess.log").read_text()  # its stderr is in the log

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Issue 20 on an H200: the sglang_inprocess extraction backend (eagle3lib/extract/sglang_inprocess.py) with
-# SGLang 0.5.17, one device call:
+# Issue 20 on an H200: the sglang_inprocess extraction backend (eagle3lib/extract/sglang_inprocess.py, checked by
+# benchmarks/extract_check.py inprocess) with SGLang 0.5.17, one device call:
 #   smol-check   SmolLM2's config with random weights (the server check's target): against hf on the same tokens
 #                (per layer, the layer probe) and its capture over the same engine's plain prefill
 #   smol         the same target on every sequence, no reference: capture over plain prefill, bf16 shards
@@ -13,7 +13,7 @@
 #   engine's plain prefill. (SmolLM2's 9 heads split over no N of these.) Agreement with the 1-GPU capture needs the
 #   same weights in both, which --load-format dummy does not give under tensor parallelism: not measured yet.
 # Prepare here (no GPU; .gpu = benchmarks/h200/.cache/.gpu, git-ignored):
-#   .venv/bin/python -m eagle3lib.extract.sglang --save-tokens .gpu/ip/tokens.safetensors --n 600 --max-seq-len 4096
+#   .venv/bin/python benchmarks/extract_check.py save-tokens .gpu/ip/tokens.safetensors --n 600 --max-seq-len 4096
 #   mkdir -p .gpu/ip/tok && cp ~/.cache/eagle3-workbook/smollm2-135m-instruct/{config,tokenizer,tokenizer_config}.json .gpu/ip/tok/
 # There: bash benchmarks/h200/extract_inprocess_check.sh   (carry .gpu/sglang-bundle and .gpu/ip); reports in $OUT.
 set -uo pipefail
@@ -46,7 +46,7 @@ T=$G/ip/tokens.safetensors
 check() {  # NAME SECONDS ARGS...
   local name=$1 secs=$2; shift 2
   echo "=== $name"; local t0=$(date +%s)
-  timeout "$secs" python3 -m eagle3lib.extract.sglang_inprocess compare --tokens $T --out /tmp/ip-$name "$@" \
+  timeout "$secs" python3 benchmarks/extract_check.py inprocess --tokens $T --out /tmp/ip-$name "$@" \
     > "$OUT/$name.log" 2>&1; local rc=$?
   cp /tmp/ip-$name/compare.json "$OUT/$name.json" 2>/dev/null
   python3 - "$OUT/$name.json" "$name" "$rc" "$(( $(date +%s) - t0 ))" <<'PY'

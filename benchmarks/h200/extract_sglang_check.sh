@@ -2,7 +2,7 @@
 # Issue 8 on an H200: the sglang extraction backend against hf on the same tokens (per-layer differences,
 # the off-by-one layer probe, capture and plain-prefill tokens/s); prints JSON, writes $OUT/compare.json.
 # Prepare here (no GPU):
-#   .venv/bin/python -m eagle3lib.extract.sglang --save-tokens .gpu/check_tokens.safetensors --n 64
+#   .venv/bin/python benchmarks/extract_check.py save-tokens .gpu/check_tokens.safetensors --n 64
 #   mkdir -p .gpu/tok && cp ~/.cache/eagle3-workbook/smollm2-135m-instruct/{config.json,tokenizer.json,tokenizer_config.json,chat_template.jinja} .gpu/tok/
 # There: BUNDLE=.gpu/sglang-bundle bash benchmarks/h200/extract_sglang_check.sh   (carry .gpu/sglang-bundle,
 # .gpu/tok, .gpu/check_tokens.safetensors). With no SmolLM2 weights on the host, the target is a random-weight
@@ -29,7 +29,7 @@ for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
 PY
 fi
 EXTRA="--attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.3 --disable-decode-cuda-graph"
-timeout "${CHECK_S:-430}" python3 -m eagle3lib.extract.sglang --compare --target "$TARGET" \
+timeout "${CHECK_S:-430}" python3 benchmarks/extract_check.py sglang --target "$TARGET" \
   --tokens .gpu/check_tokens.safetensors --n "${N:-24}" --out /tmp/sglang-check --dtype bfloat16 \
   --engine-python python3 --extra-args "$EXTRA"
 cp /tmp/sglang-check/compare.json /tmp/sglang-check/*.log "$OUT/" 2>/dev/null

@@ -1,24 +1,130 @@
-"""01_extract's backends (extract.backend: hf | vllm | sglang | sglang_inprocess) behind the few calls the stage notebook makes.
+"""01_extract's backends (extract.backend: hf | vllm | sglang | sglang_inprocess), chosen once: make_capture returns
+the Backend the params name, and the stage notebook's calls go to it whatever it is.
 
     s = backends.setup(p)                                # target folder, aux ids, contract (+ the model for hf)
-    capture = backends.make_capture(p, s, log_dir=out)
-    with capture:                                        # an engine may stay up across the splits
-        r = shards.extract_with(capture, tokens, s["aux_ids"], out / split, s["contract"], ...)
-    tps = backends.plain_prefill_tokens_per_s(p, s, capture, tokens, r, log_dir=out)
+    capture = backends.make_capture(p, s, log_dir=out)   # a Backend
+    results = capture.extract_splits({"train": (prep / "train.safetensors", out / "train"), ...})
+    tps = capture.plain_prefill_tokens_per_s(tokens, results["train"], log_dir=out)
 
-hf loads the target here (the reference); the engine backends never do: a Kimi-sized target does not fit
-one process, so they read its config and tokenizer only and the engine loads the weights. The engine
-section of the params (python, extra_args, env, host, port, start_timeout_s) applies to the extraction
-engine when engine.name is the same engine; otherwise that engine's defaults are used (.venv-<engine>).
-Whatever the backend: the same shards, manifest, contract and HF hidden_states ids (docs/design.md §4).
+hf, vllm and sglang are shards.Captures that extract_with drives from this process (the engine ones run their
+engine as a subprocess); sglang_inprocess runs extract_with itself in SGLang's interpreter
+(sglang_inprocess_extract.SGLangInProcess). hf loads the target here (the reference); the engine backends never
+do: a Kimi-sized target does not fit one process, so they read its config and tokenizer only and the engine loads
+the weights. The engine section of the params (python, extra_args, env, host, port, start_timeout_s) applies to
+the extraction engine when engine.name is the same engine; otherwise that engine's defaults are used
+(.venv-<engine>). Whatever the backend: the same shards, manifest, contract and HF hidden_states ids
+(docs/design.md §4).
 """
 
 from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
 
 from eagle3lib import params as P
 from eagle3lib import target
 from eagle3lib.engines.interpreter import engine_python
 from eagle3lib.extract import hf, shards
+from eagle3lib.prepare import conversations
+
+
+class Backend(Protocol):
+    """What make_capture returns: the backend as the 01_extract notebook uses it."""
+
+    name: str
+
+    def extract_splits(self, splits: dict[str, tuple[Path, Path]]) -> dict[str, dict]:
+        """{split: (tokens file, out dir)} -> {split: extract_with's result}; the target loads once for all."""
+
+    def plain_prefill_tokens_per_s(self, tokens, result: dict | None, log_dir=None) -> float | None:
+        """What the capture rate is compared with, on the first batches of `tokens` (result: the extraction's of
+        them); None when there is nothing to time."""
+
+
+@dataclass(frozen=True)
+class ExtractSettings:
+    """What extract_with is called with, from the params and setup()."""
+
+    aux_ids: list[int]
+    contract: dict
+    layout: shards.ShardLayout
+    plain_batches: int  # extract.forward_benchmark_batches: timed batches of the plain prefill
+
+    @classmethod
+    def of(cls, p, s: dict) -> ExtractSettings:
+        e = p.extract
+        layout = shards.ShardLayout(target.torch_dtype(e.store_dtype), e.shard_max_tokens, e.batch_tokens)
+        return cls(s["aux_ids"], s["contract"], layout, e.forward_benchmark_batches)
+
+    def first_batches(self, tokens) -> list:
+        """The plain prefill's batches of `tokens` (the hf backend's, one more than plain_batches; none when 0)."""
+        if not self.plain_batches:
+            return []
+        batches = hf.iter_batches(tokens, self.layout.batch_tokens, self.layout.shard_max_tokens)
+        return list(batches)[: self.plain_batches + 1]
+
+
+class ExtractHere:
+    """A backend whose shards.Capture extract_with drives from this process: every split through it, one after
+    the other with the capture open once (an engine that can stays up for all splits)."""
+
+    def __init__(self, capture: shards.Capture, settings: ExtractSettings):
+        self.capture, self.settings, self.name = capture, settings, capture.name
+
+    def extract_splits(self, splits: dict[str, tuple[Path, Path]]) -> dict[str, dict]:
+        st, results = self.settings, {}
+        with self.capture:
+            for split, (tokens_file, out_dir) in splits.items():
+                tokens = conversations.load_tokens(tokens_file)
+                results[split] = shards.extract_with(self.capture, tokens, st.aux_ids, out_dir, st.contract, st.layout)
+        return results
+
+
+class HFBackend(ExtractHere):
+    """hf: the Hugging Face model loaded in this process (the reference)."""
+
+    def plain_prefill_tokens_per_s(self, tokens, result: dict | None, log_dir=None) -> float | None:
+        """The target's plain forward (no hooks, no writes) on the first batches, measured now."""
+        batches = self.settings.first_batches(tokens)
+        if not batches:
+            return None
+        return hf.measure_forward_tokens_per_s(self.capture.model, batches[: self.settings.plain_batches])
+
+
+class EngineBackend(ExtractHere, ABC):
+    """vllm, sglang: the engine's plain prefill (no hidden states asked), by the engine's own measurement."""
+
+    @abstractmethod
+    def engine_plain_prefill(self, tok, seq_ids, warmup: int, log_dir) -> float | None:
+        """Tokens/s of the engine's plain prefill of these sequences (the first `warmup` of them untimed)."""
+
+    def plain_prefill_tokens_per_s(self, tokens, result: dict | None, log_dir=None) -> float | None:
+        """The extraction's own figure when it measured one, else measured now (the first batch untimed)."""
+        batches = self.settings.first_batches(tokens)
+        if not batches:
+            return None
+        if result and result.get("plain_prefill_tokens_per_s"):
+            return result["plain_prefill_tokens_per_s"]
+        if len(batches) < 2:
+            return None
+        tok, first = shards.as_token_tensors(tokens), len(batches[0][0])
+        return self.engine_plain_prefill(tok, [q for b in batches for q in b[0]], first, log_dir or ".")
+
+
+class VLLMBackend(EngineBackend):
+    """vllm: VLLMCapture, vLLM in its interpreter."""
+
+    def engine_plain_prefill(self, tok, seq_ids, warmup: int, log_dir) -> float:
+        return self.capture.measure_plain_prefill(tok, seq_ids, warmup, log_dir)["plain_prefill_tokens_per_s"]
+
+
+class SGLangBackend(EngineBackend):
+    """sglang: SGLangCapture, the client of its two SGLang servers."""
+
+    def engine_plain_prefill(self, tok, seq_ids, warmup: int, log_dir) -> float | None:
+        return self.capture.measure_plain_prefill(tok, seq_ids, log_dir)  # its first batch is the warm-up
 
 
 def setup(p) -> dict:
@@ -68,12 +174,12 @@ def engine_settings(p, engine: str) -> dict:
     }
 
 
-def make_capture(p, s: dict, log_dir=None):
-    """The backend's shards.Capture (hf.HFCapture / vllm.VLLMCapture / sglang.SGLangCapture), or for
-    sglang_inprocess the handle that runs extract_with inside SGLang's interpreter (SGLangInProcess)."""
-    backend = p.extract.backend
+def make_capture(p, s: dict, log_dir=None) -> Backend:
+    """The Backend extract.backend names: HFBackend, VLLMBackend or SGLangBackend over the backend's shards.Capture
+    (hf.HFCapture / vllm.VLLMCapture / sglang.SGLangCapture), or sglang_inprocess's SGLangInProcess."""
+    backend, settings = p.extract.backend, ExtractSettings.of(p, s)
     if backend == "hf":
-        return hf.HFCapture(s["model"], s["aux_ids"], p.extract.batch_tokens)
+        return HFBackend(hf.HFCapture(s["model"], s["aux_ids"], p.extract.batch_tokens), settings)
     engine = "sglang" if backend == "sglang_inprocess" else backend
     e = engine_settings(p, engine)
     if e["python"] is None:
@@ -82,12 +188,15 @@ def make_capture(p, s: dict, log_dir=None):
             f"engine.name: {engine} and engine.python, or build .venv-{engine} (make {engine}-env)"
         )
     if backend == "sglang_inprocess":
-        from eagle3lib.extract.sglang_inprocess import SGLangInProcess
+        from eagle3lib.extract.sglang_inprocess_extract import SGLangInProcess
 
         return SGLangInProcess(
             s["target_dir"],
             s["aux_ids"],
             python=e["python"],
+            contract=s["contract"],
+            store_dtype=p.extract.store_dtype,
+            shard_max_tokens=p.extract.shard_max_tokens,
             dtype=p.target.dtype,
             extra_args=e["extra_args"],
             env=e["env"],
@@ -101,7 +210,7 @@ def make_capture(p, s: dict, log_dir=None):
         flags = list(e["extra_args"])
         if "--max-model-len" not in flags:  # prompt (<= data.max_seq_len) + the one generated token
             flags += ["--max-model-len", str(p.data.max_seq_len + 16)]
-        return VLLMCapture(
+        capture = VLLMCapture(
             s["target_dir"],
             s["aux_ids"],
             dtype=p.target.dtype,
@@ -113,9 +222,10 @@ def make_capture(p, s: dict, log_dir=None):
             batch_tokens=p.extract.batch_tokens,
             timeout_s=e["start_timeout_s"],
         )
+        return VLLMBackend(capture, settings)
     from eagle3lib.extract.sglang import SGLangCapture
 
-    return SGLangCapture(
+    capture = SGLangCapture(
         s["target_dir"],
         s["aux_ids"],
         batch_tokens=p.extract.batch_tokens,
@@ -129,27 +239,4 @@ def make_capture(p, s: dict, log_dir=None):
         log_dir=log_dir,
         prefill_benchmark_batches=p.extract.forward_benchmark_batches,
     )
-
-
-def plain_prefill_tokens_per_s(p, s: dict, capture, tokens, result: dict | None, log_dir=None):
-    """What the capture rate is compared with: hf, the target's plain forward on the first batches (no hooks,
-    no writes); an engine, the same engine's plain prefill (no hidden states asked), taken from the
-    extraction's result when it measured it, else measured now. None when there is nothing to time."""
-    n = p.extract.forward_benchmark_batches
-    batches = list(hf.iter_batches(tokens, p.extract.batch_tokens, p.extract.shard_max_tokens))[: n + 1]
-    if not n or not batches:
-        return None
-    if p.extract.backend == "hf":
-        return hf.measure_forward_tokens_per_s(s["model"], batches[:n])
-    if result and result.get("plain_prefill_tokens_per_s"):
-        return result["plain_prefill_tokens_per_s"]
-    if len(batches) < 2 or p.extract.backend == "sglang_inprocess":  # it measures inside its own run or not at all
-        return None
-        return None
-    tok = shards.as_token_tensors(tokens)
-    seqs = [q for b in batches for q in b[0]]
-    if p.extract.backend == "vllm":
-        return capture.measure_plain_prefill(tok, seqs, len(batches[0][0]), log_dir or ".")[
-            "plain_prefill_tokens_per_s"
-        ]
-    return capture.measure_plain_prefill(tok, seqs, log_dir or ".")
+    return SGLangBackend(capture, settings)

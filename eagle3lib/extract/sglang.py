@@ -34,17 +34,14 @@ captured HF indices in `set_eagle3_layers_to_capture`: Llama-like models j+1 alw
 rule: sglang_config_ids inverts it per architecture, sglang_captured_ids replays it (tests check one
 against the other and against SGLang's own code).
 
-GPU check (one command; prints a JSON of per-layer differences, tokens/s, plain-prefill tokens/s):
-    python -m eagle3lib.extract.sglang --compare --n 64 --out /tmp/sglang-check \\
-        --extra-args "--attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.5"
+The GPU check against hf (per layer, the layer probe, capture and plain-prefill tokens/s):
+benchmarks/extract_check.py sglang, run by benchmarks/h200/extract_sglang_check.sh.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
-import shlex
 import shutil
 import sys
 import time
@@ -56,8 +53,9 @@ from pathlib import Path
 import torch
 
 from eagle3lib.engines.interpreter import engine_python
-from eagle3lib.engines.sglang import SGLANG_CONVENTION, SGLANG_VERSION, preflight, server_flags, sglang_config_ids
-from eagle3lib.extract import compare, hf, shards
+from eagle3lib.engines.sglang import SGLANG_VERSION, preflight, server_flags
+from eagle3lib.extract import shards
+from eagle3lib.extract.sglang_drafter import write_capture_drafter
 from eagle3lib.target.config import target_config_json
 
 try:  # the GPU bundle has orjson; a float list decodes ~3x faster with it
@@ -65,7 +63,6 @@ try:  # the GPU bundle has orjson; a float list decodes ~3x faster with it
 except ImportError:  # pragma: no cover - depends on the environment
     _fastjson = None
 
-CAPTURE_DRAFT_ARCH = "LlamaForCausalLMEagle3"
 STAGING = ".sglang-final"
 # Both servers: every prompt token recomputed and returned (see the module docstring), and what SGLang must
 # resolve these flags to (checked by check_servers).
@@ -82,86 +79,12 @@ class SGLangExtractError(RuntimeError):
     """SGLang answered something the sglang backend cannot turn into our hidden states."""
 
 
-# ------------------------------------------------------------------------- target, drafter ----
+# -------------------------------------------------------------------------------- target ----
 
 
 def target_text_config(target_dir) -> tuple[dict, str]:
     """(text config dict, architecture) from config.json, without importing the model's code."""
     return target_config_json(target_dir)
-
-
-def write_capture_drafter(target_dir, aux_layer_ids, out_dir, dtype=torch.bfloat16) -> Path:
-    """A 1-layer EAGLE-3 drafter of zeros in SGLang's layout (midlayer.*) whose config names the
-    aux ids (SGLang's convention for this target). SGLang takes the embeddings from the target."""
-    text, arch = target_text_config(target_dir)
-    H, V, L = int(text["hidden_size"]), int(text["vocab_size"]), int(text["num_hidden_layers"])
-    ids = sglang_config_ids(aux_layer_ids, arch)
-    head_dim = next((d for d in (128, 64, 32) if H % d == 0), H)
-    heads, inter, dv = H // head_dim, 512, min(256, V)
-    rope = text.get("rope_parameters") or {"rope_type": "default", "rope_theta": float(text.get("rope_theta", 10000.0))}
-    config = {
-        "architectures": [CAPTURE_DRAFT_ARCH],
-        "model_type": "llama",
-        "hidden_size": H,
-        "num_attention_heads": heads,
-        "num_key_value_heads": heads,
-        "head_dim": head_dim,
-        "intermediate_size": inter,
-        "vocab_size": V,
-        "draft_vocab_size": dv,
-        "target_hidden_size": H,
-        "num_hidden_layers": 1,
-        "rms_norm_eps": float(text.get("rms_norm_eps", 1e-6)),
-        "hidden_act": "silu",
-        "max_position_embeddings": int(text.get("max_position_embeddings", 8192)),
-        "rope_parameters": rope,
-        "rope_theta": float(rope.get("rope_theta", 10000.0)),
-        "tie_word_embeddings": False,
-        "torch_dtype": str(dtype).removeprefix("torch."),
-        "eagle_config": {
-            "eagle_aux_hidden_state_layer_ids": ids,
-            "use_aux_hidden_state": True,
-            "aux_layer_id_convention": SGLANG_CONVENTION,
-        },
-        "eagle3lib_capture_drafter": {
-            "our_aux_layer_ids": [int(i) for i in aux_layer_ids],
-            "target_architecture": arch,
-            "target_num_layers": L,
-            "note": "zeros: only makes SGLang capture these layers",
-        },
-    }
-    shapes = {
-        "input_layernorm.weight": [H],
-        "hidden_norm.weight": [H],
-        "post_attention_layernorm.weight": [H],
-        "self_attn.q_proj.weight": [heads * head_dim, 2 * H],
-        "self_attn.k_proj.weight": [heads * head_dim, 2 * H],
-        "self_attn.v_proj.weight": [heads * head_dim, 2 * H],
-        "self_attn.o_proj.weight": [H, heads * head_dim],
-        "mlp.gate_proj.weight": [inter, H],
-        "mlp.up_proj.weight": [inter, H],
-        "mlp.down_proj.weight": [H, inter],
-    }
-    tensors = {
-        f"midlayer.{n}": (torch.ones if n.endswith("norm.weight") else torch.zeros)(s, dtype=dtype)
-        for n, s in shapes.items()
-    }
-    tensors.update(
-        {
-            "fc.weight": torch.zeros(H, 3 * H, dtype=dtype),
-            "norm.weight": torch.ones(H, dtype=dtype),
-            "lm_head.weight": torch.zeros(dv, H, dtype=dtype),
-            "d2t": torch.zeros(dv, dtype=torch.int64),
-            "t2d": torch.arange(V) < dv,
-        }
-    )
-    from safetensors.torch import save_file
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    return out
 
 
 # ------------------------------------------------------------------------------ commands ----
@@ -423,10 +346,10 @@ def _staged_path(work, first, end):
 
 def _stage(work, first, end, final):
     """The final pass's states of one shard, written atomically (in float32: exact for any engine dtype)."""
-    chunks = shards._safetensors_chunks(
+    chunks = shards.safetensors_chunks(
         {"final_hidden": final.to(torch.float32).contiguous()}, {"first": str(first), "end": str(end)}
     )
-    shards._atomic_write(_staged_path(work, first, end), chunks)
+    shards.atomic_write(_staged_path(work, first, end), chunks)
 
 
 def _read_staged(work, first, end, hidden_size):
@@ -445,146 +368,3 @@ def _read_staged(work, first, end, hidden_size):
 
 def _drop_staged(work, first, end):
     _staged_path(work, first, end).unlink(missing_ok=True)
-
-
-# ------------------------------------------------------------------------------ GPU check ----
-
-
-def _check_tokens(a, tokenizer):
-    """The check's token arrays: --tokens FILE (data.save_tokens format), else N conversations of --data."""
-    from eagle3lib.prepare import conversations, sources
-
-    if a.tokens:
-        tokens = conversations.load_tokens(a.tokens)
-        n = min(a.n, tokens["seq_starts"].numel() - 1)
-        end = int(tokens["seq_starts"][n])
-        return {
-            "input_ids": tokens["input_ids"][:end],
-            "loss_mask": tokens["loss_mask"][:end],
-            "seq_starts": tokens["seq_starts"][: n + 1],
-            "ids": list(tokens.get("ids", range(n)))[:n],
-        }
-    convs, _ = sources.load_conversations(a.data, limit=a.n)
-    return conversations.tokenize_split(tokenizer, convs, a.max_seq_len, progress=False)
-
-
-def _save_tokens_main(a):
-    """--save-tokens: tokenize N conversations here (no GPU, no sglang) for a GPU host without the data package."""
-    from transformers import AutoTokenizer
-
-    from eagle3lib import target
-    from eagle3lib.prepare import conversations
-
-    cache = Path(a.cache_dir) if a.cache_dir else target.default_cache_dir()
-    tokenizer = AutoTokenizer.from_pretrained(target.resolve_target(a.target, cache))
-    a.tokens = None
-    path = conversations.save_tokens(a.save_tokens, _check_tokens(a, tokenizer))
-    print(json.dumps({"tokens_file": str(path)}))
-    return 0
-
-
-def _compare_main(a):
-    """Extract N conversations through sglang and hf on the same tokens; print the differences as JSON."""
-    from eagle3lib import target
-
-    cache = Path(a.cache_dir) if a.cache_dir else target.default_cache_dir()
-    target_dir = target.resolve_target(a.target, cache)
-    model, tokenizer = target.load_target(target_dir, cache, dtype=a.dtype, device=a.device)
-    layers = target.num_layers(model.config)
-    aux_ids = target.aux_layer_ids(a.aux_layer_ids, layers)
-    tokens = _check_tokens(a, tokenizer)
-    out = Path(a.out)
-    for sub in ("sglang", "hf"):  # a check measures afresh: no resume from an earlier run
-        shutil.rmtree(out / sub, ignore_errors=True)
-    out.mkdir(parents=True, exist_ok=True)
-    contract = target.make_contract(a.target, model, tokenizer, aux_ids, a.dtype)
-    store = target.torch_dtype(a.dtype)
-    report = {
-        "target": a.target,
-        "dtype": a.dtype,
-        "aux_layer_ids": aux_ids,
-        "sequences": int(len(tokens["ids"])),
-        "tokens": int(tokens["input_ids"].numel()),
-    }
-
-    cap = SGLangCapture(
-        target_dir,
-        aux_ids,
-        batch_tokens=a.batch_tokens,
-        dtype=a.dtype,
-        python=a.engine_python,
-        extra_args=shlex.split(a.extra_args),
-        log_dir=out,
-        concurrency=a.concurrency,
-    )
-    kw = dict(batch_tokens=a.batch_tokens, shard_max_tokens=a.shard_max_tokens, store_dtype=store, progress=False)
-    r_sg = shards.extract_with(cap, tokens, aux_ids, str(out / "sglang"), contract, **kw)
-    # The plain forward first: its warm-up also warms the capture (CUDA context, kernels), which a cold
-    # capture of a few batches would otherwise pay alone (seen: 0.036 of the forward's rate, cold).
-    hf_prefill = hf.measure_forward_tokens_per_s(
-        model, list(hf.iter_batches(tokens, a.batch_tokens, a.shard_max_tokens))[:5]
-    )
-    r_hf = hf.extract(model, tokens, aux_ids, str(out / "hf"), contract, **kw)
-    head = model.lm_head.weight.detach()
-    report["agreement"] = compare.compare_shard_sets(str(out / "sglang"), str(out / "hf"), lm_head=head)
-    report["layer_probe"] = compare.layer_probe(model, str(out / "sglang"), aux_ids, max_sequences=8)
-    keep = (
-        "tokens_per_s",
-        "seconds",
-        "engine_start_s",
-        "plain_prefill_tokens_per_s",
-        "final_pass_tokens_per_s",
-        "aux_pass_tokens_per_s",
-        "wire_bytes_per_token",
-        "bytes_per_token",
-        "captured_hf_layers",
-    )
-    report["sglang"] = {k: r_sg.get(k) for k in keep}
-    pp = r_sg.get("plain_prefill_tokens_per_s")
-    report["sglang"]["capture_over_plain_prefill"] = (
-        r_sg["tokens_per_s"] / pp if pp and r_sg.get("tokens_per_s") else None
-    )
-    report["hf"] = {
-        "tokens_per_s": r_hf["tokens_per_s"],
-        "forward_tokens_per_s": hf_prefill,
-        "capture_over_forward": r_hf["tokens_per_s"] / hf_prefill if hf_prefill else None,
-        "bytes_per_token": r_hf["bytes_per_token"],
-    }
-    report["ok"] = bool(report["agreement"]["ok"] and report["layer_probe"]["ok"])
-    text = json.dumps(report, indent=1, default=str)
-    (out / "compare.json").write_text(text + "\n")
-    print(text)
-    return 0 if report["ok"] else 1
-
-
-def main(argv=None):
-    ap = argparse.ArgumentParser(description="sglang extraction backend; --compare runs the GPU check against hf")
-    ap.add_argument("--compare", action="store_true", help="extract through sglang and hf, print the differences")
-    ap.add_argument("--n", type=int, default=64, help="conversations")
-    ap.add_argument("--out", default="/tmp/eagle3-sglang-check")
-    ap.add_argument("--target", default="embedded:smollm2-135m-instruct")
-    ap.add_argument("--data", default="embedded:sharegpt")
-    ap.add_argument("--cache-dir", default=None)
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
-    ap.add_argument("--device", default="cuda", help="device of the hf reference")
-    ap.add_argument("--aux-layer-ids", type=lambda s: [int(x) for x in s.split(",")], default=None)
-    ap.add_argument("--tokens", default=None, help="token arrays (data.save_tokens file) instead of --data")
-    ap.add_argument("--save-tokens", default=None, help="only tokenize --n conversations of --data into this file")
-    ap.add_argument("--max-seq-len", type=int, default=2048)
-    ap.add_argument("--batch-tokens", type=int, default=16384)
-    ap.add_argument("--shard-max-tokens", type=int, default=32768)
-    ap.add_argument("--concurrency", type=int, default=4)
-    ap.add_argument(
-        "--engine-python", default=None, help="interpreter with sglang (default: .venv-sglang, else this one)"
-    )
-    ap.add_argument("--extra-args", default="", help="more sglang launch flags, one string")
-    a = ap.parse_args(argv)
-    if a.save_tokens:
-        return _save_tokens_main(a)
-    if not a.compare:
-        ap.error("nothing to do: pass --compare (the stage runs this backend through shards.extract_with)")
-    return _compare_main(a)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,5 +1,6 @@
-"""The sglang_inprocess backend of 01_extract: SGLang's own model runner in the extracting process, one prefill per
-token, the states from the GPU straight into shards.extract_with (GPU hosts).
+"""SGLang's model runner in this process (run in SGLang's interpreter): the Engine that 01_extract's
+sglang_inprocess backend (extract/sglang_inprocess_extract.py) and online training (train/online.py, EngineStates)
+capture with, GPU hosts.
 
 The server backend (extract/sglang.py) gets the states as JSON floats and prefills every token twice; this one
 loads the target the way SGLang's own one-batch benchmark does (sglang.benchmark.one_batch: load_model, extend)
@@ -9,65 +10,31 @@ and reads both kinds of state from one forward:
   then captures are read back and must be ours (HF hidden_states indices);
 - final: the model hands its logits processor the final normed state of every token of an extend batch; a
   forward pre-hook on that module takes it, together with the aux states it is handed beside it.
-Batches are consecutive sequences up to extract.batch_tokens tokens (ragged, no padding), so a shard's rows come
-out in token order; the KV pools are cleared after each batch. The states are cast, or quantized to fp8, on the
-GPU (shards.store_states) and copied into the shard's host buffers. Tensor parallel: one process a GPU; rank 0
-runs extract_with here and ranks 1.. (spawned) run every batch rank 0 broadcasts on the TP group's CPU group.
-Its plain prefill is the same extend() on the same first batches with the capture off.
-
-This module runs in SGLang's interpreter (engine.python), started by SGLangInProcess from the notebook's:
-    python -m eagle3lib.extract.sglang_inprocess extract --target DIR --aux-layer-ids 2,15,27 --contract FILE \\
-        --split train=PREP/train.safetensors:OUT/train [--split ...] [--store-dtype D] [-- SGLANG FLAGS]
-and as the GPU check against hf (per layer, the layer probe, capture over plain prefill):
-    python -m eagle3lib.extract.sglang_inprocess compare --target DIR --tokens FILE --out DIR [-- SGLANG FLAGS]
-Protocol lines on stdout start with "@@eagle3lib "; everything else is SGLang's log.
+The KV pools are cleared after each batch. Tensor parallel: one process a GPU; rank 0 runs the caller here and
+ranks 1.. (spawned) run every batch rank 0 broadcasts on the TP group's CPU group.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import inspect
-import json
-import os
-import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import ClassVar
 
 import torch
 
 from eagle3lib.drafter.aux_ids import sglang_config_ids
-from eagle3lib.extract import shards
 from eagle3lib.target.config import target_config_json
 
-PREFIX = "@@eagle3lib "
 # Not needed for extend batches, and capturing decode graphs costs a minute at start-up.
 DEFAULT_FLAGS = ["--disable-cuda-graph"]
 
 
 class InProcessError(RuntimeError):
-    """SGLang's model runner did not give the states this backend needs."""
+    """SGLang's model runner did not give the states the sglang_inprocess backend needs, or its extraction in
+    SGLang's interpreter failed."""
 
 
 # ------------------------------------------------------------------------------ CPU parts ----
-
-
-def pack_batches(lengths, first: int, end: int, batch_tokens: int) -> list[tuple[int, int]]:
-    """Consecutive sequence ranges [a, b) within [first, end) of at most batch_tokens tokens each (a longer
-    sequence goes alone): concatenated in order, a batch's rows are its tokens in order."""
-    out, start, used = [], first, 0
-    for s in range(first, end):
-        n = int(lengths[s])
-        if s > start and used + n > batch_tokens:
-            out.append((start, s))
-            start, used = s, 0
-        used += n
-    if start < end:
-        out.append((start, end))
-    return out
 
 
 def check_captured(captured, aux_layer_ids, architecture: str) -> None:
@@ -98,25 +65,6 @@ def logits_processor_states(forward, args, kwargs) -> tuple:
     called with, by its forward's parameter names (positional or keyword)."""
     bound = inspect.signature(forward).bind(*args, **kwargs)
     return bound.arguments.get("hidden_states"), bound.arguments.get("aux_hidden_states")
-
-
-class ShardBuffers:
-    """A shard's stored tensors on the host, filled batch by batch at token offsets (pinned on CUDA hosts, so the
-    copies from the GPU are asynchronous)."""
-
-    def __init__(self, n: int, hidden: int, n_aux: int, store_dtype, pin: bool):
-        fp8 = store_dtype == shards.FP8
-        shapes = {"aux_hidden": (n, n_aux * hidden, store_dtype), "final_hidden": (n, hidden, store_dtype)}
-        if fp8:
-            shapes |= {"aux_scale": (n, n_aux, torch.float32), "final_scale": (n, 1, torch.float32)}
-        self.tensors = {k: torch.empty(r, c, dtype=d, pin_memory=pin) for k, (r, c, d) in shapes.items()}
-
-    def put(self, at: int, stored: dict) -> int:
-        n = 0
-        for k, v in stored.items():
-            n = v.shape[0]
-            self.tensors[k][at : at + n].copy_(v, non_blocking=True)
-        return n
 
 
 # ------------------------------------------------------------------------------ the runner ----
@@ -283,287 +231,3 @@ class EngineStates:
 
     def close(self) -> None:
         self.engine.close()
-
-
-def _sync():
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
-class InProcessCapture:
-    """A shards.Capture over an Engine: each shard's states, stored (cast or fp8) on the GPU."""
-
-    name = "sglang_inprocess"
-
-    def __init__(
-        self, engine: Engine, hidden_size, vocab_size, aux_layer_ids, store_dtype, batch_tokens, plain_batches
-    ):
-        self.engine, self.hidden_size, self.vocab_size = engine, int(hidden_size), int(vocab_size)
-        self.n_aux, self.store_dtype = len(aux_layer_ids), store_dtype
-        self.batch_tokens, self.plain_batches = batch_tokens, plain_batches
-        self._stats = {}
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def _seqs(self, tok, a, b):
-        starts = tok["seq_starts"]
-        return [tok["input_ids"][int(starts[s]) : int(starts[s + 1])].tolist() for s in range(a, b)]
-
-    def plain_prefill(self, tok, lengths, plan) -> float | None:
-        """Tokens/s of the same engine's extend() with the capture off, on the first batches (one untimed)."""
-        batches = [r for a, b in plan for r in pack_batches(lengths, a, b, self.batch_tokens)]
-        batches = batches[: self.plain_batches + 1]
-        if len(batches) < 2:
-            return None
-        self.engine.extend(self._seqs(tok, *batches[0]), capture=False)
-        _sync()
-        t0, n = time.perf_counter(), 0
-        for a, b in batches[1:]:
-            seqs = self._seqs(tok, a, b)
-            self.engine.extend(seqs, capture=False)
-            n += sum(len(s) for s in seqs)
-        _sync()
-        return n / (time.perf_counter() - t0)
-
-    @contextlib.contextmanager
-    def session(self, tok, lengths, plan, out_dir):
-        t0 = time.perf_counter()
-        self._stats = {"engine_start_s": round(self.engine.start_s, 1), "passes": 1}
-        self._stats["plain_prefill_tokens_per_s"] = self.plain_prefill(tok, lengths, plan)
-        self._stats["excluded_s"] = time.perf_counter() - t0  # the plain prefill is not capture time
-        yield self
-
-    def shard(self, tok, lengths, first, end, dtype, bar):
-        n = int(tok["seq_starts"][end] - tok["seq_starts"][first])
-        cuda = torch.cuda.is_available()
-        out = ShardBuffers(n, self.hidden_size, self.n_aux, self.store_dtype, pin=cuda)
-        # the copies to the host run on their own stream, beside the next batch's forward
-        copies = torch.cuda.Stream() if cuda else None
-        at = 0
-        for a, b in pack_batches(lengths, first, end, self.batch_tokens):
-            aux, final = self.engine.extend(self._seqs(tok, a, b), capture=True)
-            stored = shards.store_states(aux, final, self.n_aux, self.store_dtype)
-            if copies is None:
-                at += out.put(at, stored)
-            else:
-                copies.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(copies):
-                    at += out.put(at, stored)
-                for v in stored.values():  # not reused by the allocator before the copy has read it
-                    v.record_stream(copies)
-            bar.update(int(tok["seq_starts"][b] - tok["seq_starts"][a]))
-        _sync()  # the host copies are done before the writer thread reads them
-        return out.tensors
-
-    def stats(self):
-        return dict(self._stats)
-
-
-# --------------------------------------------------------------------- the notebook's side ----
-
-
-def _say(obj):
-    sys.stdout.write(PREFIX + json.dumps(obj, default=str) + "\n")
-    sys.stdout.flush()
-
-
-@dataclass
-class SGLangInProcess:
-    """The notebook's handle on the backend: runs this module in SGLang's interpreter over every split (the model
-    loads once) and returns {split: extract_with's result}. A failure raises with the log's last lines."""
-
-    target_dir: str
-    aux_layer_ids: list[int]
-    python: str
-    dtype: str | None = None
-    extra_args: list[str] = field(default_factory=list)
-    env: dict | None = None
-    log_dir: str | None = None
-    batch_tokens: int = 16384
-    plain_batches: int = 4
-    name: ClassVar[str] = "sglang_inprocess"
-
-    def __post_init__(self):
-        self.target_dir, self.aux_layer_ids = str(self.target_dir), list(self.aux_layer_ids)
-        self.extra_args, self.env = list(self.extra_args), dict(self.env or {})
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def command(self, splits: dict, contract_file, store_dtype: str, shard_max_tokens: int) -> list[str]:
-        cmd = [self.python, "-m", __name__, "extract", "--target", self.target_dir, "--contract", str(contract_file)]
-        cmd += ["--aux-layer-ids", ",".join(map(str, self.aux_layer_ids)), "--store-dtype", store_dtype]
-        cmd += ["--batch-tokens", str(self.batch_tokens), "--shard-max-tokens", str(shard_max_tokens)]
-        cmd += ["--plain-batches", str(self.plain_batches)] + (["--dtype", self.dtype] if self.dtype else [])
-        for name, (tokens, out) in splits.items():
-            cmd += ["--split", f"{name}={tokens}:{out}"]
-        return cmd + ["--"] + self.extra_args
-
-    def extract_splits(self, splits: dict, contract: dict, store_dtype: str, shard_max_tokens: int) -> dict:
-        """splits: {name: (tokens file, out dir)} -> {name: result}."""
-        log_dir = Path(self.log_dir or next(iter(splits.values()))[1]).resolve()
-        log_dir.mkdir(parents=True, exist_ok=True)
-        contract_file = log_dir / "sglang-inprocess-contract.json"
-        contract_file.write_text(json.dumps(contract))
-        root = str(Path(__file__).resolve().parents[2])  # so that SGLang's interpreter imports this eagle3lib
-        env = dict(os.environ, **self.env)
-        env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-        log = log_dir / "sglang-inprocess.log"
-        cmd = self.command(splits, contract_file, store_dtype, shard_max_tokens)
-        results = {}
-        with open(log, "w") as f, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=f, text=True, env=env) as proc:
-            for line in proc.stdout:
-                if line.startswith(PREFIX):
-                    msg = json.loads(line[len(PREFIX) :])
-                    if "split" in msg:
-                        results[msg["split"]] = msg["result"]
-                    print(f"sglang_inprocess: {msg}", flush=True)
-                else:
-                    f.write(line)
-            code = proc.wait()
-        if code != 0 or set(results) != set(splits):
-            tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-40:])
-            raise InProcessError(
-                f"the sglang_inprocess extraction exited {code} with splits {sorted(results)} of {sorted(splits)} "
-                f"done (their shards are kept and resume); command: {' '.join(cmd)}\nlast lines of {log}:\n{tail}"
-            )
-        return results
-
-
-# ------------------------------------------------------------------------------ entry points ----
-
-
-def _parse(argv):
-    ap = argparse.ArgumentParser(description="sglang_inprocess extraction (runs in SGLang's interpreter)")
-    ap.add_argument("command", choices=["extract", "compare"])
-    ap.add_argument("--target", required=True)
-    ap.add_argument("--aux-layer-ids", type=lambda s: [int(x) for x in s.split(",")], default=None)
-    ap.add_argument("--contract", help="extract: the target contract (JSON file) the shards carry")
-    ap.add_argument("--split", action="append", default=[], help="extract: NAME=TOKENS_FILE:OUT_DIR")
-    ap.add_argument("--tokens", help="compare: token arrays (data.save_tokens format)")
-    ap.add_argument("--out", default="/tmp/eagle3-inprocess-check", help="compare: output folder")
-    ap.add_argument("--n", type=int, default=10**9, help="compare: at most this many sequences")
-    ap.add_argument("--store-dtype", default="bfloat16")
-    ap.add_argument("--dtype", default=None, help="SGLang's --dtype")
-    ap.add_argument("--batch-tokens", type=int, default=16384)
-    ap.add_argument("--shard-max-tokens", type=int, default=None, help="default: about 1 GiB a shard")
-    ap.add_argument("--plain-batches", type=int, default=4)
-    ap.add_argument("--writers", type=int, default=2, help="shards written at once (threads)")
-    ap.add_argument("--no-reference", action="store_true", help="compare: skip hf (a target too big for one GPU)")
-    if "--" in argv:
-        i = argv.index("--")
-        return ap.parse_args(argv[:i]), argv[i + 1 :]
-    return ap.parse_args(argv), []
-
-
-def _capture(engine, text, aux_ids, a):
-    from eagle3lib.target import torch_dtype
-
-    return InProcessCapture(
-        engine,
-        text["hidden_size"],
-        text["vocab_size"],
-        aux_ids,
-        torch_dtype(a.store_dtype),
-        a.batch_tokens,
-        a.plain_batches,
-    )
-
-
-def _extract_main(a, flags):
-    from eagle3lib.prepare.conversations import load_tokens
-    from eagle3lib.target import torch_dtype
-
-    contract = json.loads(Path(a.contract).read_text())
-    aux_ids = a.aux_layer_ids or contract["aux_layer_ids"]
-    text, _ = target_config_json(a.target)
-    with Engine(a.target, aux_ids, a.dtype, flags) as engine:
-        _say({"engine_start_s": round(engine.start_s, 1), "tp": engine.server_args.tp_size})
-        for spec in a.split:
-            name, rest = spec.split("=", 1)
-            tokens_file, out = rest.rsplit(":", 1)
-            r = shards.extract_with(
-                _capture(engine, text, aux_ids, a),
-                load_tokens(tokens_file),
-                aux_ids,
-                out,
-                contract,
-                batch_tokens=a.batch_tokens,
-                shard_max_tokens=a.shard_max_tokens,
-                store_dtype=torch_dtype(a.store_dtype),
-                progress=False,
-            )
-            _say({"split": name, "result": r})
-    return 0
-
-
-def _compare_main(a, flags):
-    """Extract --tokens in process; against hf on the same tokens unless --no-reference; print a JSON report."""
-    import shutil
-
-    from eagle3lib import target
-    from eagle3lib.extract import compare, hf
-    from eagle3lib.prepare.conversations import load_tokens
-
-    text, arch = target_config_json(a.target)
-    aux_ids = a.aux_layer_ids or target.aux_layer_ids(None, int(text["num_hidden_layers"]))
-    tokens = load_tokens(a.tokens)
-    n = min(a.n, tokens["seq_starts"].numel() - 1)
-    end = int(tokens["seq_starts"][n])
-    tokens = {"input_ids": tokens["input_ids"][:end], "loss_mask": tokens["loss_mask"][:end]} | {
-        "seq_starts": tokens["seq_starts"][: n + 1]
-    }
-    out = Path(a.out)
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    contract = {"target": a.target, "aux_layer_ids": aux_ids, "hidden_size": int(text["hidden_size"])}
-    kw = dict(batch_tokens=a.batch_tokens, shard_max_tokens=a.shard_max_tokens, progress=False)
-    store = target.torch_dtype(a.store_dtype)
-    report = {"target": a.target, "architecture": arch, "aux_layer_ids": aux_ids, "sequences": n, "tokens": end}
-    report["writers"] = a.writers
-    with Engine(a.target, aux_ids, a.dtype, flags) as engine:
-        report["tp"] = engine.server_args.tp_size
-        cap = _capture(engine, text, aux_ids, a)
-        r = shards.extract_with(
-            cap, tokens, aux_ids, str(out / "inprocess"), contract, store_dtype=store, writers=a.writers, **kw
-        )
-    keep = ("tokens_per_s", "seconds", "engine_start_s", "plain_prefill_tokens_per_s", "bytes_per_token", "shards")
-    keep += ("capture_s", "write_wait_s")
-    report["inprocess"] = {k: r.get(k) for k in keep}
-    pp = r.get("plain_prefill_tokens_per_s")
-    report["inprocess"]["capture_over_plain_prefill"] = r["tokens_per_s"] / pp if pp and r.get("tokens_per_s") else None
-    report["ok"] = True
-    if not a.no_reference:
-        model, _ = target.load_target(a.target, Path(out), dtype=a.dtype or "bfloat16", device="cuda")
-        hf.extract(model, tokens, aux_ids, str(out / "hf"), contract, store_dtype=store, **kw)
-        head = model.lm_head.weight.detach()
-        report["agreement"] = compare.compare_shard_sets(str(out / "inprocess"), str(out / "hf"), lm_head=head)
-        report["layer_probe"] = compare.layer_probe(model, str(out / "inprocess"), aux_ids, max_sequences=8)
-        report["ok"] = bool(report["agreement"]["ok"] and report["layer_probe"]["ok"])
-    text_out = json.dumps(report, indent=1, default=str)
-    (out / "compare.json").write_text(text_out + "\n")
-    _say({"report": str(out / "compare.json"), "ok": report["ok"]})
-    print(text_out, flush=True)
-    return 0 if report["ok"] else 1
-
-
-def main(argv=None):
-    a, flags = _parse(list(sys.argv[1:] if argv is None else argv))
-    if a.command == "extract":
-        if not a.contract or not a.split:
-            raise SystemExit("extract needs --contract FILE and at least one --split NAME=TOKENS_FILE:OUT_DIR")
-        return _extract_main(a, flags)
-    if not a.tokens:
-        raise SystemExit("compare needs --tokens FILE (python -m eagle3lib.extract.sglang --save-tokens makes one)")
-    return _compare_main(a, flags)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -21,35 +21,18 @@ def check_tokens_match(contract: dict, prep_dir: Path) -> None:
     )
 
 
-def extract_splits(p, setup: dict, capture, prep_dir: Path, out: Path) -> dict:
-    """extract.splits' tokens (prep_dir/<split>.safetensors) through `capture` into out/<split>/ shards, one
-    after the other with the capture open once (an engine that can stays up for all splits); {split: result}."""
-    results = {}
-    if hasattr(capture, "extract_splits"):  # sglang_inprocess: extract_with runs in SGLang's interpreter
-        files = {s: (Path(prep_dir) / f"{s}.safetensors", Path(out) / s) for s in p.extract.splits}
-        shard_max = p.extract.shard_max_tokens
-        return capture.extract_splits(files, setup["contract"], p.extract.store_dtype, shard_max)
-    with capture:
-        for split in p.extract.splits:
-            results[split] = shards.extract_with(
-                capture,
-                conversations.load_tokens(Path(prep_dir) / f"{split}.safetensors"),
-                setup["aux_ids"],
-                Path(out) / split,
-                setup["contract"],
-                batch_tokens=p.extract.batch_tokens,
-                shard_max_tokens=p.extract.shard_max_tokens,
-                store_dtype=target.torch_dtype(p.extract.store_dtype),
-            )
-    return results
+def extract_splits(p, setup: dict, capture: backends.Backend, prep_dir: Path, out: Path) -> dict:
+    """extract.splits' tokens (prep_dir/<split>.safetensors) through `capture` (make_capture's, which holds what it
+    needs of `setup`) into out/<split>/ shards, one after the other, the target loaded once; {split: result}."""
+    return capture.extract_splits({s: (Path(prep_dir) / f"{s}.safetensors", Path(out) / s) for s in p.extract.splits})
 
 
-def capture_over_plain_prefill(p, setup: dict, capture, prep_dir: Path, results: dict, log_dir=None):
+def capture_over_plain_prefill(p, setup: dict, capture: backends.Backend, prep_dir: Path, results: dict, log_dir=None):
     """(plain prefill tokens/s, extraction / plain prefill) on the train split's first batches: hf, the target's
     plain forward; vllm / sglang, the same engine's plain prefill. Both go into results["train"] too."""
     tokens = conversations.load_tokens(Path(prep_dir) / "train.safetensors")
     train = results.get("train", {})
-    plain = backends.plain_prefill_tokens_per_s(p, setup, capture, tokens, train, log_dir=log_dir)
+    plain = capture.plain_prefill_tokens_per_s(tokens, train, log_dir=log_dir)
     ratio = train.get("tokens_per_s") / plain if plain and train.get("tokens_per_s") else None
     train.update(plain_prefill_tokens_per_s=plain, capture_over_plain_prefill=ratio)
     return plain, ratio
