@@ -6,6 +6,10 @@ Stages are prepare, extract, train, convert, deploy, bench; a stage may import t
 (train reads extract's shards), never one after it. The base (params, run_folder, hardware, the package itself, and
 the drafter/ and target/ folders) imports no stage, engine or workbook module. engines/inside runs in an engine's own
 interpreter: the standard library, torch, safetensors and the engine it serves only, nothing of eagle3lib.
+A module of eagle3lib that engines.interpreter.run_module starts in an engine's interpreter (01_extract's
+sglang_inprocess command; online training's stage in SGLang's interpreter), and every eagle3lib module it imports,
+transitively, import neither the workbook (workbook/, __main__) nor the workbook's notebook and plotting packages
+(WORKBOOK_ONLY): an engine's environment carries torch, transformers, safetensors and the engine, not those.
 No two modules of eagle3lib/ or benchmarks/ import each other, directly or around a circle.
 """
 
@@ -22,6 +26,9 @@ BASE = ("__init__", "params", "run_folder", "hardware", "drafter", "target")
 MAX_TOP_MODULES = 8  # modules directly under eagle3lib/: the rest lives in the folder of its stage or part
 # Known imports against the layers, each with why it is still there; empty when there are none.
 ALLOWED: set[tuple[str, str]] = set()
+# The packages only the workbook's own environment has (the notebooks' runner and kernel, widgets, plots).
+WORKBOOK_ONLY = {"papermill", "nbconvert", "nbformat", "nbclient", "ipykernel", "ipywidgets", "IPython"}
+WORKBOOK_ONLY |= {"jupyter", "jupyterlab", "matplotlib"}
 
 
 def modules(package: Path = PACKAGE) -> dict[str, Path]:
@@ -173,3 +180,93 @@ def test_the_reader_sees_every_kind_of_import(tmp_path):
         "eagle3lib.extract.shards",
     ]
     assert layer("eagle3lib.extract.mod") < layer("eagle3lib.convert.layouts")  # extract may not import convert
+
+
+def string_constants(known: dict[str, Path]) -> dict[str, str]:
+    """{NAME: value} of every module-level `NAME = "eagle3lib..."` of the package (a module named by a constant)."""
+    found = {}
+    for path in known.values():
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if (
+                isinstance(node, ast.Assign)
+                and isinstance(node.value, ast.Constant)
+                and isinstance(node.value.value, str)
+            ):
+                for t in node.targets:
+                    if isinstance(t, ast.Name) and node.value.value.startswith("eagle3lib"):
+                        found[t.id] = node.value.value
+    return found
+
+
+def run_in_engines(known: dict[str, Path] = MODULES) -> dict[str, str]:
+    """{module: where} of every eagle3lib module a run_module call starts: its module argument as a string, a
+    constant that names one, or __name__ (the calling module itself)."""
+    constants, found = string_constants(known), {}
+    for name, path in known.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            func = getattr(node, "func", None)
+            if getattr(func, "id", getattr(func, "attr", None)) != "run_module":
+                continue
+            arg = node.args[1] if len(node.args) > 1 else next(k.value for k in node.keywords if k.arg == "module")
+            if isinstance(arg, ast.Constant):
+                module = arg.value
+            elif isinstance(arg, ast.Name):
+                module = name if arg.id == "__name__" else constants[arg.id]
+            else:
+                raise AssertionError(f"{path}:{node.lineno}: run_module's module is neither a string nor a constant")
+            found[module] = f"{name}:{node.lineno}"
+    return found
+
+
+def imported_from(entry: str, known: dict[str, Path] = MODULES) -> dict[str, str]:
+    """{module: the module that imports it} of `entry` and every module of `known` it imports, transitively
+    (function-level imports included; a module's packages with it: importing a.b.c runs a and a.b)."""
+    seen, todo = {entry: entry}, [entry]
+    while todo:
+        name = todo.pop()
+        for target, _ in imports(name, known[name], known):
+            parts = target.split(".")
+            for i in range(1, len(parts) + 1):
+                module = ".".join(parts[:i])
+                if module in known and module not in seen:
+                    seen[module] = name
+                    todo.append(module)
+    return seen
+
+
+def test_modules_run_in_an_engines_interpreter_import_no_workbook_part():
+    entries = run_in_engines()
+    # 01_extract's sglang_inprocess command (SGLangInProcess) and online training's stage (the sglang_inprocess thread)
+    assert {"eagle3lib.extract.sglang_inprocess_extract", "eagle3lib.train.launch"} <= set(entries), entries
+    wrong = []
+    for entry, where in entries.items():
+        for name, via in imported_from(entry).items():
+            if layer(name)[0] >= 4:
+                wrong.append(f"{entry} (started at {where}) imports {name} ({what(name)}) through {via}")
+            for target, line in imports(name, MODULES[name]):
+                if target.split(".")[0] in WORKBOOK_ONLY:
+                    at = f"{MODULES[name].relative_to(PACKAGE.parent)}:{line}"
+                    wrong.append(f"{at}: {name} imports {target}, and {entry} (started at {where}) imports it")
+    assert not wrong, "modules that run in an engine's interpreter import the workbook's parts:\n" + "\n".join(wrong)
+
+
+def test_the_engine_side_finder_follows_run_module_and_imports(tmp_path):
+    package = tmp_path / "eagle3lib"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "names.py").write_text('ENTRY = "eagle3lib.sub.entry"\n')
+    (package / "launch.py").write_text(
+        "from eagle3lib.names import ENTRY\nfrom eagle3lib.engines.interpreter import run_module\n"
+        "def go(py):\n    run_module(py, ENTRY, [], 'log')\n    run_module(py, __name__, [], 'log')\n"
+    )
+    (package / "sub" / "entry.py").write_text("def f():\n    from eagle3lib.sub import helper\n")
+    (package / "sub" / "helper.py").write_text("import matplotlib\n")
+    known = modules(package)
+    assert set(run_in_engines(known)) == {"eagle3lib.sub.entry", "eagle3lib.launch"}
+    assert imported_from("eagle3lib.sub.entry", known) == {
+        "eagle3lib.sub.entry": "eagle3lib.sub.entry",
+        "eagle3lib": "eagle3lib.sub.entry",
+        "eagle3lib.sub": "eagle3lib.sub.entry",
+        "eagle3lib.sub.helper": "eagle3lib.sub.entry",
+    }
