@@ -24,7 +24,7 @@ EMBEDDED_DATA = "embedded:sharegpt"
 EMBEDDED_TARGET_LAYERS = 30
 
 Dtype = Literal["float32", "bfloat16", "float16"]
-# fp8 shards hold each state as e4m3 with a float32 scale per token and state (extract/shards.py).
+# fp8 shards hold each state as e4m3 with a float32 scale per token and state (extract/shards/dtypes.py).
 StoreDtype = Literal["float32", "bfloat16", "float16", "float8_e4m3fn"]
 # Compute dtypes may be 'auto': load_params resolves it to this machine's fast dtype (eagle3lib/hardware.py).
 ComputeDtype = Literal["auto", "float32", "bfloat16", "float16"]
