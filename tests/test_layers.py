@@ -270,3 +270,54 @@ def test_the_engine_side_finder_follows_run_module_and_imports(tmp_path):
         "eagle3lib.sub": "eagle3lib.sub.entry",
         "eagle3lib.sub.helper": "eagle3lib.sub.entry",
     }
+
+
+def underscore_uses(name: str, path: Path, known: dict[str, Path] = MODULES) -> list[str]:
+    """'line: module._name' for every underscore name of another eagle3lib module this one imports or reads
+    (`from eagle3lib.m import _x`, or `m._x` where m names an eagle3lib module here)."""
+    tree = ast.parse(path.read_text(), str(path))
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    aliases, found = {}, []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update({a.asname: a.name for a in node.names if a.asname and a.name in known})
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                base = ".".join(
+                    package.split(".")[: len(package.split(".")) - node.level + 1] + ([base] if base else [])
+                )
+            for a in node.names:
+                if f"{base}.{a.name}" in known:
+                    aliases[a.asname or a.name] = f"{base}.{a.name}"
+                elif base in known and base != name and a.name.startswith("_") and not a.name.startswith("__"):
+                    found.append(f"{node.lineno}: {base}.{a.name}")
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, ast.Attribute)
+            and isinstance(node.value, ast.Name)
+            and node.value.id in aliases
+            and node.attr.startswith("_")
+            and not node.attr.startswith("__")
+        ):
+            found.append(f"{node.lineno}: {aliases[node.value.id]}.{node.attr}")
+    return found
+
+
+def test_no_module_reads_another_ones_underscore_names():
+    wrong = [
+        f"{path.relative_to(PACKAGE.parent)}:{use}"
+        for name, path in MODULES.items()
+        for use in underscore_uses(name, path)
+    ]
+    assert not wrong, "underscore names are their module's own; make the name public or move it:\n" + "\n".join(wrong)
+
+
+def test_the_underscore_reader_sees_both_forms(tmp_path):
+    package = tmp_path / "pkg"
+    package.mkdir()
+    (package / "a.py").write_text("_x = 1\ndef _f():\n    pass\n")
+    (package / "b.py").write_text("from pkg import a\nfrom pkg.a import _x\n\nprint(a._f, a.__name__, _x)\n")
+    known = modules(package)
+    assert underscore_uses("pkg.b", package / "b.py", known) == ["2: pkg.a._x", "4: pkg.a._f"]
+    assert underscore_uses("pkg.a", package / "a.py", known) == []
