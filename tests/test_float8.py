@@ -9,7 +9,7 @@ import torch
 
 from eagle3lib.drafter import Drafter, DrafterConfig
 from eagle3lib.train.speedups import convert_to_float8
-from eagle3lib.train.trainer import ttt_loss_sums
+from eagle3lib.train.ttt_step import ttt_loss_sums
 
 # `make test` installs torchao into .fp8-site, outside the workbook's environment (pyproject's fp8 extra says why).
 FP8_SITE = Path(__file__).resolve().parent.parent / ".fp8-site"
