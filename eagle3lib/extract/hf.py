@@ -6,12 +6,11 @@ one forward per batch of padded sequences, hooks on the aux layers.
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
 
-from eagle3lib.extract.shards import ShardLayout, as_token_tensors, extract_with, plan_batches, plan_shards
+from eagle3lib.extract.shards import CaptureHere, ShardLayout, as_token_tensors, extract_with, plan_batches, plan_shards
 
 
 def base_model(model):
@@ -146,7 +145,7 @@ def _extract_shard(model, tok, lengths, first, end, aux_layer_ids, batch_tokens,
     return aux_buf, final_buf
 
 
-class HFCapture:
+class HFCapture(CaptureHere):
     """The hf backend as a shards.Capture: one forward of the Hugging Face model per batch, hooks on
     the aux layers (capture_hidden_states)."""
 
@@ -155,15 +154,6 @@ class HFCapture:
     def __init__(self, model, aux_layer_ids, batch_tokens=4096):
         self.model, self.aux_layer_ids, self.batch_tokens = model, [int(i) for i in aux_layer_ids], batch_tokens
         self.vocab_size, self.hidden_size = base_model(model).embed_tokens.weight.shape
-
-    def __enter__(self):  # engines keep one engine running across the calls inside `with capture:`
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def session(self, tok, lengths, plan, out_dir):
-        return contextlib.nullcontext()
 
     def shard(self, tok, lengths, first, end, store_dtype, bar):
         return _extract_shard(
@@ -178,9 +168,6 @@ class HFCapture:
             self.hidden_size,
             bar,
         )
-
-    def stats(self):
-        return {}
 
 
 def extract(

@@ -14,7 +14,6 @@ GPU hosts: SGLang's model runner in a thread of the one trainer process, extract
 
 from __future__ import annotations
 
-import contextlib
 import sys
 import time
 from collections.abc import Iterator
@@ -24,6 +23,7 @@ from typing import Protocol
 
 import torch
 
+from eagle3lib.extract.shards import CaptureHere
 from eagle3lib.train.batches import Sequence, sequence_order
 
 CACHE_DIR = "states/train"  # under 02_train: online_cache_first_epoch's shards
@@ -188,22 +188,13 @@ def _joined_states(held: dict[int, Sequence], first: int, end: int) -> tuple[tor
     return torch.cat([held[s].aux for s in range(first, end)]), torch.cat([held[s].final for s in range(first, end)])
 
 
-class _SourceCapture:
+class _SourceCapture(CaptureHere):
     """A StateSource as extract_with's Capture (shards.Capture), to finish a first-epoch cache."""
 
     name = "online"
 
     def __init__(self, states: StateSource, contract: dict):
         self.states, self.hidden_size, self.vocab_size = states, contract["hidden_size"], contract["vocab_size"]
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
-
-    def session(self, tok, lengths, plan, out_dir):
-        return contextlib.nullcontext()
 
     def shard(self, tok, lengths, first, end, store_dtype, bar):
         from eagle3lib.extract.shards import plan_batches
@@ -215,9 +206,6 @@ class _SourceCapture:
         got = [pair for g in groups for pair in self.states.capture([seqs[s] for s in g])]
         bar.update(sum(len(seq) for seq in seqs.values()))
         return torch.cat([a for a, _ in got]).to(store_dtype), torch.cat([f for _, f in got]).to(store_dtype)
-
-    def stats(self):
-        return {}
 
 
 def capture_contract(p, model_or_info, tokenizer) -> dict:

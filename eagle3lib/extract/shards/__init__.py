@@ -41,7 +41,7 @@ from eagle3lib.extract.shards.manifest import CONTRACT, MANIFEST, load_manifest,
 from eagle3lib.extract.shards.plan import ShardLayout, plan_batches, plan_shards
 from eagle3lib.extract.shards.reader import ShardSet
 from eagle3lib.extract.shards.tokens import as_token_tensors, input_sha256
-from eagle3lib.extract.shards.writer import Capture, ShardWriter, extract_with
+from eagle3lib.extract.shards.writer import Capture, CaptureHere, ShardWriter, extract_with
 
 __all__ = [
     "CONTRACT",
@@ -52,6 +52,7 @@ __all__ = [
     "SCALE_KEYS",
     "SHARD_KEYS",
     "Capture",
+    "CaptureHere",
     "ShardError",
     "ShardLayout",
     "ShardSet",

@@ -16,7 +16,7 @@ import shutil
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Protocol, runtime_checkable
 
 from tqdm.auto import tqdm
@@ -66,6 +66,23 @@ class Capture(Protocol):
     def shard(self, tok: dict, lengths: list[int], first: int, end: int, store_dtype, bar) -> tuple: ...
 
     def stats(self) -> dict: ...
+
+
+class CaptureHere:
+    """What a Capture that runs in this process with nothing to start (no engine, no session) has of the protocol:
+    `with capture:` and session() do nothing, stats() has no figures. Its subclass gives name, sizes and shard()."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+    def session(self, tok, lengths, plan, out_dir):
+        return nullcontext()
+
+    def stats(self) -> dict:
+        return {}
 
 
 class ShardWriter:
