@@ -11,8 +11,10 @@ from __future__ import annotations
 import difflib
 import json
 import re
+import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -438,20 +440,160 @@ class Params(Section):
         return self.model_dump(mode="json")
 
 
-# The sections each stage reads: a stage's hash covers these (a change elsewhere leaves it current), and its result
-# records the auto dtypes among them. A stage not listed reads every section.
-STAGE_SECTIONS = {
-    "00_prepare": ["target", "data"],
-    "01_extract": ["target", "extract"],
-    "02_train": ["target", "train"],
-    "03_convert": ["target", "train", "engine", "bench"],
-    "04_deploy": ["target", "engine", "bench"],
-    "05_benchmark": ["target", "engine", "bench"],
+# ------------------------------------------------------------------------------ what each stage reads ----
+# A stage's hash (workbook/pipeline.py stage_hash) covers the sections it reads, so a change elsewhere leaves it
+# current, and its result records the auto dtypes among them (workbook/stage.py Stage.save). Its process gets the
+# params through stage_view, in which a section it does not read raises: the list is checked by every run, not
+# kept by hand. A section read under a choice of the params only is listed with that choice; the choice itself
+# lies in a section the stage reads then, so the hash covers it too. A stage not listed reads every section.
+#
+# run is readable by every stage and hashed by none but run.seed (which every hash takes): name and output_root
+# say where the run folder is (another folder holds other results), cache_dir where converted targets are kept
+# (the same files wherever it is), hide_code how the reports look (a skipped stage's report is re-rendered).
+BOOKKEEPING = "run"
+
+
+class Read(NamedTuple):
+    """When a stage reads a section: `when` in words (for the errors), `applies` on the run's params."""
+
+    when: str
+    applies: Callable[[Params], bool]
+
+
+ALWAYS = Read("always", lambda p: True)
+
+STAGE_SECTIONS: dict[str, dict[str, Read]] = {
+    "00_prepare": {
+        "target": ALWAYS,
+        "data": ALWAYS,
+        # prepare/steps.py regenerate_plan_text (engine.name) and regenerate_splits (the engine regenerates)
+        "engine": Read(
+            "data.regenerate has a budget_tokens and backend engine",
+            lambda p: p.data.regenerate.budget_tokens > 0 and p.data.regenerate.backend == "engine",
+        ),
+    },
+    "01_extract": {
+        "target": ALWAYS,
+        "extract": ALWAYS,
+        # extract/backends.py engine_settings: the engine's python, extra_args, env, host, port, start_timeout_s
+        "engine": Read(
+            "extract.backend is an engine (vllm, sglang, sglang_inprocess)", lambda p: p.extract.backend != "hf"
+        ),
+        # extract/backends.py make_capture: vLLM's --max-model-len from data.max_seq_len
+        "data": Read("extract.backend is vllm", lambda p: p.extract.backend == "vllm"),
+    },
+    "02_train": {
+        "target": ALWAYS,
+        "train": ALWAYS,
+        # train/online.py load_states, capture_setup (backend, batch_tokens, shard_max_tokens, store_dtype) and
+        # train/sources/__init__.py online_placement (backend)
+        "extract": Read("train.source is online", lambda p: p.train.source == "online"),
+        # train/sources/thread.py InEngineThread.launch and train/online.py load_states: extract/backends.py
+        # engine_settings for SGLang's interpreter and flags
+        "engine": Read(
+            "train.source is online with extract.backend sglang_inprocess",
+            lambda p: p.train.source == "online" and p.extract.backend == "sglang_inprocess",
+        ),
+    },
+    "03_convert": {"target": ALWAYS, "engine": ALWAYS, "bench": ALWAYS},  # bench.depths: the exports' depth
+    "04_deploy": {"target": ALWAYS, "engine": ALWAYS, "bench": ALWAYS},
+    "05_benchmark": {"target": ALWAYS, "engine": ALWAYS, "bench": ALWAYS},
+}
+
+# Sections a stage reads only inside these functions, to print a later stage's plan before it runs (00_prepare
+# prints 01_extract's disk plan and online mode's placement and rate, docs/design.md §8): not in its hash, as its
+# result does not depend on them (the later stage reads and hashes them itself); a skipped 00_prepare's report
+# keeps the plan it printed. Anywhere else in the stage they are unread sections.
+STAGE_PREVIEWS: dict[str, dict[str, tuple[str, ...]]] = {
+    "00_prepare": {
+        "extract": ("eagle3lib.extract.steps.plan_text", "eagle3lib.train.steps.online_plan_text"),
+        "train": ("eagle3lib.train.steps.online_plan_text",),
+    },
 }
 
 
-def stage_sections(stage: str) -> list[str]:
-    return STAGE_SECTIONS.get(stage) or Params.section_names()
+def stage_sections(stage: str, p: Params) -> list[str]:
+    """The sections `stage` reads with these params (not run: see BOOKKEEPING), in STAGE_SECTIONS' order; every
+    section, run included, for a stage not listed."""
+    if stage not in STAGE_SECTIONS:
+        return Params.section_names()
+    return [name for name, read in STAGE_SECTIONS[stage].items() if read.applies(p)]
+
+
+class UnreadSectionError(Exception):
+    """A stage read a params section its hash does not cover (STAGE_SECTIONS). Not an AttributeError, so that
+    hasattr and getattr with a default do not hide the read."""
+
+
+class UnreadSection:
+    """A section in a stage's view of the params (stage_view) that the stage does not read: passing it around is
+    fine, any attribute read or write raises UnreadSectionError; inside a preview function (STAGE_PREVIEWS) reads
+    go to the section."""
+
+    __slots__ = ("_stage", "_name", "_reads", "_section", "_previews")
+
+    def __init__(self, stage: str, name: str, reads: list[str], section: Section, previews: tuple[str, ...] = ()):
+        for slot, value in zip(self.__slots__, (stage, name, reads, section, previews), strict=True):
+            object.__setattr__(self, slot, value)
+
+    def _refuse(self, attr: str, did: str = "read") -> UnreadSectionError:
+        stage, name = self._stage, self._name
+        read = STAGE_SECTIONS[stage].get(name)
+        if read:
+            why, fix = f"reads {name} only when {read.when}, not with these params", "widen its choice in"
+        else:
+            why, fix = f"does not read the {name} section", f"add {name!r}, with the choice under which it is read, to"
+        if self._previews:
+            why += f" (only {' and '.join(self._previews)} may, to print a plan)"
+        return UnreadSectionError(
+            f"{stage} {did} params {name}.{attr}, and {stage} {why}; it reads {', '.join(self._reads)} and run. Its "
+            f"hash does not cover {name}, so a changed {name} would leave a stale {stage} result that a rerun skips. "
+            f"If {stage} needs {name}, {fix} STAGE_SECTIONS[{stage!r}] in eagle3lib/params.py; else take the value "
+            "from an earlier stage's result"
+        )
+
+    def __getattr__(self, attr: str):
+        if attr.startswith("__"):  # copy, pickle and the like probe for protocol methods: not a read
+            raise AttributeError(attr)
+        if self._previews and _called_from(self._previews):
+            return getattr(self._section, attr)
+        raise self._refuse(attr)
+
+    def __setattr__(self, attr: str, value) -> None:
+        raise self._refuse(attr, "set")
+
+    def __reduce__(self):  # copies and pickles are made through __init__, as __setattr__ refuses
+        return UnreadSection, (self._stage, self._name, self._reads, self._section, self._previews)
+
+    def __repr__(self) -> str:
+        return f"<params.{self._name}: not read by {self._stage}>"
+
+
+def _called_from(functions: tuple[str, ...]) -> bool:
+    """Whether one of these functions ('module.qualname') is on the caller's stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if f"{frame.f_globals.get('__name__')}.{frame.f_code.co_qualname}" in functions:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def stage_view(p: Params, stage: str) -> Params:
+    """The params as `stage`'s processes see them: the sections it reads with these params (stage_sections), run,
+    and the bookkeeping (file, overrides, dtype_choices) as they are; every other section an UnreadSection. A stage
+    not in STAGE_SECTIONS reads every section and gets p. The stage notebook's (workbook/stage.py open_stage), and
+    each process it starts that loads the params again: `stage_view(load_params(file, overrides), "02_train")`."""
+    if stage not in STAGE_SECTIONS:
+        return p
+    reads = stage_sections(stage, p)
+    previews = STAGE_PREVIEWS.get(stage, {})
+    unread = {
+        name: UnreadSection(stage, name, reads, getattr(p, name), previews.get(name, ()))
+        for name in Params.section_names()
+        if name != BOOKKEEPING and name not in reads
+    }
+    return p.model_copy(update=unread)  # model_copy does not validate: the UnreadSections stay
 
 
 class ParamsError(ValueError):

@@ -1,12 +1,25 @@
 """Params: every shipped file validates; mistakes are errors that say what to fix."""
 
+import copy
+import pickle
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from eagle3lib.params import EMBEDDED_TARGET_LAYERS, ParamsError, load_params, parse_override
+from eagle3lib.params import (
+    EMBEDDED_TARGET_LAYERS,
+    Params,
+    ParamsError,
+    UnreadSectionError,
+    cache_dir,
+    load_params,
+    parse_override,
+    run_dir,
+    stage_sections,
+    stage_view,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 SHIPPED = sorted((ROOT / "params").glob("*.yaml"))
@@ -117,3 +130,109 @@ def test_a_tiny_targets_folder_resolves_against_the_params_file(tmp_path):
     assert p.target.name == f"tiny:{tmp_path / 'models' / 'kimi'}"
     hub = load_params(write(tmp_path, "run: {name: x}\ntarget: {name: 'tiny:moonshotai/Kimi-K2.5'}\n"))
     assert hub.target.name == "tiny:moonshotai/Kimi-K2.5"  # a hub id stays one
+
+
+# ---- what each stage reads: stage_sections per choice, and the view that holds a stage to them ----------------
+
+SECTION_CHOICES = [
+    # (overrides, stage, the sections it reads)
+    ({}, "00_prepare", ["target", "data"]),
+    ({"data.regenerate.budget_tokens": 64}, "00_prepare", ["target", "data"]),  # hf: this process generates
+    (
+        {"data.regenerate.budget_tokens": 64, "data.regenerate.backend": "engine"},
+        "00_prepare",
+        ["target", "data", "engine"],
+    ),
+    ({"data.regenerate.backend": "engine"}, "00_prepare", ["target", "data"]),  # no budget: nothing is regenerated
+    ({}, "01_extract", ["target", "extract"]),
+    ({"extract.backend": "vllm"}, "01_extract", ["target", "extract", "engine", "data"]),
+    ({"extract.backend": "sglang"}, "01_extract", ["target", "extract", "engine"]),
+    ({"extract.backend": "sglang_inprocess"}, "01_extract", ["target", "extract", "engine"]),
+    ({}, "02_train", ["target", "train"]),
+    ({"extract.backend": "sglang_inprocess"}, "02_train", ["target", "train"]),  # from shards: no capture
+    ({"train.source": "online"}, "02_train", ["target", "train", "extract"]),
+    ({"train.source": "online", "train.online_placement": "process"}, "02_train", ["target", "train", "extract"]),
+    (
+        {"train.source": "online", "extract.backend": "sglang_inprocess"},
+        "02_train",
+        ["target", "train", "extract", "engine"],
+    ),
+    ({}, "03_convert", ["target", "engine", "bench"]),
+    ({}, "04_deploy", ["target", "engine", "bench"]),
+    ({}, "05_benchmark", ["target", "engine", "bench"]),
+]
+
+
+@pytest.mark.parametrize(("overrides", "stage", "sections"), SECTION_CHOICES)
+def test_stage_sections_follow_the_params_choices(tmp_path, overrides, stage, sections):
+    p = load_params(write(tmp_path, "run: {name: x}\n"), overrides)
+    assert stage_sections(stage, p) == sections
+    # the choices lie in sections the stage then reads, so Stage.save finds the same through the view
+    assert stage_sections(stage, stage_view(p, stage)) == sections
+
+
+def test_a_stage_not_listed_reads_every_section(tmp_path):
+    p = load_params(write(tmp_path, "run: {name: x}\n"))
+    assert stage_sections("06_extra", p) == Params.section_names()
+    assert stage_view(p, "06_extra") is p
+
+
+def test_the_view_refuses_a_section_the_stage_does_not_read(tmp_path):
+    p = load_params(write(tmp_path, "run: {name: x}\n"))
+    view = stage_view(p, "02_train")
+    with pytest.raises(UnreadSectionError) as e:
+        _ = view.bench.depths
+    msg = str(e.value)
+    assert "02_train read params bench.depths" in msg and "does not read the bench section" in msg
+    assert "it reads target, train and run" in msg and "STAGE_SECTIONS['02_train'] in eagle3lib/params.py" in msg
+    # a section read only under another choice says which
+    with pytest.raises(UnreadSectionError, match=r"reads extract only when train.source is online, not with these"):
+        _ = view.extract.backend
+    with pytest.raises(UnreadSectionError, match="02_train set params engine.name"):
+        view.engine.name = "sglang"
+    # not an AttributeError: probing is reading, and no default hides it
+    with pytest.raises(UnreadSectionError):
+        hasattr(view.data, "max_seq_len")
+    with pytest.raises(UnreadSectionError):
+        getattr(view.data, "max_seq_len", 2048)
+    assert p.bench.depths == [16, 10, 5] and p.engine.name == "vllm"  # the full params are untouched
+
+
+def test_the_view_reads_the_stages_sections_and_the_bookkeeping(tmp_path):
+    f = write(tmp_path, "run: {name: x, seed: 3, cache_dir: cache}\ntrain: {lr: 2.0e-3, dtype: auto}\n")
+    p = load_params(f, {"train.max_tokens": 500})
+    view = stage_view(p, "02_train")
+    assert (view.train.lr, view.train.max_tokens, view.target.name) == (2e-3, 500, p.target.name)
+    assert (view.run.seed, view.run.name) == (3, "x")
+    assert cache_dir(view) == tmp_path / "cache" and run_dir(view) == run_dir(p)
+    assert view.file == str(f) and "train.dtype" in view.dtype_choices
+    bookkeeping = [name for name, field in Params.model_fields.items() if field.exclude]  # file, overrides, ...
+    assert all(getattr(view, name) == getattr(p, name) for name in bookkeeping)
+    # an unread section may be passed around, shown, copied and pickled: only reading it raises
+    bench = view.bench
+    assert "not read by 02_train" in repr(bench) and "not read by 02_train" in repr(view)
+    for copied in (copy.deepcopy(view), pickle.loads(pickle.dumps(view))):
+        assert copied.train.lr == 2e-3
+        with pytest.raises(UnreadSectionError, match="02_train read params bench.depths"):
+            _ = copied.bench.depths
+
+
+def test_00_prepare_reads_later_stages_sections_only_to_print_their_plans(tmp_path):
+    """00_prepare prints 01_extract's disk plan and online mode's plan: extract and train are readable there, in
+    the plan functions only, and are not in its hash."""
+    from eagle3lib.extract import steps as extract_steps
+    from eagle3lib.train import steps as train_steps
+
+    p = load_params(write(tmp_path, "run: {name: x, output_root: out}\n"), {"extract.store_dtype": "float16"})
+    view = stage_view(p, "00_prepare")
+    contract = {"hidden_size": 8, "aux_layer_ids": [1, 2, 3], "target_fingerprint": "f"}
+    assert "01_extract plan (hf): 10 tokens" in extract_steps.plan_text(view, contract, 10, free_bytes=10**9)
+    assert "in float16" in extract_steps.plan_text(view, contract, 10, free_bytes=10**9)
+    assert "02_train online plan (with train.source: online, placement thread)" in train_steps.online_plan_text(
+        view, contract
+    )
+    with pytest.raises(UnreadSectionError, match=r"00_prepare read params extract.store_dtype.*to print a plan"):
+        _ = view.extract.store_dtype
+    with pytest.raises(UnreadSectionError, match="00_prepare read params train.lr"):
+        _ = view.train.lr
+    assert stage_sections("00_prepare", p) == ["target", "data"]

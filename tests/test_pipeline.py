@@ -9,6 +9,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
+from eagle3lib import params as P
 from eagle3lib import run_folder
 from eagle3lib.workbook import open_stage, pipeline
 
@@ -196,3 +197,55 @@ def test_open_stage_reads_params_and_earlier_results_and_saves(tmp_path, capsys)
         stage.result("00_first")
     elsewhere = open_stage("01_second", params_file, tmp_path / "other")
     assert elsewhere.out == tmp_path / "other" / "01_second" and elsewhere.out.is_dir() and elsewhere.seconds >= 0
+
+
+@pytest.mark.parametrize(
+    ("stage", "change", "reruns"),
+    [
+        ("02_train", {"bench.prompts": ["mt_bench"]}, False),  # a bench change never retrains
+        ("02_train", {"bench.depths": [3]}, False),
+        ("02_train", {"engine.extra_args": ["--x"]}, False),
+        ("02_train", {"extract.batch_tokens": 1024}, False),  # from shards: 01_extract's hash carries it
+        ("02_train", {"train.lr": 2e-3}, True),
+        ("02_train", {"run.seed": 1}, True),
+        ("02_train", {"run.hide_code": True}, False),
+        ("01_extract", {"engine.extra_args": ["--x"]}, False),  # hf: no engine
+        ("01_extract", {"data.max_seq_len": 512}, False),  # 00_prepare's hash carries it
+        ("00_prepare", {"engine.name": "sglang"}, False),  # no regeneration through the engine
+        ("05_benchmark", {"bench.prompts": ["mt_bench"]}, True),
+        ("05_benchmark", {"train.lr": 2e-3}, False),  # 02_train's hash carries it
+    ],
+)
+def test_a_stage_hash_follows_the_sections_it_reads(tmp_path, stage, change, reruns):
+    params_file = tmp_path / "t.yaml"
+    params_file.write_text("run: {name: t}\n")
+    before = pipeline.stage_hash(P.load_params(params_file), stage, tmp_path, [])
+    assert (pipeline.stage_hash(P.load_params(params_file, change), stage, tmp_path, []) != before) == reruns
+
+
+@pytest.mark.parametrize(
+    ("choice", "change"),
+    [
+        ({"train.source": "online"}, {"extract.batch_tokens": 1024}),
+        ({"train.source": "online", "extract.backend": "sglang_inprocess"}, {"engine.extra_args": ["--tp", "2"]}),
+    ],
+)
+def test_02_train_online_hashes_the_capture_it_runs(tmp_path, choice, change):
+    params_file = tmp_path / "t.yaml"
+    params_file.write_text("run: {name: t}\n")
+    before = pipeline.stage_hash(P.load_params(params_file, choice), "02_train", tmp_path, [])
+    assert pipeline.stage_hash(P.load_params(params_file, choice | change), "02_train", tmp_path, []) != before
+    # the same change from shards reads nothing of it
+    shards = pipeline.stage_hash(P.load_params(params_file), "02_train", tmp_path, [])
+    assert pipeline.stage_hash(P.load_params(params_file, change), "02_train", tmp_path, []) == shards
+
+
+def test_open_stage_gives_the_stage_its_view_of_the_params(tmp_path):
+    params_file = tmp_path / "params" / "t.yaml"
+    params_file.parent.mkdir()
+    params_file.write_text("run: {name: t, output_root: ../outputs}\n")
+    stage = open_stage("02_train", params_file, overrides={"train.lr": 2e-3})
+    assert stage.p.train.lr == 2e-3 and stage.cache_dir == P.cache_dir(stage.p) and stage.p.file == str(params_file)
+    with pytest.raises(P.UnreadSectionError, match=r"02_train read params bench.depths.*STAGE_SECTIONS\['02_train'\]"):
+        _ = stage.p.bench.depths
+    assert stage.save({"n": 1})["figures"]["n"] == 1

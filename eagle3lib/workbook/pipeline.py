@@ -71,7 +71,9 @@ def _sha256_file(path: Path) -> str:
 
 
 def stage_hash(p: Params, stage: str, run_dir: Path, earlier: list[str], notebooks_dir: Path = NOTEBOOKS_DIR) -> str:
-    sections = stage_sections(stage)
+    """What the stage's result depends on: the params sections it reads with these params (stage_sections; the
+    stage's process is held to them by params.stage_view), run.seed, its notebook, the earlier stages' hashes."""
+    sections = stage_sections(stage, p)
     params = p.section_dict(*sections) | {"seed": p.run.seed}
     if "run" in params:  # how the report shows code changes no result (a skipped stage is re-rendered)
         params["run"] = {k: v for k, v in params["run"].items() if k != "hide_code"}

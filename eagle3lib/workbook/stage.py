@@ -1,7 +1,8 @@
 """What every stage notebook opens with: `stage = open_stage("05_benchmark", params_file, run_dir, overrides)`.
 
-The arguments are the notebook's papermill parameters cell; the Stage it returns holds the run's params, the run
-folder and this stage's folder, and reads earlier stages' results and saves this one's (eagle3lib.run_folder).
+The arguments are the notebook's papermill parameters cell; the Stage it returns holds the run's params as this
+stage sees them (params.stage_view: a section the stage's hash does not cover raises when read), the run folder and
+this stage's folder, and reads earlier stages' results and saves this one's (eagle3lib.run_folder).
 Importing this module imports eagle3lib first, which sets OMP_WAIT_POLICY before anything imports torch.
 """
 
@@ -17,7 +18,7 @@ from eagle3lib import params, run_folder
 @dataclass
 class Stage:
     name: str  # "05_benchmark"
-    p: params.Params
+    p: params.Params  # the stage's view of the run's params (params.stage_view)
     run_dir: Path
     out: Path  # this stage's folder in the run folder
     overrides: dict = field(default_factory=dict)
@@ -50,7 +51,7 @@ class Stage:
     def save(self, figures: dict, headline: dict | None = None, artifacts: list[str] | None = None) -> dict:
         """This stage's result.json (run_folder.save_result): what it measured, its headline, what it made.
         Dtypes the params gave as auto, in the sections this stage reads, are recorded with the reason for the pick."""
-        sections = params.stage_sections(self.name)
+        sections = params.stage_sections(self.name, self.p)  # its choices lie in sections it reads: the view has them
         choices = {k: c for k, c in self.p.dtype_choices.items() if k.split(".")[0] in sections}
         if choices:
             figures = {**figures, "dtype_auto": choices}
@@ -60,13 +61,16 @@ class Stage:
 
 
 def open_stage(name: str, params_file: str | Path, run_dir: str | Path | None = None, overrides: dict | None = None):
-    """The run's params (params_file with overrides), its run folder (default: outputs/<run.name>) and this
-    stage's folder in it, made if missing."""
+    """The run's params (params_file with overrides) as this stage sees them (params.stage_view: a section outside
+    its hash raises when read), its run folder (default: outputs/<run.name>) and this stage's folder in it, made if
+    missing."""
     overrides = overrides or {}
     p = params.load_params(params_file, overrides)
     run_dir = Path(run_dir) if run_dir else params.run_dir(p)
-    stage = Stage(name, p, run_dir, run_folder.stage_dir(run_dir, name), overrides)
+    stage = Stage(name, params.stage_view(p, name), run_dir, run_folder.stage_dir(run_dir, name), overrides)
     print("stage folder:", stage.out)
+    sections = params.stage_sections(name, p)
     for key, choice in p.dtype_choices.items():
-        print(f"{key}: auto -> {choice['picked']}: {choice['why']}")
+        if key.split(".")[0] in sections:
+            print(f"{key}: auto -> {choice['picked']}: {choice['why']}")
     return stage
