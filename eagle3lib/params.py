@@ -11,7 +11,6 @@ from __future__ import annotations
 import difflib
 import json
 import re
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -500,17 +499,6 @@ STAGE_SECTIONS: dict[str, dict[str, Read]] = {
     "05_benchmark": {"target": ALWAYS, "engine": ALWAYS, "bench": ALWAYS},
 }
 
-# Sections a stage reads only inside these functions, to print a later stage's plan before it runs (00_prepare
-# prints 01_extract's disk plan and online mode's placement and rate, docs/design.md §8): not in its hash, as its
-# result does not depend on them (the later stage reads and hashes them itself); a skipped 00_prepare's report
-# keeps the plan it printed. Anywhere else in the stage they are unread sections.
-STAGE_PREVIEWS: dict[str, dict[str, tuple[str, ...]]] = {
-    "00_prepare": {
-        "extract": ("eagle3lib.extract.steps.plan_text", "eagle3lib.train.steps.online_plan_text"),
-        "train": ("eagle3lib.train.steps.online_plan_text",),
-    },
-}
-
 
 def stage_sections(stage: str, p: Params) -> list[str]:
     """The sections `stage` reads with these params (not run: see BOOKKEEPING), in STAGE_SECTIONS' order; every
@@ -527,13 +515,12 @@ class UnreadSectionError(Exception):
 
 class UnreadSection:
     """A section in a stage's view of the params (stage_view) that the stage does not read: passing it around is
-    fine, any attribute read or write raises UnreadSectionError; inside a preview function (STAGE_PREVIEWS) reads
-    go to the section."""
+    fine, any attribute read or write raises UnreadSectionError."""
 
-    __slots__ = ("_stage", "_name", "_reads", "_section", "_previews")
+    __slots__ = ("_stage", "_name", "_reads", "_section")
 
-    def __init__(self, stage: str, name: str, reads: list[str], section: Section, previews: tuple[str, ...] = ()):
-        for slot, value in zip(self.__slots__, (stage, name, reads, section, previews), strict=True):
+    def __init__(self, stage: str, name: str, reads: list[str], section: Section):
+        for slot, value in zip(self.__slots__, (stage, name, reads, section), strict=True):
             object.__setattr__(self, slot, value)
 
     def _refuse(self, attr: str, did: str = "read") -> UnreadSectionError:
@@ -543,8 +530,6 @@ class UnreadSection:
             why, fix = f"reads {name} only when {read.when}, not with these params", "widen its choice in"
         else:
             why, fix = f"does not read the {name} section", f"add {name!r}, with the choice under which it is read, to"
-        if self._previews:
-            why += f" (only {' and '.join(self._previews)} may, to print a plan)"
         return UnreadSectionError(
             f"{stage} {did} params {name}.{attr}, and {stage} {why}; it reads {', '.join(self._reads)} and run. Its "
             f"hash does not cover {name}, so a changed {name} would leave a stale {stage} result that a rerun skips. "
@@ -555,28 +540,16 @@ class UnreadSection:
     def __getattr__(self, attr: str):
         if attr.startswith("__"):  # copy, pickle and the like probe for protocol methods: not a read
             raise AttributeError(attr)
-        if self._previews and _called_from(self._previews):
-            return getattr(self._section, attr)
         raise self._refuse(attr)
 
     def __setattr__(self, attr: str, value) -> None:
         raise self._refuse(attr, "set")
 
     def __reduce__(self):  # copies and pickles are made through __init__, as __setattr__ refuses
-        return UnreadSection, (self._stage, self._name, self._reads, self._section, self._previews)
+        return UnreadSection, (self._stage, self._name, self._reads, self._section)
 
     def __repr__(self) -> str:
         return f"<params.{self._name}: not read by {self._stage}>"
-
-
-def _called_from(functions: tuple[str, ...]) -> bool:
-    """Whether one of these functions ('module.qualname') is on the caller's stack."""
-    frame = sys._getframe(1)
-    while frame is not None:
-        if f"{frame.f_globals.get('__name__')}.{frame.f_code.co_qualname}" in functions:
-            return True
-        frame = frame.f_back
-    return False
 
 
 def stage_view(p: Params, stage: str) -> Params:
@@ -587,9 +560,8 @@ def stage_view(p: Params, stage: str) -> Params:
     if stage not in STAGE_SECTIONS:
         return p
     reads = stage_sections(stage, p)
-    previews = STAGE_PREVIEWS.get(stage, {})
     unread = {
-        name: UnreadSection(stage, name, reads, getattr(p, name), previews.get(name, ()))
+        name: UnreadSection(stage, name, reads, getattr(p, name))
         for name in Params.section_names()
         if name != BOOKKEEPING and name not in reads
     }

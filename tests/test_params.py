@@ -217,22 +217,22 @@ def test_the_view_reads_the_stages_sections_and_the_bookkeeping(tmp_path):
             _ = copied.bench.depths
 
 
-def test_00_prepare_reads_later_stages_sections_only_to_print_their_plans(tmp_path):
-    """00_prepare prints 01_extract's disk plan and online mode's plan: extract and train are readable there, in
-    the plan functions only, and are not in its hash."""
+def test_00_prepare_prints_later_stages_plans_from_the_whole_params_and_hashes_only_its_own(tmp_path):
+    """00_prepare prints 01_extract's disk plan and online mode's plan from stage.whole (every section, for text about
+    later stages); its own view refuses extract and train, which are not in its hash."""
     from eagle3lib.extract import steps as extract_steps
     from eagle3lib.train import steps as train_steps
+    from eagle3lib.workbook.stage import open_stage
 
-    p = load_params(write(tmp_path, "run: {name: x, output_root: out}\n"), {"extract.store_dtype": "float16"})
-    view = stage_view(p, "00_prepare")
+    params = write(tmp_path, "run: {name: x, output_root: out}\n")
+    stage = open_stage("00_prepare", params, tmp_path / "run", {"extract.store_dtype": "float16"})
     contract = {"hidden_size": 8, "aux_layer_ids": [1, 2, 3], "target_fingerprint": "f"}
-    assert "01_extract plan (hf): 10 tokens" in extract_steps.plan_text(view, contract, 10, free_bytes=10**9)
-    assert "in float16" in extract_steps.plan_text(view, contract, 10, free_bytes=10**9)
+    assert "in float16" in extract_steps.plan_text(stage.whole, contract, 10, free_bytes=10**9)
     assert "02_train online plan (with train.source: online, placement thread)" in train_steps.online_plan_text(
-        view, contract
+        stage.whole, contract
     )
-    with pytest.raises(UnreadSectionError, match=r"00_prepare read params extract.store_dtype.*to print a plan"):
-        _ = view.extract.store_dtype
+    with pytest.raises(UnreadSectionError, match="00_prepare read params extract.store_dtype"):
+        extract_steps.plan_text(stage.p, contract, 10, free_bytes=10**9)
     with pytest.raises(UnreadSectionError, match="00_prepare read params train.lr"):
-        _ = view.train.lr
-    assert stage_sections("00_prepare", p) == ["target", "data"]
+        _ = stage.p.train.lr
+    assert stage_sections("00_prepare", stage.whole) == ["target", "data"]

@@ -23,6 +23,9 @@ class Stage:
     out: Path  # this stage's folder in the run folder
     overrides: dict = field(default_factory=dict)
     started: float = field(default_factory=time.time)
+    # every section, for text about later stages only (00_prepare prints 01_extract's and online mode's plans): its
+    # hash does not cover what this stage does not read, so nothing the stage makes may come from it
+    whole: params.Params | None = None
 
     @property
     def seconds(self) -> float:
@@ -67,7 +70,7 @@ def open_stage(name: str, params_file: str | Path, run_dir: str | Path | None = 
     overrides = overrides or {}
     p = params.load_params(params_file, overrides)
     run_dir = Path(run_dir) if run_dir else params.run_dir(p)
-    stage = Stage(name, params.stage_view(p, name), run_dir, run_folder.stage_dir(run_dir, name), overrides)
+    stage = Stage(name, params.stage_view(p, name), run_dir, run_folder.stage_dir(run_dir, name), overrides, whole=p)
     print("stage folder:", stage.out)
     sections = params.stage_sections(name, p)
     for key, choice in p.dtype_choices.items():
