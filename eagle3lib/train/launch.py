@@ -70,7 +70,8 @@ def run_stage(p, run_dir, handed=None) -> dict:
 
 
 if __name__ == "__main__":
-    from eagle3lib.params import load_params
+    from eagle3lib.params import load_params, stage_view
 
+    # a process of this stage sees 02_train's view of the params: a section its hash does not cover raises
     overrides = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
-    run_stage(load_params(sys.argv[1], overrides), sys.argv[2])
+    run_stage(stage_view(load_params(sys.argv[1], overrides), "02_train"), sys.argv[2])

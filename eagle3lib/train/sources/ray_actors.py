@@ -92,9 +92,9 @@ class CaptureActor:
     (made once, handed to every trainer, dropped when all took it)."""
 
     def __init__(self, params_file: str, run_dir: str, overrides: dict, trainers: int):
-        from eagle3lib.params import load_params
+        from eagle3lib.params import load_params, stage_view
 
-        self.p = load_params(params_file, overrides)
+        self.p = stage_view(load_params(params_file, overrides), "02_train")
         self.run_dir, self.trainers = Path(run_dir), trainers
         self.train = self.val = None
         self.val_ref = self.stream = self.start = self.failed = None
@@ -171,10 +171,10 @@ class TrainerActor:
             return ray.util.get_node_ip_address(), s.getsockname()[1]
 
     def train(self, run_stage, params_file: str, run_dir: str, overrides: dict, capture, env: dict) -> dict:
-        from eagle3lib.params import load_params
+        from eagle3lib.params import load_params, stage_view
 
         os.environ.update(env)
-        return run_stage(load_params(params_file, overrides), run_dir, handed=capture)
+        return run_stage(stage_view(load_params(params_file, overrides), "02_train"), run_dir, handed=capture)
 
 
 class RayCaptureClient:
