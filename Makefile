@@ -1,5 +1,6 @@
 # make run   : set up .venv (once) and run the whole pipeline on the embedded default
-# make test  : set up .venv (once), lint, and run the test suite
+# make test  : set up .venv (once), lint, and run the test suite (tests/unit and tests/e2e)
+# make test-fast: lint and the unit tests (tests/unit), a developer's loop of a few minutes
 # make lab   : set up .venv (once) and open JupyterLab on notebooks/ with .venv as the kernel
 PYTHON ?= python3.11
 VENV := .venv
@@ -9,7 +10,7 @@ export OMP_WAIT_POLICY := PASSIVE
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run test lint lab browser fp8-site ray-site clean-venv
+.PHONY: setup run test test-fast lint lab browser fp8-site ray-site clean-venv
 
 setup: $(VENV)/.installed
 
@@ -31,18 +32,23 @@ run: setup vllm-env sglang-env
 test: lint vllm-env sglang-env speculators-env browser fp8-site ray-site
 	$(BIN)/python -m pytest -q -ra --durations=15 tests
 
+# The module tests alone (no stage runs, engines, browsers or the real target's conversion); tests that read an
+# engine's environment skip without it, as in make test outside CI.
+test-fast: lint fp8-site
+	$(BIN)/python -m pytest -q -ra --durations=10 tests/unit
+
 # ruff's lint and format check over the library, tests, benchmarks and notebooks (config in pyproject.toml).
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-# torchao for tests/test_float8.py (FP8 training emulated on the CPU), outside .venv: see pyproject's fp8 extra.
+# torchao for tests/unit/test_float8.py (FP8 training emulated on the CPU), outside .venv: see pyproject's fp8 extra.
 fp8-site: .fp8-site/.installed
 .fp8-site/.installed:
 	$(BIN)/pip install -q --no-deps --target .fp8-site 'torchao>=0.16'
 	touch $@
 
-# Ray for tests/test_online_ray.py (train.online_placement: ray on a local cluster), outside .venv: its other
+# Ray for tests/e2e/test_online_ray.py (train.online_placement: ray on a local cluster), outside .venv: its other
 # dependencies are .venv's already.
 ray-site: .ray-site/.installed
 .ray-site/.installed:
@@ -55,7 +61,7 @@ lab: setup
 	$(BIN)/python -m ipykernel install --sys-prefix --name python3 --display-name "Python 3 (eagle3-workbook)"
 	$(BIN)/jupyter lab --notebook-dir=notebooks --ServerApp.ip=127.0.0.1 $(if $(SUDO),,--allow-root) $(LAB_ARGS)
 
-# Headless Chromium and its driver for tests/test_browser.py (Debian packages; root or sudo).
+# Headless Chromium and its driver for tests/e2e/test_browser.py (Debian packages; root or sudo).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 browser:
 	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then echo "chromium: $$(chromium --version 2>/dev/null)"; \
@@ -67,7 +73,7 @@ clean-venv:
 # ---- engine environments for the 03_convert load-back gate (eagle3lib/engines/inside/load_check.py) ----
 # make vllm-env   : .venv-vllm with vLLM's CPU build (pins transformers<5.20, so not in .venv)
 # make sglang-env : .venv-sglang with sglang --no-deps + light deps (ServerArgs resolution only)
-# make engine-check: both gates' tests (tests/test_export.py), using these environments
+# make engine-check: both gates' tests (tests/e2e/test_export.py), using these environments
 VLLM_VENV := .venv-vllm
 SGLANG_VENV := .venv-sglang
 
@@ -99,10 +105,10 @@ $(SGLANG_VENV)/.installed:
 	touch $@
 
 engine-check: setup vllm-env sglang-env
-	$(BIN)/python -m pytest -q -ra tests/test_export.py
+	$(BIN)/python -m pytest -q -ra tests/e2e/test_export.py
 
 # make speculators-env: .venv-speculators with speculators 0.9.0, which writes the speculators checkpoint that
-# tests/test_convert_foreign.py converts (it pins transformers <= 5.19, older than .venv's; CPU torch from disk).
+# tests/e2e/test_convert_foreign.py converts (it pins transformers <= 5.19, older than .venv's; CPU torch from disk).
 SPECULATORS_VENV := .venv-speculators
 
 .PHONY: speculators-env

@@ -1,6 +1,6 @@
 """The released drafter's folder (drafters/<name>/) from what benchmarks/h200/release.sh brought back: the canonical
 checkpoint stored in bf16, the ids of the conversations it saw, and provenance.json (params, commit, data hashes,
-tokens trained, GPU time, offline and served acceptance, each file's sha256), which tests/test_released_drafter.py
+tokens trained, GPU time, offline and served acceptance, each file's sha256), which tests/e2e/test_released_drafter.py
 checks the shipped files against.
 
     python benchmarks/release_drafter.py UNPACKED --sharegpt benchmarks/h200/.cache/.gpu/data/sharegpt-7000.json.xz \

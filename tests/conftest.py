@@ -48,6 +48,31 @@ def embedded_target(embedded_cache):
     return load_target(EMBEDDED_TARGET, embedded_cache[0])
 
 
+@pytest.fixture(scope="module")
+def small_target(embedded_cache):
+    """(model, tokenizer): a small random Llama (6 layers, hidden 64, vocab 256) whose sharp next-token distribution
+    gives a drafter something to learn, with the embedded target's tokenizer (its chat template enters contracts)."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    # a sharp next-token distribution, as trained models have, gives the drafter something to learn
+    with torch.no_grad():
+        model.lm_head.weight.mul_(40)
+    tokenizer = AutoTokenizer.from_pretrained(embedded_cache[1])  # only its chat template enters the contract
+    return model, tokenizer
+
+
 def need_engine(engine: str) -> str:
     """The engine's interpreter (.venv-vllm, .venv-sglang). Missing: a skip that says how to build it, or, under
     CI (CI set, as .ci/run sets it), a failure: CI builds both, so a missing one is a broken set-up."""

@@ -1,4 +1,4 @@
-"""A drafter written by the speculators package itself (tests/test_convert_foreign.py runs this in .venv-speculators,
+"""A drafter written by the speculators package itself (tests/e2e/test_convert_foreign.py runs this in .venv-speculators,
 `make speculators-env`: speculators 0.9.0 pins transformers <= 5.19, older than .venv's).
 
     python speculators_save.py TARGET_DIR OUT_DIR '[aux ids]' DRAFT_VOCAB

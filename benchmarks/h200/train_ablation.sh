@@ -26,7 +26,7 @@ SAME="--seqs 8192 --freeze-lm-head --compile-layer --checkpoint off"  # speculat
 if [ "$PART" = 1 ] || [ "$PART" = all ]; then
   # The GPU-only tests first (the loss kernel on CUDA, flex gradients, cuDNN's and flash varlen's merged attention
   # against the dense path): a failure there explains what follows.
-  python3 -m pytest -q -p no:cacheprovider tests/test_loss.py tests/test_drafter.py \
+  python3 -m pytest -q -p no:cacheprovider tests/unit/test_loss.py tests/unit/test_drafter.py \
     -k "flex or loss or chunked or scores or cuda or merged or varlen or gpus" > "$OUT/pytest_gpu.log" 2>&1
   tail -n 3 "$OUT/pytest_gpu.log"
   bench --impl speculators --seqs 8192

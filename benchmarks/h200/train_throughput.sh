@@ -25,5 +25,5 @@ tail -n 3 "$OUT"/ours.err "$OUT"/speculators.err
 # Data parallel over both GPUs at 8192 (the trainer's gradient all-reduce), for the scaling efficiency.
 torchrun --nproc_per_node 2 benchmarks/train_throughput.py --impl ours --seqs 8192 > "$OUT/ddp2.jsonl" 2> "$OUT/ddp2.err"
 tail -n 3 "$OUT/ddp2.err"
-python3 -m pytest -q -p no:cacheprovider tests/test_drafter.py tests/test_loss.py -k "flex or loss or chunked or scores" 2>&1 | tail -n 3
+python3 -m pytest -q -p no:cacheprovider tests/unit/test_drafter.py tests/unit/test_loss.py -k "flex or loss or chunked or scores" 2>&1 | tail -n 3
 grep -h '^{' "$OUT"/*.jsonl

@@ -10,7 +10,7 @@ Hugging Face target, one sequence at a time:
   token and the drafts in one forward; drafts are accepted while they equal the target's greedy token
   at their position; the target's token after the last accepted one is appended (a "bonus" token).
 
-The output is therefore the target's greedy decoding, token for token (tests/test_provenance.py checks it
+The output is therefore the target's greedy decoding, token for token (tests/e2e/test_provenance.py checks it
 against one-token-at-a-time decoding and `generate`). Each token carries a source: k in 1..depth = the draft
 token accepted at chain position k; 0 (TARGET) = the target's own token (prefill or verification).
 Acceptance length = 1 + accepted drafts / verify steps, which is what vLLM reports (docs/design.md §5), and

@@ -10,7 +10,7 @@ Token embeddings are the target's (frozen, not part of the checkpoint); d2t maps
 draft ids to target ids (target = draft + d2t[draft]); t2d marks target ids in
 the draft vocabulary.
 
-Two ways to run it, which must agree (tests/test_drafter.py):
+Two ways to run it, which must agree (tests/unit/test_drafter.py):
 - `ttt_forward`: training-time test, all K chain steps for every position at
   once; step k's query at position t+k attends to step-0 keys at positions ≤ t
   (same document) and to the keys of steps 1..k at the same t.

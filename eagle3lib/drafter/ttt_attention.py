@@ -1,6 +1,6 @@
 """Training-time-test attention: step k's query at t attends to step 0's keys at s ≤ t of its document
 and to the keys of steps 1..k at t itself (Drafter.ttt_forward). Three ways to compute it, which agree
-(tests/test_drafter.py):
+(tests/unit/test_drafter.py):
 
 - dense: one T×T block of scores plus the diagonals, in one softmax (the reference; CPU);
 - flex: flex_attention with per-block masks, which never materializes T×T scores;

@@ -16,7 +16,7 @@ OpenAI-style tools ({"type": "function", "function": {name, description, paramet
 
 Types: string, number (integer too), boolean, null, Array<T>, nested objects as blocks, enums and anyOf / type
 lists as unions, `$ref`s to `$defs` as named interfaces declared before the function; an unknown type keeps its
-name. Checked against the golden outputs of Kimi's own encoder (tests/test_kimi.py).
+name. Checked against the golden outputs of Kimi's own encoder (tests/e2e/test_kimi.py).
 """
 
 from __future__ import annotations

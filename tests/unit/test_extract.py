@@ -33,7 +33,7 @@ from eagle3lib.extract.shards import (
     verify_and_repair,
 )
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 AUX = [2, 3, 3]  # [2, L//2, L-3] for L=6
 CONTRACT = {
     "target": "tiny-random-llama",

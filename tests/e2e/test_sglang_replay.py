@@ -7,7 +7,7 @@ pure-Python restatements of it cannot share a mistake with what they check:
 - capture: SGLang's own set_eagle3_layers_to_capture (Kimi-K2.5 through its language model, DeepSeek-V3, Llama)
   on the config ids we write must capture our ids, as eagle3lib.engines.sglang.sglang_captured_ids says.
 
-A small random drafter for the embedded SmolLM2, exported like tests/test_export.py does.
+A small random drafter for the embedded SmolLM2, exported like tests/e2e/test_export.py does.
 """
 
 import json
@@ -38,7 +38,7 @@ def py():
 
 @pytest.fixture(scope="module")
 def export(py, ckpt, tmp_path_factory):  # noqa: F811
-    """Our SGLang export of tests/test_export.py's random drafter for the embedded target."""
+    """Our SGLang export of tests/e2e/test_export.py's random drafter for the embedded target."""
     folder, cache, _ = ckpt
     return ex.export(
         folder, "sglang", tmp_path_factory.mktemp("replay") / "sglang", target=EMBEDDED_TARGET, cache_dir=cache

@@ -6,7 +6,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "eagle3lib"
 DESIGN = ROOT / "docs" / "design.md"
 

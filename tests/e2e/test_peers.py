@@ -17,7 +17,7 @@ from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from eagle3lib.engines.interpreter import engine_env
 from eagle3lib.extract.shards import ShardSet
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import peer_data  # noqa: E402

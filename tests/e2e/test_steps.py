@@ -9,7 +9,7 @@ import textwrap
 import pytest
 import torch
 from conftest import need_engine
-from test_bench import ROWS
+from sweep_rows import ROWS
 from test_export import ckpt  # noqa: F401  (a real drafter checkpoint for the embedded target)
 
 from eagle3lib import engines, run_folder, target

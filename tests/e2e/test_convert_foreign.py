@@ -59,7 +59,7 @@ def speculators_checkpoint(tmp_path_factory, llama_target) -> Path:
     """A drafter saved by speculators 0.9.0's Eagle3DraftModel.save_pretrained (tests/speculators_save.py)."""
     py = need_engine("speculators")
     out = tmp_path_factory.mktemp("speculators") / "drafter"
-    script = Path(__file__).with_name("speculators_save.py")
+    script = Path(__file__).resolve().parents[1] / "speculators_save.py"
     args = [py, str(script), str(llama_target), str(out), json.dumps(SPECULATORS_AUX), str(DRAFT_VOCAB)]
     proc = subprocess.run(args, capture_output=True, text=True, timeout=300, env=engine_env())
     assert proc.returncode == 0 and '{"ok": true}' in proc.stdout, proc.stderr[-3000:]

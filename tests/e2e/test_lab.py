@@ -16,7 +16,7 @@ import pytest
 from eagle3lib import params as P
 from eagle3lib import run_folder
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("[0-9][0-9]_*.ipynb"))
 
 

@@ -12,7 +12,7 @@ from eagle3lib.convert import steps as convert_steps
 from eagle3lib.extract import shards
 from eagle3lib.workbook import pipeline
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 

@@ -195,7 +195,7 @@ def test_keep_unseen_leaves_out_the_other_runs_val_and_bench(tmp_path):
     from eagle3lib.params import ParamsError, load_params
     from eagle3lib.prepare import steps
 
-    root = Path(__file__).resolve().parents[1] / "params"
+    root = Path(__file__).resolve().parents[2] / "params"
     release = load_params(root / "release-smollm2.yaml", {"data.max_conversations": 1200})
     assert release.data.keep_unseen == [str(root / "tiny.yaml")]
     tiny = load_params(root / "tiny.yaml")

@@ -12,7 +12,7 @@ from eagle3lib.train.speedups import convert_to_float8
 from eagle3lib.train.ttt_step import ttt_loss_sums
 
 # `make test` installs torchao into .fp8-site, outside the workbook's environment (pyproject's fp8 extra says why).
-FP8_SITE = Path(__file__).resolve().parent.parent / ".fp8-site"
+FP8_SITE = Path(__file__).resolve().parents[2] / ".fp8-site"
 if FP8_SITE.is_dir() and str(FP8_SITE) not in sys.path:
     sys.path.append(str(FP8_SITE))
 pytest.importorskip("torchao.float8", reason="train.float8 needs torchao: `make fp8-site` (or pip install '.[fp8]')")

@@ -20,7 +20,7 @@ GOLDEN_IDS = {
     "中文English混合": [16717, 44372, 13935],
 }
 IM_END, IM_USER, IM_ASSISTANT, IM_MIDDLE = 163586, 163587, 163588, 163601
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")

@@ -3,17 +3,12 @@ resume after kill -9, torchrun data parallel, non-finite loss, online mode, a De
 
 import copy
 import json
-import os
 import shutil
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer
 
 from eagle3lib import run_folder, target
 from eagle3lib.extract import hf
@@ -22,12 +17,12 @@ from eagle3lib.params import ParamsError, load_params
 from eagle3lib.prepare import conversations
 from eagle3lib.train import TrainingError, launch, loop, online
 from eagle3lib.train.batches import Sequence, batch_states, in_background, make_batch, pack_rows
-from eagle3lib.train.checkpoint import STATE_FILE, latest_checkpoint, load_drafter
+from eagle3lib.train.checkpoint import latest_checkpoint, load_drafter
 from eagle3lib.train.setup import build_setup
 from eagle3lib.train.sources.base import CAPTURE_SUMMARY
 
 AUX = [1, 3, 5]
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def random_tokens(n, vocab, seed):
@@ -96,26 +91,6 @@ def make_run(
     return run_dir
 
 
-@pytest.fixture(scope="module")
-def small_target(embedded_cache):
-    torch.manual_seed(0)
-    cfg = LlamaConfig(
-        hidden_size=64,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        intermediate_size=128,
-        vocab_size=256,
-        tie_word_embeddings=False,
-    )
-    model = LlamaForCausalLM(cfg).eval()
-    # a sharp next-token distribution, as trained models have, gives the drafter something to learn
-    with torch.no_grad():
-        model.lm_head.weight.mul_(40)
-    tokenizer = AutoTokenizer.from_pretrained(embedded_cache[1])  # only its chat template enters the contract
-    return model, tokenizer
-
-
 def params_file(root):
     return str(root / "params.yaml")
 
@@ -147,58 +122,6 @@ def test_training_learns_and_writes_the_canonical_checkpoint(tmp_path, small_tar
     assert 0 < vocab_stats["val_coverage"] <= 1
 
 
-def kill_after_checkpoint(params: str, run_dir, step_dir: str):
-    """Train in a subprocess and SIGKILL it once checkpoints/<step_dir> is written; returns the checkpoints folder."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "eagle3lib.train.launch", params, str(run_dir)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    ckpt = run_dir / "02_train" / "checkpoints"
-    deadline = time.time() + 120
-    while not (ckpt / step_dir / STATE_FILE).exists() and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.01)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait()
-    assert proc.returncode == -signal.SIGKILL, "training finished before it could be killed"
-    return ckpt
-
-
-def test_resume_after_kill_ends_where_an_uninterrupted_run_does(tmp_path, small_target):
-    slow = {"batch_rows": 4, "max_seq_len": 256, "max_tokens": 1024 * 16, "checkpoint_every": 4, "eval_every": 100}
-    ref_dir = make_run(tmp_path / "ref", *small_target, slow)
-    launch.run_stage(load_params(params_file(tmp_path / "ref")), str(ref_dir))
-    run_dir = make_run(tmp_path / "killed", *small_target, slow)
-    kill_after_checkpoint(params_file(tmp_path / "killed"), run_dir, "step_0000004")
-    assert not (run_dir / "02_train" / "drafter").exists()
-    summary = launch.run_stage(load_params(params_file(tmp_path / "killed")), str(run_dir))
-    assert summary["steps"] == 16
-    ref, resumed = state(ref_dir / "02_train" / "drafter"), state(run_dir / "02_train" / "drafter")
-    for k in ref:
-        assert torch.allclose(ref[k].float(), resumed[k].float(), atol=1e-6, rtol=0), k
-    entries = [json.loads(line) for line in (run_dir / "02_train" / "log.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in entries if "eval" not in e] == list(range(1, 17))
-
-
-def test_online_run_killed_resumes_where_it_stood_and_ends_as_an_uninterrupted_one(tmp_path, small_target):
-    """kill -9 in the middle of an online run, then a rerun: it resumes from the last checkpoint, captures from that
-    checkpoint's position on (nothing before it again) and ends with the uninterrupted run's drafter."""
-    slow = {"source": "online", "batch_rows": 4, "max_seq_len": 256, "max_tokens": 1024 * 12, "checkpoint_every": 4}
-    slow |= {"eval_every": 100}
-    ref_dir = make_run(tmp_path / "ref", *small_target, slow)
-    ref = launch.run_stage(load_params(params_file(tmp_path / "ref")), str(ref_dir))
-    run_dir = make_run(tmp_path / "killed", *small_target, slow)
-    ckpt = kill_after_checkpoint(params_file(tmp_path / "killed"), run_dir, "step_0000004")
-    at = json.loads((latest_checkpoint(ckpt) / STATE_FILE).read_text())
-    summary = launch.run_stage(load_params(params_file(tmp_path / "killed")), str(run_dir))
-    assert summary["steps"] == ref["steps"] == 12 and summary["tokens"] == ref["tokens"]
-    assert summary["online"]["started_at"] == {"epoch": at["epoch"], "sequence": at["sequence_in_epoch"]}
-    assert at["step"] >= 4 and (at["epoch"], at["sequence_in_epoch"]) > (0, 0)
-    a, b = state(ref_dir / "02_train" / "drafter"), state(run_dir / "02_train" / "drafter")
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
-
-
 def test_rerun_with_other_params_trains_anew_and_sets_the_old_run_aside(tmp_path, small_target, capsys):
     """A finished run rerun with another train.lr (or draft vocabulary) must not hand back the old drafter
     from its final checkpoint: it trains from step 0, and the old checkpoints are kept aside."""
@@ -221,51 +144,6 @@ def test_rerun_with_other_params_trains_anew_and_sets_the_old_run_aside(tmp_path
     )
     assert "train.draft_vocab_size: 96 -> 64" in capsys.readouterr().out
     assert load_drafter(run_dir / "02_train" / "drafter").cfg.draft_vocab_size == 64
-
-
-def test_torchrun_two_processes_equal_one_with_the_same_global_batch(tmp_path, small_target):
-    common = {"max_tokens": 128 * 2 * 3, "checkpoint_every": 100, "eval_every": 100, "warmup_steps": 1}
-    single = make_run(tmp_path / "single", *small_target, common | {"grad_accum": 2})
-    # torchrun gives each rank one thread; the reference gets one too, so float sums run in the same order.
-    subprocess.run(
-        [sys.executable, "-m", "eagle3lib.train.launch", params_file(tmp_path / "single"), str(single)],
-        env=os.environ | {"OMP_NUM_THREADS": "1"},
-        check=True,
-        capture_output=True,
-    )
-    s1 = json.loads((single / "02_train" / "train_summary.json").read_text())
-    ddp = make_run(tmp_path / "ddp", *small_target, common | {"grad_accum": 1})
-    s2 = launch.launch(load_params(params_file(tmp_path / "ddp"), {"train.nproc_per_node": 2}), str(ddp))
-    assert s2["world_size"] == 2 and len(s2["rank_weight_digests"]) == 2
-    assert len(set(s2["rank_weight_digests"])) == 1, "ranks diverged"
-    assert s1["steps"] == s2["steps"] == 3 and s1["tokens"] == s2["tokens"]
-    a, b = state(single / "02_train" / "drafter"), state(ddp / "02_train" / "drafter")
-    for k in a:
-        assert torch.allclose(a[k].float(), b[k].float(), atol=1e-5, rtol=0), k
-    # Resume under torchrun: both runs continue to 6 steps from their final checkpoint (a larger max_tokens
-    # continues a run); the two ranks load the checkpoint and the data position, and still equal one process.
-    more = {"train.max_tokens": 128 * 2 * 6}
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "eagle3lib.train.launch",
-            params_file(tmp_path / "single"),
-            str(single),
-            json.dumps(more),
-        ],
-        env=os.environ | {"OMP_NUM_THREADS": "1"},
-        check=True,
-        capture_output=True,
-    )
-    s2 = launch.launch(load_params(params_file(tmp_path / "ddp"), more | {"train.nproc_per_node": 2}), str(ddp))
-    s1 = json.loads((single / "02_train" / "train_summary.json").read_text())
-    assert s1["steps"] == s2["steps"] == 6 and len(set(s2["rank_weight_digests"])) == 1
-    log = [json.loads(line) for line in (ddp / "02_train" / "log.jsonl").read_text().splitlines()]
-    assert [e["step"] for e in log if "eval" not in e] == list(range(1, 7))  # steps 4-6 appended, none redone
-    a, b = state(single / "02_train" / "drafter"), state(ddp / "02_train" / "drafter")
-    for k in a:
-        assert torch.allclose(a[k].float(), b[k].float(), atol=1e-5, rtol=0), k
 
 
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, small_target):
@@ -340,37 +218,6 @@ def assert_capture_summary_and_drafter_as(run: Path, summary: dict, reference: P
         assert torch.equal(a[k], b[k]), k
 
 
-def test_online_capture_process_over_gloo_trains_what_the_thread_does(tmp_path, small_target):
-    """online_placement: process: rank 0 captures and sends micro-batches through gloo to the trainer ranks, which
-    train the drafter the capture thread trains (each process one thread, so the sums run in the same order), and
-    a resume continues from the checkpoint's position. With two trainers, the global batch of one."""
-    common = {"source": "online", "max_tokens": 128 * 2 * 3, "checkpoint_every": 3, "eval_every": 100}
-    thread = make_run(tmp_path / "thread", *small_target, common | {"grad_accum": 2})
-    subprocess.run(
-        [sys.executable, "-m", "eagle3lib.train.launch", params_file(tmp_path / "thread"), str(thread)],
-        env=os.environ | {"OMP_NUM_THREADS": "1"},
-        check=True,
-        capture_output=True,
-    )
-    process = make_run(tmp_path / "process", *small_target, common | {"grad_accum": 2, "online_placement": "process"})
-    s = launch.launch(load_params(params_file(tmp_path / "process")), str(process))
-    assert s["world_size"] == 1 and s["steps"] == 3
-    assert_capture_summary_and_drafter_as(process, s, thread)
-    more = {"train.max_tokens": 128 * 2 * 6}
-    s = launch.launch(load_params(params_file(tmp_path / "process"), more), str(process))
-    capture = json.loads((process / "02_train" / CAPTURE_SUMMARY).read_text())
-    checkpoint = json.loads((process / "02_train" / "checkpoints" / "step_0000003" / STATE_FILE).read_text())
-    assert capture["started_at"] == {"epoch": checkpoint["epoch"], "sequence": checkpoint["sequence_in_epoch"]}
-    assert s["steps"] == 6 and capture["started_at"]["sequence"] > 0
-    two = make_run(tmp_path / "two", *small_target, common | {"online_placement": "process"})
-    s = launch.launch(load_params(params_file(tmp_path / "two"), {"train.nproc_per_node": 2}), str(two))
-    assert s["world_size"] == 2 and len(set(s["rank_weight_digests"])) == 1 and s["steps"] == 3
-    b = state(two / "02_train" / "drafter")
-    a = state(thread / "02_train" / "checkpoints" / "step_0000003")
-    for k in a:
-        assert torch.allclose(a[k].float(), b[k].float(), atol=1e-5, rtol=0), k
-
-
 def test_online_cache_first_epoch_writes_the_extraction_and_later_epochs_read_it(tmp_path, small_target):
     """online_cache_first_epoch: epoch 0's states become the shards 01_extract writes (the same bytes, one sequence a
     forward in fp32), later epochs read them, and the drafter is the shards run's. A run resumed within epoch 0
@@ -434,21 +281,6 @@ def test_online_through_sglang_inprocess_states_trains_the_shards_drafter(tmp_pa
     assert drafter.read_bytes() == offline and s["online"]["tokens"] > 0
     assert max(sum(b) for b in engine.batches) <= 300 and max(len(b) for b in engine.batches) > 3  # ragged groups
     assert not engine.closed
-
-
-def test_online_sglang_inprocess_trains_in_sglangs_interpreter_and_fails_with_its_log(tmp_path, small_target):
-    """launch.launch starts the stage in engine.python; an interpreter without sglang fails there, and the
-    error brings the reason and the log. The backends that serve states over HTTP, and placements other than a
-    thread of one trainer, are refused when the params load."""
-    run_dir = make_run(tmp_path, *small_target, {"source": "online"})
-    over = {"extract.backend": "sglang_inprocess", "engine.name": "sglang", "engine.python": sys.executable}
-    with pytest.raises(TrainingError, match=r"(?s)exited 1.*has no sglang: start the stage with launch.launch"):
-        launch.launch(load_params(params_file(tmp_path), over), str(run_dir))
-    assert "ModuleNotFoundError" in (run_dir / "02_train" / "sglang-online.log").read_text()
-    with pytest.raises(ParamsError, match="'vllm' serves states over HTTP and is not wired to online training"):
-        load_params(params_file(tmp_path), {"extract.backend": "vllm"})
-    with pytest.raises(ParamsError, match=r"set train.online_placement: thread \(not 'process'\)"):
-        load_params(params_file(tmp_path), {"extract.backend": "sglang_inprocess", "train.online_placement": "process"})
 
 
 def folder_bytes(root: Path) -> int:

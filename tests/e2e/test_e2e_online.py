@@ -9,7 +9,7 @@ import pytest
 from eagle3lib.train.sources.base import CAPTURE_SUMMARY
 from eagle3lib.workbook import pipeline
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 

@@ -327,7 +327,7 @@ def assert_close(ref, got, tol, what):
 def test_merged_attention_equals_the_dense_path_forward_and_backward():
     """The one-document path (causal attention with its log-sum-exp, merged with the diagonal keys;
     its backward hands the merged statistics to the causal kernel's backward) computes the dense path's
-    outputs and gradients. Here with the reference kernel pair; tests/test_drafter's CUDA test runs cuDNN's."""
+    outputs and gradients. Here with the reference kernel pair; tests/unit/test_drafter.py's CUDA test runs cuDNN's."""
     case = one_document_case("cpu")
     dense = ttt_outputs_and_grads(*case, attention="dense")
     for checkpoint in (False, True):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "eagle3lib"
+PACKAGE = Path(__file__).resolve().parents[2] / "eagle3lib"
 FOLDERS = ("train", "extract", "bench")
 MAX_FUNCTION_LINES = 80
 MAX_MODULE_LINES = 400

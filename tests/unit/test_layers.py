@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "eagle3lib"
+PACKAGE = Path(__file__).resolve().parents[2] / "eagle3lib"
 STAGES = ("prepare", "extract", "train", "convert", "deploy", "bench")  # pipeline order
 BASE = ("__init__", "params", "run_folder", "hardware", "drafter", "target")
 MAX_TOP_MODULES = 8  # modules directly under eagle3lib/: the rest lives in the folder of its stage or part
@@ -77,7 +77,7 @@ def layer(name: str) -> tuple[int, int]:
         return 2, 0
     if parts[0] in BASE:
         return 1, 0
-    raise AssertionError(f"eagle3lib.{'.'.join(parts)}: no layer; add it to tests/test_layers.py")
+    raise AssertionError(f"eagle3lib.{'.'.join(parts)}: no layer; add it to tests/unit/test_layers.py")
 
 
 def what(name: str) -> str:

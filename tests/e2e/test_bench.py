@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 from conftest import FAST_START
 from drafters import MAX_TOKENS, PROMPTS
+from sweep_rows import ROWS
 from test_engines import drafts, need  # noqa: F401  (the learned drafter's exports; a module-scoped fixture)
 
 from eagle3lib import engines
@@ -14,7 +15,7 @@ from eagle3lib.params import BenchParams, EngineParams
 from eagle3lib.train.metrics import acceptance_summary
 from eagle3lib.workbook import report
 
-SHARED = Path(__file__).resolve().parents[2] / "shared"  # ../shared beside the checkout (CI has it)
+SHARED = Path(__file__).resolve().parents[3] / "shared"  # ../shared beside the checkout (CI has it)
 
 
 def test_predicted_matches_the_training_estimate():
@@ -41,66 +42,6 @@ def test_compare_outputs_reports_every_difference():
     assert sweep.compare_outputs(longer, base)["differences"][0]["first_diff"] == 3
     with pytest.raises(ValueError, match=r"no baseline output for prompt\(s\) \['z'\]"):
         sweep.compare_outputs([{"id": "z", "token_ids": [], "text": ""}], base)
-
-
-ROWS = [
-    {
-        "engine": "vllm",
-        "config": "baseline",
-        "depth": 0,
-        "concurrency": 1,
-        "tokens_per_s": 28.0,
-        "tpot_ms": 35.0,
-        "speedup": 1.0,
-        "accept_len": None,
-        "per_pos": [],
-        "lossless_frac": 1.0,
-        "predicted_accept_len": None,
-    },
-    {
-        "engine": "vllm",
-        "config": "depth5",
-        "depth": 5,
-        "concurrency": 1,
-        "tokens_per_s": 56.0,
-        "tpot_ms": 18.0,
-        "speedup": 2.0,
-        "accept_len": 2.4,
-        "per_pos": [0.7, 0.4, 0.2, 0.1, 0.0],
-        "lossless_frac": 1.0,
-        "predicted_accept_len": 2.5,
-        "predicted_per_pos": [0.7, 0.45, 0.2, 0.1, 0.05],
-        "efficiency": 2 / 2.4,
-    },
-    {
-        "engine": "vllm",
-        "config": "baseline",
-        "depth": 0,
-        "concurrency": 8,
-        "tokens_per_s": 160.0,
-        "tpot_ms": 50.0,
-        "speedup": 1.0,
-        "accept_len": None,
-        "per_pos": [],
-        "lossless_frac": 1.0,
-        "predicted_accept_len": None,
-    },
-    {
-        "engine": "vllm",
-        "config": "depth5",
-        "depth": 5,
-        "concurrency": 8,
-        "tokens_per_s": 150.0,
-        "tpot_ms": 52.0,
-        "speedup": 150 / 160,
-        "accept_len": 2.4,
-        "per_pos": [0.7, 0.4, 0.2, 0.1, 0.0],
-        "lossless_frac": 0.75,
-        "predicted_accept_len": 2.5,
-        "predicted_per_pos": [0.7, 0.45, 0.2, 0.1, 0.05],
-        "efficiency": 0.39,
-    },
-]
 
 
 def test_recommendation_table_and_plots(tmp_path):

@@ -11,7 +11,7 @@ from eagle3lib import params
 from eagle3lib.bench import per_set, prompt_sets
 from eagle3lib.workbook import plots, widgets
 
-SHARED_BENCHSETS = Path(__file__).resolve().parents[2] / "shared" / "benchsets"
+SHARED_BENCHSETS = Path(__file__).resolve().parents[3] / "shared" / "benchsets"
 
 
 def render(messages):
@@ -31,7 +31,7 @@ def test_named_sets_come_from_their_packages():
 
 def test_unknown_names_and_malformed_files_say_what_to_fix(tmp_path):
     with pytest.raises(params.ParamsError, match="unknown prompt set 'mtbench'"):
-        params.load_params(Path(__file__).parents[1] / "params/tiny.yaml", {"bench.prompts": ["mtbench"]})
+        params.load_params(Path(__file__).parents[2] / "params/tiny.yaml", {"bench.prompts": ["mtbench"]})
     with pytest.raises(prompt_sets.PromptSetError, match="unknown set 'gsm'"):
         prompt_sets.load_set("gsm")
     bad = tmp_path / "q.jsonl"

@@ -21,7 +21,7 @@ from eagle3lib.params import (
     stage_view,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((ROOT / "params").glob("*.yaml"))
 
 

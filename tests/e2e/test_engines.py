@@ -349,7 +349,7 @@ def test_no_orphan_when_the_parent_is_killed(drafts, tmp_path):
         [sys.executable, "-c", SCRIPT, str(drafts["target"]), str(tmp_path)],
         stdout=subprocess.PIPE,
         text=True,
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=Path(__file__).resolve().parents[2],
     )
     group = int(parent.stdout.readline())
     try:

@@ -17,7 +17,7 @@ from eagle3lib.target import config as target_config
 from eagle3lib.target import contract, loading
 from eagle3lib.train.checkpoint import load_drafter
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RELEASED = ROOT / "drafters" / "smollm2-135m-instruct"
 PROVENANCE = json.loads((RELEASED / "provenance.json").read_text())
 

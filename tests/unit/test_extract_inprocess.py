@@ -20,7 +20,7 @@ from eagle3lib.extract import hf, shards
 from eagle3lib.extract import sglang_inprocess as ip
 from eagle3lib.extract import sglang_inprocess_extract as ipx
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SGLANG_PY = REPO / ".venv-sglang" / "bin" / "python"
 AUX = [1, 3, 4]
 CONTRACT = {"target": "tiny-random-llama", "hidden_size": 64, "vocab_size": 256, "aux_layer_ids": AUX}

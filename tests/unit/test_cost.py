@@ -357,7 +357,7 @@ def test_the_replay_script_predicts_a_recorded_cpu_run():
     import importlib.util
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     spec = importlib.util.spec_from_file_location("cost_model_replay", root / "benchmarks" / "cost_model_replay.py")
     replay = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(replay)

@@ -5,7 +5,7 @@ import re
 
 import ipywidgets
 import pytest
-from test_bench import ROWS
+from sweep_rows import ROWS
 
 from eagle3lib.bench.replay import TARGET
 from eagle3lib.train.metrics import acceptance_summary

@@ -7,7 +7,7 @@ import tomllib
 import yaml
 from packaging.requirements import Requirement
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_environment_yml_agrees_with_pyproject():

@@ -9,11 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_train import (  # noqa: F401  (small_target: a fixture)
+from test_train import (
     assert_capture_summary_and_drafter_as,
     make_run,
     params_file,
-    small_target,
     state,
 )
 
@@ -24,7 +23,7 @@ from eagle3lib.train.sources import ray_actors
 from eagle3lib.train.sources.base import CAPTURE_SUMMARY
 
 # Ray goes into .ray-site, outside the workbook's environment (it is needed by this placement only).
-RAY_SITE = Path(__file__).resolve().parent.parent / ".ray-site"
+RAY_SITE = Path(__file__).resolve().parents[2] / ".ray-site"
 if RAY_SITE.is_dir() and str(RAY_SITE) not in sys.path:
     sys.path.append(str(RAY_SITE))
 pytest.importorskip(
@@ -47,7 +46,7 @@ def local_ray():
 
 
 @pytest.fixture(scope="module")
-def thread_run(small_target, tmp_path_factory):  # noqa: F811
+def thread_run(small_target, tmp_path_factory):
     """The reference: the capture in a thread of the one training process, on one thread (OMP_NUM_THREADS=1)."""
     root = tmp_path_factory.mktemp("thread")
     run = make_run(root, *small_target, COMMON | {"grad_accum": 2})
@@ -62,7 +61,7 @@ def thread_run(small_target, tmp_path_factory):  # noqa: F811
 
 def test_ray_actors_train_what_the_thread_does_and_resume_from_the_checkpoint(
     tmp_path,
-    small_target,  # noqa: F811
+    small_target,
     thread_run,
     local_ray,
 ):
@@ -92,7 +91,7 @@ def test_ray_actors_train_what_the_thread_does_and_resume_from_the_checkpoint(
 
 def test_two_ray_trainers_sum_their_gradients_as_one_trainer_does(
     tmp_path,
-    small_target,  # noqa: F811
+    small_target,
     thread_run,
     local_ray,
 ):

@@ -21,7 +21,7 @@ from eagle3lib.extract import compare, hf, shards
 from eagle3lib.extract import sglang as sg
 from eagle3lib.extract.sglang_drafter import write_capture_drafter
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 SGLANG_PY = REPO / ".venv-sglang" / "bin" / "python"
 VLLM_PY = REPO / ".venv-vllm" / "bin" / "python"
 needs_sglang = pytest.mark.usefixtures("sglang_engine")  # conftest: a skip here, a failure under CI

@@ -1,0 +1,167 @@
+"""Training in processes of its own, on the small random Llama target of test_train: kill -9 then resume ends as an
+uninterrupted run (shards and online), torchrun's two processes equal one with the same global batch, a capture
+process over gloo trains what the capture thread does, and the stage in an engine's interpreter fails with its log."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from test_train import (
+    assert_capture_summary_and_drafter_as,
+    make_run,
+    params_file,
+    state,
+)
+
+from eagle3lib.params import ParamsError, load_params
+from eagle3lib.train import TrainingError, launch
+from eagle3lib.train.checkpoint import STATE_FILE, latest_checkpoint
+from eagle3lib.train.sources.base import CAPTURE_SUMMARY
+
+
+def kill_after_checkpoint(params: str, run_dir, step_dir: str):
+    """Train in a subprocess and SIGKILL it once checkpoints/<step_dir> is written; returns the checkpoints folder."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "eagle3lib.train.launch", params, str(run_dir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    ckpt = run_dir / "02_train" / "checkpoints"
+    deadline = time.time() + 120
+    while not (ckpt / step_dir / STATE_FILE).exists() and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert proc.returncode == -signal.SIGKILL, "training finished before it could be killed"
+    return ckpt
+
+
+def test_resume_after_kill_ends_where_an_uninterrupted_run_does(tmp_path, small_target):
+    slow = {"batch_rows": 4, "max_seq_len": 256, "max_tokens": 1024 * 16, "checkpoint_every": 4, "eval_every": 100}
+    ref_dir = make_run(tmp_path / "ref", *small_target, slow)
+    launch.run_stage(load_params(params_file(tmp_path / "ref")), str(ref_dir))
+    run_dir = make_run(tmp_path / "killed", *small_target, slow)
+    kill_after_checkpoint(params_file(tmp_path / "killed"), run_dir, "step_0000004")
+    assert not (run_dir / "02_train" / "drafter").exists()
+    summary = launch.run_stage(load_params(params_file(tmp_path / "killed")), str(run_dir))
+    assert summary["steps"] == 16
+    ref, resumed = state(ref_dir / "02_train" / "drafter"), state(run_dir / "02_train" / "drafter")
+    for k in ref:
+        assert torch.allclose(ref[k].float(), resumed[k].float(), atol=1e-6, rtol=0), k
+    entries = [json.loads(line) for line in (run_dir / "02_train" / "log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in entries if "eval" not in e] == list(range(1, 17))
+
+
+def test_online_run_killed_resumes_where_it_stood_and_ends_as_an_uninterrupted_one(tmp_path, small_target):
+    """kill -9 in the middle of an online run, then a rerun: it resumes from the last checkpoint, captures from that
+    checkpoint's position on (nothing before it again) and ends with the uninterrupted run's drafter."""
+    slow = {"source": "online", "batch_rows": 4, "max_seq_len": 256, "max_tokens": 1024 * 12, "checkpoint_every": 4}
+    slow |= {"eval_every": 100}
+    ref_dir = make_run(tmp_path / "ref", *small_target, slow)
+    ref = launch.run_stage(load_params(params_file(tmp_path / "ref")), str(ref_dir))
+    run_dir = make_run(tmp_path / "killed", *small_target, slow)
+    ckpt = kill_after_checkpoint(params_file(tmp_path / "killed"), run_dir, "step_0000004")
+    at = json.loads((latest_checkpoint(ckpt) / STATE_FILE).read_text())
+    summary = launch.run_stage(load_params(params_file(tmp_path / "killed")), str(run_dir))
+    assert summary["steps"] == ref["steps"] == 12 and summary["tokens"] == ref["tokens"]
+    assert summary["online"]["started_at"] == {"epoch": at["epoch"], "sequence": at["sequence_in_epoch"]}
+    assert at["step"] >= 4 and (at["epoch"], at["sequence_in_epoch"]) > (0, 0)
+    a, b = state(ref_dir / "02_train" / "drafter"), state(run_dir / "02_train" / "drafter")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_torchrun_two_processes_equal_one_with_the_same_global_batch(tmp_path, small_target):
+    common = {"max_tokens": 128 * 2 * 3, "checkpoint_every": 100, "eval_every": 100, "warmup_steps": 1}
+    single = make_run(tmp_path / "single", *small_target, common | {"grad_accum": 2})
+    # torchrun gives each rank one thread; the reference gets one too, so float sums run in the same order.
+    subprocess.run(
+        [sys.executable, "-m", "eagle3lib.train.launch", params_file(tmp_path / "single"), str(single)],
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+        check=True,
+        capture_output=True,
+    )
+    s1 = json.loads((single / "02_train" / "train_summary.json").read_text())
+    ddp = make_run(tmp_path / "ddp", *small_target, common | {"grad_accum": 1})
+    s2 = launch.launch(load_params(params_file(tmp_path / "ddp"), {"train.nproc_per_node": 2}), str(ddp))
+    assert s2["world_size"] == 2 and len(s2["rank_weight_digests"]) == 2
+    assert len(set(s2["rank_weight_digests"])) == 1, "ranks diverged"
+    assert s1["steps"] == s2["steps"] == 3 and s1["tokens"] == s2["tokens"]
+    a, b = state(single / "02_train" / "drafter"), state(ddp / "02_train" / "drafter")
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), atol=1e-5, rtol=0), k
+    # Resume under torchrun: both runs continue to 6 steps from their final checkpoint (a larger max_tokens
+    # continues a run); the two ranks load the checkpoint and the data position, and still equal one process.
+    more = {"train.max_tokens": 128 * 2 * 6}
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "eagle3lib.train.launch",
+            params_file(tmp_path / "single"),
+            str(single),
+            json.dumps(more),
+        ],
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+        check=True,
+        capture_output=True,
+    )
+    s2 = launch.launch(load_params(params_file(tmp_path / "ddp"), more | {"train.nproc_per_node": 2}), str(ddp))
+    s1 = json.loads((single / "02_train" / "train_summary.json").read_text())
+    assert s1["steps"] == s2["steps"] == 6 and len(set(s2["rank_weight_digests"])) == 1
+    log = [json.loads(line) for line in (ddp / "02_train" / "log.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in log if "eval" not in e] == list(range(1, 7))  # steps 4-6 appended, none redone
+    a, b = state(single / "02_train" / "drafter"), state(ddp / "02_train" / "drafter")
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), atol=1e-5, rtol=0), k
+
+
+def test_online_capture_process_over_gloo_trains_what_the_thread_does(tmp_path, small_target):
+    """online_placement: process: rank 0 captures and sends micro-batches through gloo to the trainer ranks, which
+    train the drafter the capture thread trains (each process one thread, so the sums run in the same order), and
+    a resume continues from the checkpoint's position. With two trainers, the global batch of one."""
+    common = {"source": "online", "max_tokens": 128 * 2 * 3, "checkpoint_every": 3, "eval_every": 100}
+    thread = make_run(tmp_path / "thread", *small_target, common | {"grad_accum": 2})
+    subprocess.run(
+        [sys.executable, "-m", "eagle3lib.train.launch", params_file(tmp_path / "thread"), str(thread)],
+        env=os.environ | {"OMP_NUM_THREADS": "1"},
+        check=True,
+        capture_output=True,
+    )
+    process = make_run(tmp_path / "process", *small_target, common | {"grad_accum": 2, "online_placement": "process"})
+    s = launch.launch(load_params(params_file(tmp_path / "process")), str(process))
+    assert s["world_size"] == 1 and s["steps"] == 3
+    assert_capture_summary_and_drafter_as(process, s, thread)
+    more = {"train.max_tokens": 128 * 2 * 6}
+    s = launch.launch(load_params(params_file(tmp_path / "process"), more), str(process))
+    capture = json.loads((process / "02_train" / CAPTURE_SUMMARY).read_text())
+    checkpoint = json.loads((process / "02_train" / "checkpoints" / "step_0000003" / STATE_FILE).read_text())
+    assert capture["started_at"] == {"epoch": checkpoint["epoch"], "sequence": checkpoint["sequence_in_epoch"]}
+    assert s["steps"] == 6 and capture["started_at"]["sequence"] > 0
+    two = make_run(tmp_path / "two", *small_target, common | {"online_placement": "process"})
+    s = launch.launch(load_params(params_file(tmp_path / "two"), {"train.nproc_per_node": 2}), str(two))
+    assert s["world_size"] == 2 and len(set(s["rank_weight_digests"])) == 1 and s["steps"] == 3
+    b = state(two / "02_train" / "drafter")
+    a = state(thread / "02_train" / "checkpoints" / "step_0000003")
+    for k in a:
+        assert torch.allclose(a[k].float(), b[k].float(), atol=1e-5, rtol=0), k
+
+
+def test_online_sglang_inprocess_trains_in_sglangs_interpreter_and_fails_with_its_log(tmp_path, small_target):
+    """launch.launch starts the stage in engine.python; an interpreter without sglang fails there, and the
+    error brings the reason and the log. The backends that serve states over HTTP, and placements other than a
+    thread of one trainer, are refused when the params load."""
+    run_dir = make_run(tmp_path, *small_target, {"source": "online"})
+    over = {"extract.backend": "sglang_inprocess", "engine.name": "sglang", "engine.python": sys.executable}
+    with pytest.raises(TrainingError, match=r"(?s)exited 1.*has no sglang: start the stage with launch.launch"):
+        launch.launch(load_params(params_file(tmp_path), over), str(run_dir))
+    assert "ModuleNotFoundError" in (run_dir / "02_train" / "sglang-online.log").read_text()
+    with pytest.raises(ParamsError, match="'vllm' serves states over HTTP and is not wired to online training"):
+        load_params(params_file(tmp_path), {"extract.backend": "vllm"})
+    with pytest.raises(ParamsError, match=r"set train.online_placement: thread \(not 'process'\)"):
+        load_params(params_file(tmp_path), {"extract.backend": "sglang_inprocess", "train.online_placement": "process"})
