@@ -18,8 +18,11 @@ Offline AL, for every drafter that imports (served or not: SGLang 0.5.17 cannot 
 our trainer's own evaluation (loop.evaluate: TTT over the run's validation rows, estimated AL per depth), the
 one metric every trainer's drafter is measured by here. Servers run in the target's dtype (--dtype; SGLang 0.5.17
 feeds the target's states to the draft's fc uncast, so a draft in another dtype than the target fails).
-Rows: {trainer, config, depth, set, served_al, predicted_al, requests, completion_tokens} + --meta NAME=JSON, and
-set "val" rows with offline_al. OUT is rewritten after every step, so a run cut short keeps what it measured.
+A drafter's NAME is TRAINER[:CONFIG[:SEED]] (e.g. ours:defaults:1). Rows: {trainer, config, seed, budget, depth,
+set, served_al, predicted_al, prompts, requests, completion_tokens, per_prompt: [[id, tokens, accept_len], ...]}
++ --meta NAME=JSON, and set "val" rows with offline_al; with --base TRAINER:CONFIG, "ratios": every other
+configuration's served AL over the base's, with 95% intervals (benchmarks/al_interval.py). OUT is rewritten after
+every step, so a run cut short keeps what it measured.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ import json
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+import al_interval
 
 import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
 from eagle3lib import engines, target
@@ -52,6 +57,25 @@ def named(items: list[str], what: str) -> dict[str, str]:
         if name in out:
             raise SystemExit(f"--{what} {name!r} given twice")
         out[name] = value
+    return out
+
+
+def parse_name(name: str) -> dict:
+    """'trainer:config:seed' -> {trainer, config, seed}; config defaults to 'defaults', seed to None."""
+    parts = name.split(":")
+    if len(parts) > 3 or (len(parts) == 3 and not parts[2].isdigit()):
+        raise SystemExit(f"drafter name {name!r}: expected TRAINER[:CONFIG[:SEED]] with an integer SEED")
+    return {"trainer": parts[0], "config": parts[1] if len(parts) > 1 else "defaults",
+            "seed": int(parts[2]) if len(parts) == 3 else None}  # fmt: skip
+
+
+def per_prompt(engine: str, m: dict) -> list[list]:
+    """[[prompt id, completion tokens, accept length], ...] of one set's requests (concurrency 1): what a paired
+    bootstrap over prompts resamples."""
+    out = []
+    for req in m.get("requests", []):
+        al = measurement.spec_over(engine, req["parts"]).get("accept_len")
+        out.append([req["id"], req["completion_tokens"], al])
     return out
 
 
@@ -156,15 +180,17 @@ def predicted_per_set(p, target_dir, cache, canonical: str, measured: dict, max_
     return {s: {int(d): v for d, v in summary["accept_len_at"].items()} for s, summary in per_set.items()}
 
 
-def rows_of(results: dict, predicted: dict, offline: dict, depths: list[int], meta: dict, engine: str) -> list[dict]:
-    """One row per trainer x depth x served set, and per trainer x depth the offline AL on validation (set 'val')."""
+def rows_of(
+    results: dict, predicted: dict, offline: dict, depths: list[int], meta: dict, engine: str, budget: str = "tokens"
+) -> list[dict]:
+    """One row per drafter x depth x served set, and per drafter x depth the offline AL on validation (set 'val')."""
     rows = []
     for name, figures in sorted(offline.items()):
         for depth in depths:
             rows.append(
                 {
-                    "trainer": name.split(":")[0],
-                    "config": name.split(":")[1] if ":" in name else "defaults",
+                    **parse_name(name),
+                    "budget": budget,
                     "depth": depth,
                     "set": "val",
                     "served_al": None,
@@ -177,14 +203,16 @@ def rows_of(results: dict, predicted: dict, offline: dict, depths: list[int], me
             spec = measurement.spec_over(engine, m["parts"])
             rows.append(
                 {
-                    "trainer": name.split(":")[0],
-                    "config": name.split(":")[1] if ":" in name else "defaults",
+                    **parse_name(name),
+                    "budget": budget,
                     "depth": depth,
                     "set": set_name,
                     "served_al": spec.get("accept_len"),
                     "predicted_al": (predicted.get(name, {}).get(set_name) or {}).get(depth),
+                    "prompts": len(m["outputs"]),
                     "requests": len(m["outputs"]),
                     "completion_tokens": sum(o["completion_tokens"] or 0 for o in m["outputs"]),
+                    "per_prompt": per_prompt(engine, m),
                     **meta.get(name, {}),
                 }
             )
@@ -192,19 +220,21 @@ def rows_of(results: dict, predicted: dict, offline: dict, depths: list[int], me
 
 
 def mean_over_sets(rows: list[dict]) -> list[dict]:
-    """Each trainer x config x depth: the mean of the sets' served and predicted AL (the issue's goal)."""
+    """Each drafter (trainer x config x seed) x depth: the mean of the sets' served and predicted AL (the means over
+    seeds, with intervals, are al_interval's)."""
     groups = {}
     for r in rows:
         if r["set"] != "val":
-            groups.setdefault((r["trainer"], r["config"], r["depth"]), []).append(r)
+            groups.setdefault((r["trainer"], r["config"], r.get("seed"), r["depth"]), []).append(r)
     out = []
-    for (trainer, config, depth), group in sorted(groups.items()):
+    for (trainer, config, seed, depth), group in sorted(groups.items(), key=lambda kv: str(kv[0])):
         served = [r["served_al"] for r in group if r["served_al"] is not None]
         pred = [r["predicted_al"] for r in group if r["predicted_al"] is not None]
         out.append(
             {
                 "trainer": trainer,
                 "config": config,
+                "seed": seed,
                 "depth": depth,
                 "sets": len(group),
                 "served_al_mean": sum(served) / len(served) if served else None,
@@ -218,7 +248,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", type=Path, help="a run folder with a finished 00_prepare")
     ap.add_argument("--params", required=True, help="the run's params file (target, engine, bench)")
-    ap.add_argument("--drafter", action="append", default=[], help="NAME=CHECKPOINT (NAME may be trainer:config)")
+    ap.add_argument("--drafter", action="append", default=[], help="NAME=CHECKPOINT, NAME = TRAINER[:CONFIG[:SEED]]")
+    ap.add_argument("--budget", choices=["tokens", "gpu_minutes"], default="tokens",
+                    help="what the trainers were given equally (recorded in every row)")  # fmt: skip
+    ap.add_argument("--base", default=None, help="TRAINER:CONFIG the others' ratios are taken against")
     ap.add_argument("--meta", action="append", default=[], help="NAME=JSON file merged into that drafter's rows")
     ap.add_argument("--depths", default="3,5")
     ap.add_argument("--sets", default="held_out,mt_bench,humaneval")
@@ -238,6 +271,8 @@ def main(argv=None) -> int:
     drafters = named(a.drafter, "drafter")
     if not drafters:
         ap.error("give at least one --drafter NAME=CHECKPOINT")
+    for name in drafters:
+        parse_name(name)
     meta = {n: json.loads(Path(f).read_text()) for n, f in named(a.meta, "meta").items()}
     depths = [int(d) for d in a.depths.split(",")]
     sets = [s.strip() for s in a.sets.split(",") if s.strip()]
@@ -269,8 +304,10 @@ def main(argv=None) -> int:
     results, errors, predicted, offline = {}, {}, {}, {}
 
     def write():
-        rows = rows_of(results, predicted, offline, depths, meta, p.engine.name)
+        rows = rows_of(results, predicted, offline, depths, meta, p.engine.name, a.budget)
         summary.update(errors={f"{n}@{d}": e for (n, d), e in errors.items()}, means=mean_over_sets(rows), rows=rows)
+        if a.base:
+            summary["ratios"] = al_interval.ratios(rows, a.base)
         a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(summary, indent=2, default=str))
 
@@ -302,6 +339,8 @@ def main(argv=None) -> int:
     write()
     for m in summary["means"]:
         print(json.dumps(m), flush=True)
+    if a.base:
+        print(al_interval.table(summary["ratios"]), flush=True)
     return 1 if errors else 0
 
 

@@ -189,6 +189,12 @@ class TrainParams(Section):
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(0.5, gt=0)
     step_weight_decay: float = Field(0.8, gt=0, le=1, description="loss weight of TTT step k is this**k")
+    loss_target: Literal["distribution", "top_token"] = Field(
+        "distribution",
+        description="what each position's draft distribution is fitted to: the target's distribution over the draft "
+        "vocabulary (soft cross-entropy, EAGLE-3's), or its top token alone (cross-entropy on a one-hot); the "
+        "validation loss is the soft one either way",
+    )
     checkpoint_every: int = Field(500, gt=0)
     prefetch_shards: int = Field(
         2,

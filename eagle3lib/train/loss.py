@@ -42,6 +42,24 @@ def target_probs(
     return out
 
 
+def target_top_token(
+    final: torch.Tensor, head_draft: torch.Tensor, dtype: torch.dtype, chunk_elements: int = CHUNK_ELEMENTS
+) -> torch.Tensor:
+    """One-hot of the target's most likely draft-vocab token, [N, V] in dtype: the soft CE against it is the
+    cross-entropy on the target's top token (greedy acceptance asks only for that token)."""
+    flat = final.reshape(-1, final.shape[-1]).to(head_draft.dtype)
+    out = torch.zeros(flat.shape[0], head_draft.shape[0], dtype=dtype, device=final.device)
+    rows = max(1, chunk_elements // head_draft.shape[0])
+    for i in range(0, flat.shape[0], rows):
+        best = (flat[i : i + rows] @ head_draft.T).argmax(-1)
+        out[i : i + rows].scatter_(1, best[:, None], 1)
+    return out
+
+
+# train.loss_target: what the drafter's distribution is fitted to at each position
+LOSS_TARGETS = {"distribution": target_probs, "top_token": target_top_token}
+
+
 def soft_ce_chunk(z: torch.Tensor, p: torch.Tensor, mask: torch.Tensor, with_grad: bool = True):
     """Logits z [n,V], target probs p [n,V] and a 0/1 mask [n] → (Σ loss, argmax [n], ∂loss/∂z in z's dtype,
     or None without with_grad). The maths runs in fp32 whatever the inputs' dtype."""

@@ -20,7 +20,7 @@ from eagle3lib.drafter import Drafter
 from eagle3lib.drafter.ttt_attention import row_layout
 from eagle3lib.train.batches import batch_states, batch_to
 from eagle3lib.train.distributed import all_reduce_grads, training_group
-from eagle3lib.train.loss import compute_dtype, linear_soft_ce, target_probs
+from eagle3lib.train.loss import LOSS_TARGETS, compute_dtype, linear_soft_ce, target_probs
 
 
 def shift_left(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:
@@ -64,6 +64,7 @@ def ttt_loss_sums(
     fused_loss: bool | None = None,
     attention: str = "auto",
     only_valid_rows: bool = True,
+    loss_target=target_probs,
 ):
     """Run the TTT chain on a batch. Returns, per step: Σ over valid positions of the soft CE
     against the target's distribution on the draft vocab, the valid counts, and (with_metrics)
@@ -71,13 +72,14 @@ def ttt_loss_sums(
     fused_loss: the loss's per-chunk kernel compiled (default: on CUDA; loss.chunk_kernel).
     only_valid_rows: the lm_head scores only each step's valid positions (linear_soft_ce's only_valid;
     False scores every position, the same loss for more work: an ablation).
+    loss_target: the target's side of the loss (loss.LOSS_TARGETS: its distribution, or its top token one-hot).
     A batch made with with_host_layout brings its row layout and valid rows; else they are read from the GPU."""
     ids, docs = batch["input_ids"], batch["doc_ids"]
     dtype = drafter.fc.weight.dtype
     aux, final = batch_states(batch, dtype)
     compute = compute_dtype(aux.device.type, dtype)
     with torch.no_grad():
-        probs = target_probs(final, head_full[drafter.t2d].to(compute), compute)  # [B·T, V_draft]
+        probs = loss_target(final, head_full[drafter.t2d].to(compute), compute)  # [B·T, V_draft]
         # The full-vocab argmax costs as much as a target lm_head; only metrics need it.
         target_best = target_argmax(final.float(), head_full.float()) if with_metrics else None
     # Step k at t is fed token t+1+k: one tensor of the next tokens, K-1 longer, serves all steps.
@@ -127,6 +129,7 @@ class TrainStep:
         self.weights = torch.tensor(
             [train_params.step_weight_decay**k for k in range(train_params.ttt_steps)], device=device
         )
+        self.loss_target = LOSS_TARGETS[train_params.loss_target]
         self.device_type = torch.device(device).type
         self.bf16 = hardware.resolve(train_params.dtype, self.device_type) == "bfloat16"
 
@@ -153,6 +156,7 @@ class TrainStep:
                     with_metrics=False,
                     checkpoint=train_params.activation_checkpointing,
                     attention=train_params.attention,
+                    loss_target=self.loss_target,
                 )
             loss = (self.weights * sums / counts.clamp(min=1)).sum()
             loss.backward()

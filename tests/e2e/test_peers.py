@@ -135,6 +135,10 @@ def test_served_al_rows_and_means():
     }
     with pytest.raises(SystemExit, match="NAME=VALUE"):
         served_al.named(["ours"], "drafter")
+    assert served_al.parse_name("ours:muon:2") == {"trainer": "ours", "config": "muon", "seed": 2}
+    assert served_al.parse_name("speculators") == {"trainer": "speculators", "config": "defaults", "seed": None}
+    with pytest.raises(SystemExit, match="integer SEED"):
+        served_al.parse_name("ours:muon:two")
     assert served_al.engine_args(["--x", "1", "--mem-fraction-static", "0.3"], 0.1) == [
         "--x",
         "1",
@@ -146,7 +150,8 @@ def test_served_al_rows_and_means():
         return [{"spec_verify_ct": verify, "spec_num_correct_drafts": accepted, "completion_tokens": tokens}]
 
     results = {
-        ("ours", 3): {"mt_bench": {"parts": [part(10, 20, 30)], "outputs": [{"completion_tokens": 30}]},
+        ("ours", 3): {"mt_bench": {"parts": [part(10, 20, 30)], "outputs": [{"completion_tokens": 30}],
+                                   "requests": [{"id": "q1", "completion_tokens": 30, "parts": [part(10, 20, 30)]}]},
                       "gsm8k": {"parts": [part(20, 20, 40)], "outputs": [{"completion_tokens": 40}]}},
     }  # fmt: skip
     offline = {"ours": {"accept_len_at": {3: 1.4, 5: 1.5}}, "speculators": {"accept_len_at": {3: 1.7, 5: 1.8}}}
@@ -155,6 +160,8 @@ def test_served_al_rows_and_means():
     served = {(r["trainer"], r["set"]): r for r in rows if r["set"] != "val"}
     assert served[("ours", "mt_bench")]["served_al"] == 1.5 and served[("ours", "mt_bench")]["predicted_al"] == 1.45
     assert served[("ours", "gsm8k")]["served_al"] == 2.0 and served[("ours", "gsm8k")]["gpu_s"] == 9
+    assert served[("ours", "mt_bench")]["per_prompt"] == [["q1", 30, 1.5]] and served[("ours", "gsm8k")]["prompts"] == 1
+    assert served[("ours", "gsm8k")]["budget"] == "tokens" and served[("ours", "gsm8k")]["seed"] is None
     assert {(r["trainer"], r["depth"], r["offline_al"]) for r in rows if r["set"] == "val"} == {
         ("ours", 3, 1.4), ("ours", 5, 1.5), ("speculators", 3, 1.7), ("speculators", 5, 1.8)}  # fmt: skip
     (mean,) = served_al.mean_over_sets(rows)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from eagle3lib.train.loss import linear_soft_ce, target_probs
+from eagle3lib.train.loss import LOSS_TARGETS, linear_soft_ce, target_probs
 
 
 def plain(h, weight, target_logits, valid, offset):
@@ -82,3 +82,19 @@ def test_bf16_on_cuda_is_close_to_the_fp64_loss_and_gradients(only_valid):
     assert abs(loss.item() - expected.item()) < 1e-2 * abs(expected.item())
     assert (dh - gh).norm() < 2e-2 * gh.norm(), ((dh - gh).norm() / gh.norm()).item()
     assert (dw - gw).norm() < 2e-2 * gw.norm(), ((dw - gw).norm() / gw.norm()).item()
+
+
+def test_top_token_target_is_the_cross_entropy_on_the_targets_argmax():
+    """train.loss_target top_token: the loss is F.cross_entropy against the argmax of the target's draft-vocab
+    logits, made in chunks like the distribution."""
+    torch.manual_seed(1)
+    h = torch.randn(11, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(30, 8, dtype=torch.float64)
+    final, head = torch.randn(11, 5, dtype=torch.float64), torch.randn(30, 5, dtype=torch.float64)
+    onehot = LOSS_TARGETS["top_token"](final, head, torch.float64, chunk_elements=4 * 30)
+    assert torch.equal(onehot.argmax(-1), (final @ head.T).argmax(-1)) and torch.equal(onehot.sum(-1), torch.ones(11))
+    valid = torch.ones(11, dtype=torch.bool)
+    loss, _ = linear_soft_ce(h, weight, onehot, valid, offset=0, fused=False)
+    expected = torch.nn.functional.cross_entropy(h @ weight.T, (final @ head.T).argmax(-1), reduction="sum")
+    assert torch.allclose(loss, expected.float(), rtol=1e-6)
+    assert LOSS_TARGETS["distribution"] is target_probs
