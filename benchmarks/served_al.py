@@ -320,6 +320,7 @@ def main(argv=None) -> int:
 
         def done(r, e):
             results.update(r)
+            errors.clear()  # serve_all's own: a server that failed beside others and then served alone is no error
             errors.update(e)
             write()
 

@@ -36,7 +36,14 @@
 # `bash benchmarks/h200/peers.sh restore` before `serve` (which then serves the carried drafters).
 # ($G = benchmarks/h200/.cache/.gpu.) Results: $OUT (the device's folder that comes back).
 set -uo pipefail
-G=benchmarks/h200/.cache/.gpu; W=/tmp/peers; OUT=${OUT:-$PWD/h200-out}; mkdir -p "$OUT"
+G=benchmarks/h200/.cache/.gpu; W=/tmp/peers
+# $OUT: the device's folder that comes back. Not a folder of the checkout: the next call's copy of the working tree
+# removes what is not in it (a summary was lost that way)
+if [ "${1:-}" != gather ]; then
+  [ -n "${OUT:-}" ] || { echo "OUT is unset: give the folder that comes back from the device (its \$OUT)" >&2; exit 2; }
+  case $(realpath -m "$OUT") in "$PWD"/*) echo "OUT=$OUT is inside the checkout, which the next call replaces" >&2; exit 2 ;; esac
+  mkdir -p "$OUT"
+fi
 CONV=${CONV:-1500}; REGEN=${REGEN:-200000}; EPOCHS=${EPOCHS:-4}; DRAFT_VOCAB=${DRAFT_VOCAB:-16384}
 pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --target "$1" "${@:2}"; }
 ours_env() {
@@ -257,7 +264,7 @@ save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in load_file
     if [ "${GRAPHS:-1}" = 1 ]; then EF=(--engine-flag=--cuda-graph-max-bs=1); else EF=(--engine-flag=--disable-cuda-graph); fi
     timeout -k 20 "${BUDGET_S:-540}" python3 benchmarks/served_al.py $W/run --params params/tiny-h200.yaml "${DR[@]}" \
       --depths "${DEPTHS:-3,5}" --sets "held_out,mt_bench,humaneval,/tmp/data/gsm8k.jsonl" --per-set "${PER_SET:-40}" \
-      --base "${BASE:-speculators:sglang}" --parallel "${PARALLEL:-4}" --mem-fraction 0.1 "${EF[@]}" --work $W/served \
+      --base "${BASE:-speculators:sglang}" --parallel "${PARALLEL:-4}" --mem-fraction "${MEM:-0.1}" "${EF[@]}" --work $W/served \
       --out "$OUT/summary${TAG:-}.json" > "$OUT/serve${TAG:-}.log" 2>&1; rc=$?; tail -n 40 "$OUT/serve${TAG:-}.log"; exit $rc ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
