@@ -142,6 +142,18 @@ class ExtractParams(Section):
         return v
 
 
+class MLAParams(Section):
+    """The MLA draft layer's dims (train.draft_attention: mla); None = the target's (DeepSeek-V3, Kimi-K2.5 have
+    them all), and a dim the target lacks must be given (drafter.DrafterConfig.with_mla says which)."""
+
+    q_lora_rank: int | None = Field(None, gt=0, description="the low-rank q's width (both engines need one)")
+    kv_lora_rank: int | None = Field(None, gt=0, description="the latent's width (the engines cache it)")
+    qk_nope_head_dim: int | None = Field(None, gt=0)
+    qk_rope_head_dim: int | None = Field(None, gt=0, description="the rotary dims of each q/k head")
+    v_head_dim: int | None = Field(None, gt=0)
+    num_attention_heads: int | None = Field(None, gt=0)
+
+
 class TrainParams(Section):
     source: Literal["shards", "online"] = Field(
         "shards",
@@ -175,6 +187,13 @@ class TrainParams(Section):
         description="EAGLE-3.1's norms in the drafter (speculators' defaults: norm_before_fc, norm_output, "
         "norm_before_residual); SGLang 0.5.17 serves all but norm_before_residual, vLLM 0.32 all",
     )
+    draft_attention: Literal["gqa", "mla"] = Field(
+        "gqa",
+        description="the draft layer's attention: gqa = Llama's (LlamaForCausalLMEagle3); mla = DeepSeek's "
+        "multi-head latent attention (Eagle3DeepseekV2ForCausalLM, as TorchSpec's Kimi-K2.5 drafters), dims in "
+        "train.mla (docs/design.md §8 says which to pick)",
+    )
+    mla: MLAParams = MLAParams()
     max_seq_len: int = Field(2048, gt=0)
     draft_vocab_size: int = Field(32000, gt=0)
     max_tokens: int = Field(1_000_000, gt=0, description="training budget in tokens")
@@ -214,7 +233,8 @@ class TrainParams(Section):
     init_layer_from_target: bool = Field(
         False,
         description="start the decoder layer as the target's last layer and fc as the top aux state passed "
-        "through: an early exit before any training (Llama-shaped targets)",
+        "through: an early exit before any training (gqa: Llama-shaped targets; mla: a DeepSeek-shaped last layer "
+        "with a dense MLP, which Kimi-K2.5's MoE last layer is not)",
     )
     init_from: str | None = Field(
         None,
@@ -248,6 +268,21 @@ class TrainParams(Section):
         description="keep lm_head at its initial value (the target's rows, see "
         "init_lm_head_from_target) instead of training it; speculators' default",
     )
+
+    @model_validator(mode="after")
+    def _mla_dims(self):
+        given = [k for k, v in self.mla.model_dump().items() if v is not None]
+        if given and self.draft_attention != "mla":
+            raise ValueError(
+                f"{', '.join('train.mla.' + k for k in given)} only apply to train.draft_attention: mla; set it, "
+                "or remove them"
+            )
+        if self.draft_attention == "mla" and "norm_before_fc" in self.eagle31_norms:
+            raise ValueError(
+                "train.eagle31_norms: norm_before_fc with draft_attention: mla would train a drafter no engine serves: "
+                "neither vLLM 0.32's nor SGLang 0.5.17's Eagle3DeepseekV2ForCausalLM has its input_norm; use fc_norm"
+            )
+        return self
 
     @model_validator(mode="after")
     def _online_options(self):

@@ -3,18 +3,24 @@ and the target capturing the layers the drafter was trained on?
 
     report = gate.verify(folder, "sglang" | "vllm")   # {engine, ok, problems, counts{...}, ...}
 
-sglang: a name/shape check against SGLang 0.5.17's loader in pure Python (check_sglang, no sglang import), plus
-    SGLang's own resolution of the launch flags (engines.sglang.preflight) when an interpreter with sglang is found.
-vllm: vLLM's own loader in the vLLM interpreter (engines/inside/load_check.py), every parameter compared.
+sglang: the config checks, and the tensors bound: for a GQA drafter by a name/shape check against SGLang 0.5.17's
+    llama_eagle3 loader in pure Python (no sglang import); for an MLA drafter by SGLang's own model and loader
+    (kimi_k25_eagle3's Eagle3DeepseekV2ForCausalLM built on the CPU and loaded, engines/inside/sglang_replay.py),
+    which needs the SGLang interpreter. Plus SGLang's own resolution of the launch flags (engines.sglang.preflight)
+    when an interpreter with sglang is found.
+vllm: vLLM's own loader in the vLLM interpreter (engines/inside/load_check.py), every parameter compared; either
+    kind of draft layer.
+Both: every tensor of the drafter's kind (drafter/layer_kinds.py) must be in the export, under a name the engine
+    binds (a missing or renamed one is named).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from eagle3lib.convert.layouts import check_target, read_checkpoint
-from eagle3lib.drafter import ARCHITECTURE
+from eagle3lib.convert.layouts import UNSERVED, check_target, read_checkpoint
 from eagle3lib.drafter.formats import aux_copies_disagree, read_config, read_tensors, read_variants
+from eagle3lib.drafter.layer_kinds import GQA, LAYER, MLA, LayerKind, layer_kind
 from eagle3lib.engines.interpreter import engine_python, run_inside
 from eagle3lib.engines.sglang import SGLANG_VERSION, sglang_captured_ids
 from eagle3lib.engines.sglang import preflight as sglang_preflight
@@ -100,16 +106,39 @@ def sglang_bind(name: str, params: set) -> tuple[str | None, str]:
     return (pname if pname in params else None), "plain"
 
 
-def check_sglang(folder, contract: dict | None = None) -> dict:
-    """Name/shape gate for an SGLang export against SGLang 0.5.17's loader (pure Python, no sglang import)."""
-    folder = Path(folder)
+def kind_tensor_problems(config: dict, tensors: dict, kind: LayerKind) -> list[str]:
+    """The tensors of the drafter's kind that the export lacks, and the ones it has that no drafter of its kind has,
+    each named (names as the export has them: midlayer.* read as layers.0.*). d2t and t2d are left to the engines'
+    own checks: a full-vocabulary draft has none for vLLM."""
+    eagle = config.get("eagle_config") or {}
+    n_aux = len(
+        eagle.get("eagle_aux_hidden_state_layer_ids") or config.get("eagle_aux_hidden_state_layer_ids") or [0] * 3
+    )
+    want = {n: s for n, s in kind.shapes(config, read_variants(config), n_aux).items() if n not in ("d2t", "t2d")}
+    have = {n.replace("midlayer.", LAYER, 1): n for n in tensors}
+    problems = [
+        f"the export has no tensor {n} {s} of a {kind.name.upper()} drafter: the engine's parameter for it would "
+        "keep its random init."
+        for n, s in want.items()
+        if n not in have
+    ]
+    problems += [
+        f"tensor {have[n]} is not a tensor of a {kind.name.upper()} drafter (expected {sorted(want)}): the engine "
+        "would drop it or refuse the checkpoint."
+        for n in sorted(have)
+        if n not in want and n not in ("d2t", "t2d")
+    ]
+    return problems
+
+
+def _sglang_config_problems(config: dict, tensors: dict, contract: dict, kind: LayerKind) -> list[str]:
+    """What in an SGLang export's config.json (and its layout) makes SGLang 0.5.17 serve another drafter."""
     problems = []
-    config, tensors = read_config(folder), read_tensors(folder)
-    contract = contract if contract is not None else read_contract(folder)
-    if config.get("architectures") != [ARCHITECTURE]:
+    if config.get("architectures") != [kind.architecture]:
         problems.append(
-            f"config architectures is {config.get('architectures')!r}, expected [{ARCHITECTURE!r}]: SGLang "
-            "picks the model class from it, and a plain LlamaForCausalLM is not a drafter."
+            f"config architectures is {config.get('architectures')!r}, expected [{kind.architecture!r}] for a "
+            f"{kind.name.upper()} drafter: SGLang picks the model class from it, and a plain target class is not a "
+            "drafter."
         )
     for key, want in (
         ("target_hidden_size", contract.get("hidden_size")),
@@ -130,12 +159,12 @@ def check_sglang(folder, contract: dict | None = None) -> dict:
             f"config hidden_size is {config.get('hidden_size')!r}, the target's is {contract['hidden_size']!r}: "
             "SGLang shares the target's embeddings only with a drafter of the target's width."
         )
-    if read_variants(config).get("norm_before_residual"):
-        problems.append(
-            f"config sets norm_before_residual: SGLang {SGLANG_VERSION}'s llama_eagle3 takes the layer's residual "
-            "before hidden_norm whatever the config says, so it would serve another function than the one trained "
-            "(vLLM serves it). Serve this drafter with vLLM, or train with norm_before_residual off."
-        )
+    for flag, why in UNSERVED.get(("sglang", kind.name), {}).items():
+        if read_variants(config).get(flag):
+            problems.append(
+                f"config sets {flag}: {why}, so it would serve another function than the one trained. Serve this "
+                f"drafter with another engine, or train with {flag} off."
+            )
     eagle = config.get("eagle_config") or {}
     ids = eagle.get("eagle_aux_hidden_state_layer_ids")
     layers = contract.get("num_layers")
@@ -170,6 +199,12 @@ def check_sglang(folder, contract: dict | None = None) -> dict:
             "d2t is missing: SGLang would map draft ids to target ids as identity (hot_token_id None) "
             "and propose wrong tokens. Export from a checkpoint with its vocabulary map."
         )
+    return problems + kind_tensor_problems(config, tensors, kind)
+
+
+def _bind_by_name(folder, config: dict, tensors: dict, python) -> tuple[list[str], dict]:
+    """(problems, counts) of a GQA export against SGLang 0.5.17's llama_eagle3 loader, restated in pure Python."""
+    problems = []
     expected = sglang_expected_params(config)
     bound, skipped = {}, []
     for name, t in tensors.items():
@@ -194,19 +229,52 @@ def check_sglang(folder, contract: dict | None = None) -> dict:
             problems.append(
                 f"SGLang parameter {k} {expected[k]} gets no tensor from the checkpoint (stays at its random init)."
             )
-    problems += _contract_problems(folder, tensors, contract)
+    counts = {"expected": len(expected), "loaded": len(bound), "skipped": len(skipped), "missing": len(missing)}
+    return problems, {**counts, "extra": 0}
+
+
+def _bind_by_sglang_loader(folder, config: dict, tensors: dict, python) -> tuple[list[str], dict]:
+    """(problems, counts) of an export loaded by SGLang's own model and loader on the CPU (sglang_replay.py load):
+    every parameter but the target's embed_tokens, and hot_token_id, must be filled by the file's tensors."""
+    if python is None:
+        raise FileNotFoundError(
+            f"The SGLang gate of an MLA drafter runs SGLang's own loader (kimi_k25_eagle3): it needs an interpreter "
+            f"with sglang=={SGLANG_VERSION}: run `make sglang-env` (creates .venv-sglang) or pass python=."
+        )
+    replay = run_inside("sglang_replay.py", ["load", str(folder)], python)
+    params = {n: p for n, p in (replay.get("params") or {}).items() if "embed_tokens" not in n}
+    loaded = [n for n, p in params.items() if p["fully_bound"] and all(b["equal"] for b in p["bound_from"])]
+    hot = bool(replay.get("hot_token_id_ok"))
+    expected = len(params) + 1  # and hot_token_id, from d2t
+    dropped = [t for t in replay.get("dropped") or [] if "t2d" not in t]
+    counts = {"expected": expected, "loaded": len(loaded) + hot, "skipped": len(dropped)}
+    counts.update(missing=expected - counts["loaded"], extra=0, model_class=replay.get("model_class"))
+    return list(replay.get("problems", [])), counts
+
+
+# How the SGLang gate learns which tensors SGLang binds, per draft layer kind.
+SGLANG_BINDING = {GQA.name: _bind_by_name, MLA.name: _bind_by_sglang_loader}
+
+
+def check_sglang(folder, contract: dict | None = None, python=None) -> dict:
+    """The SGLang gate of an export: its config as SGLang 0.5.17 reads it, and the tensors its loader binds (GQA:
+    pure Python; MLA: SGLang's own loader in `python`, the SGLang interpreter)."""
+    folder = Path(folder)
+    config, tensors = read_config(folder), read_tensors(folder)
+    contract = contract if contract is not None else read_contract(folder)
+    kind = layer_kind(config)
+    problems = _sglang_config_problems(config, tensors, contract, kind)
+    bound, counts = SGLANG_BINDING[kind.name](folder, config, tensors, python)
+    problems += bound + _contract_problems(folder, tensors, contract)
+    model_class = counts.pop("model_class", None)  # set where SGLang's own model was built
     return {
         "engine": "sglang",
         "ok": not problems,
         "problems": problems,
         "sglang_version": SGLANG_VERSION,
-        "counts": {
-            "expected": len(expected),
-            "loaded": len(bound),
-            "skipped": len(skipped),
-            "missing": len(missing),
-            "extra": 0,
-        },
+        "layer_kind": kind.name,
+        "counts": counts,
+        **({"model_class": model_class} if model_class else {}),
     }
 
 
@@ -242,7 +310,7 @@ def verify(folder, engine: str, target=None, cache_dir=None, python=None, depth:
     target_dir = resolve_target(str(target if target is not None else contract["target"]), cache)
     py = engine_python(engine, python)
     if engine == "sglang":
-        report = check_sglang(folder, contract)
+        report = check_sglang(folder, contract, py)
         if py is None:
             report["server_args"] = None
             report["notes"] = [
@@ -270,7 +338,11 @@ def verify(folder, engine: str, target=None, cache_dir=None, python=None, depth:
                 f"vLLM will capture target layers {report.get('captured_hf_layers')} (HF hidden_states indexing), the "
                 f"drafter was trained on {contract['aux_layer_ids']}."
             )
-        report["problems"] += _contract_problems(folder, read_tensors(folder), contract)
+        tensors = read_tensors(folder)
+        layer = config.get("transformer_layer_config")  # a speculators export: the layer's config is nested
+        flat = {**layer, **{k: v for k, v in config.items() if k != "transformer_layer_config"}} if layer else config
+        report["problems"] += kind_tensor_problems(flat, tensors, layer_kind(config))
+        report["problems"] += _contract_problems(folder, tensors, contract)
     report["problems"] = problems + report["problems"]
     report["ok"] = not report["problems"]
     report["folder"] = str(folder)

@@ -11,6 +11,11 @@ Layouts (docs/design.md §4), all with the same tensors and values, only names a
     speculators  canonical tensor names; config.json with speculators_model_type "eagle3",
                  transformer_layer_config, speculators_config and the norm flags written explicitly
 
+An MLA drafter (drafter/layer_kinds.py; TorchSpec's Eagle3DeepseekV2ForCausalLM for Kimi-K2.5) has the same
+sglang and vllm layouts with its own layer tensors and architectures; both engines' loaders fuse q_a_proj and
+kv_a_proj_with_mqa themselves, so they stay two tensors. It has no speculators layout (refused, saying why), and
+the EAGLE-3.1 flags an engine's model of the layer ignores are refused for that engine (UNSERVED).
+
 The engines' aux-id conventions, as read in their source, are told in engines/sglang.py and engines/vllm.py.
 
 Every export carries eagle3.json (the target contract) and records our ids there.
@@ -28,6 +33,7 @@ from types import SimpleNamespace
 from safetensors.torch import save_file
 
 from eagle3lib.drafter.formats import WEIGHTS, llama_fields, read_config, read_variants, to_canonical
+from eagle3lib.drafter.layer_kinds import LayerKind, layer_kind
 from eagle3lib.drafter.model import VARIANTS
 from eagle3lib.engines.sglang import SGLANG_CONVENTION, SGLANG_VERSION, sglang_config_ids
 from eagle3lib.target import (
@@ -43,6 +49,29 @@ from eagle3lib.target import (
 ENGINES = ("sglang", "vllm", "speculators")
 NO_TOKENIZER = SimpleNamespace(chat_template=None)  # a target without one: its contract has no chat-template hash
 SPECULATORS_VERSION = "0.3.0"
+# EAGLE-3.1 flags that an engine's model of a draft layer kind does not implement, so that it would serve another
+# function than the one trained: {(engine, kind name): {flag: why}}.
+_NBR_SGLANG = (
+    "SGLang {v}'s {module} takes the layer's residual before hidden_norm whatever the config says; vLLM serves it"
+)
+UNSERVED = {
+    ("sglang", "gqa"): {"norm_before_residual": _NBR_SGLANG.format(v=SGLANG_VERSION, module="llama_eagle3")},
+    ("sglang", "mla"): {
+        "norm_before_residual": _NBR_SGLANG.format(v=SGLANG_VERSION, module="kimi_k25_eagle3"),
+        "norm_before_fc": f"SGLang {SGLANG_VERSION}'s kimi_k25_eagle3 (Eagle3MLAModel) has no input_norm before fc",
+    },
+    ("vllm", "mla"): {
+        "norm_before_fc": "vLLM's deepseek_eagle3 (DeepseekV2Eagle3Model) has no input_norm before fc",
+    },
+}
+# Config keys an engine's model of a draft layer kind needs set: {(engine, kind name): {key: why}}.
+REQUIRED = {
+    ("sglang", "mla"): {
+        # kimi_k25_eagle3.py Eagle3MLADecoderLayer.__init__ raises without it
+        "q_lora_rank": f"SGLang {SGLANG_VERSION}'s Eagle3MLADecoderLayer refuses an MLA layer without compressed "
+        "queries ('Eagle3 MLA layer requires q_lora_rank in the draft config'); vLLM serves it",
+    },
+}
 
 
 # ------------------------------------------------------------------------------- files ----
@@ -142,17 +171,19 @@ def export(checkpoint_dir, engine: str, out_dir, target=None, cache_dir=None, de
     if engine not in ENGINES:
         raise ValueError(f"Expected engine one of {ENGINES}, found {engine!r}.")
     config, tensors, contract = read_checkpoint(checkpoint_dir, target, cache_dir)
-    aux = contract["aux_layer_ids"]
+    refusal = export_refusal(engine, layer_kind(config), config)
+    if refusal:
+        raise ValueError(f"Refusing to export {checkpoint_dir} for {engine}: {refusal}.")
+    return _write_folder(out_dir, *engine_layout(engine, config, tensors, contract, depth), contract)
 
+
+def engine_layout(engine: str, config: dict, tensors: dict, contract: dict, depth: int = 3) -> tuple[dict, dict]:
+    """(config.json, tensors by the engine's names) of the `engine` layout of a canonical drafter (export's
+    refusals not checked). Tensors are only renamed or dropped, so meta tensors do for a shapes-only export; d2t
+    must hold values (a full vocabulary's is dropped for vLLM)."""
+    aux = contract["aux_layer_ids"]
     variants = read_variants(config)
     if engine == "sglang":
-        if variants.get("norm_before_residual"):
-            raise ValueError(
-                f"{checkpoint_dir}: the drafter was trained with norm_before_residual (speculators' default), "
-                f"which SGLang {SGLANG_VERSION}'s llama_eagle3 does not model: it takes the layer's residual before "
-                "hidden_norm and would serve another function at a lower acceptance. Export it for vllm or "
-                "speculators (vLLM serves it), or train with norm_before_residual off."
-            )
         cfg = copy.deepcopy(config)
         ids = sglang_config_ids(aux, contract.get("target_architecture"))
         cfg["eagle_config"] = {
@@ -212,7 +243,39 @@ def export(checkpoint_dir, engine: str, out_dir, target=None, cache_dir=None, de
     if engine != "sglang" and _full_vocabulary(config, tensors):
         # vLLM's Eagle3 model has no draft_id_to_target_id for a full-vocabulary draft and refuses one
         out = {n: t for n, t in out.items() if n not in ("d2t", "t2d")}
-    return _write_folder(out_dir, cfg, out, contract)
+    return cfg, out
+
+
+def export_refusal(engine: str, kind: LayerKind, config: dict) -> str | None:
+    """Why `engine`'s layout cannot serve a drafter of this kind and config as trained, or None."""
+    if engine == "speculators" and kind.speculators_refusal:
+        return f"its draft layer is {kind.name.upper()}, and {kind.speculators_refusal}"
+    for flag, why in UNSERVED.get((engine, kind.name), {}).items():
+        if read_variants(config).get(flag):
+            return (
+                f"the drafter was trained with the EAGLE-3.1 flag {flag}, which {engine} does not model ({why}): it "
+                f"would serve another function at a lower acceptance. Export it for another engine, or train "
+                f"with {flag} off"
+            )
+    for key, why in REQUIRED.get((engine, kind.name), {}).items():
+        if not config.get(key):
+            return f"its config has no {key}: {why}"
+    return None
+
+
+def exportable_engines(checkpoint_dir) -> dict[str, str | None]:
+    """{engine: None, or why its layout cannot serve this checkpoint}, for every engine of ENGINES."""
+    config = _layer_config(checkpoint_dir)
+    kind = layer_kind(config)
+    return {engine: export_refusal(engine, kind, config) for engine in ENGINES}
+
+
+def _layer_config(checkpoint_dir) -> dict:
+    """The config a checkpoint has, as far as the kind of its layer and its EAGLE-3.1 flags go (any layout)."""
+    config = read_config(checkpoint_dir)
+    layer = config.get("transformer_layer_config")
+    flags = read_variants(config, speculators="speculators_model_type" in config)
+    return {**(layer or config), "architectures": config.get("architectures"), **flags}
 
 
 def _full_vocabulary(config: dict, tensors: dict) -> bool:

@@ -19,7 +19,8 @@ GATE = {
 
 
 def export_all(p, checkpoint: Path, out: Path) -> dict[str, Path]:
-    """The canonical drafter (02_train's drafter/) in each engine's layout, out/<layout>/."""
+    """The canonical drafter (02_train's drafter/) in each engine's layout that can serve it, out/<layout>/ (an MLA
+    drafter has no speculators layout: layouts.exportable_engines says why, and gate() reports it not checked)."""
     return {
         engine: layouts.export(
             checkpoint,
@@ -29,16 +30,20 @@ def export_all(p, checkpoint: Path, out: Path) -> dict[str, Path]:
             cache_dir=cache_dir(p),
             depth=max(p.bench.depths),
         )
-        for engine in layouts.ENGINES
+        for engine, refusal in layouts.exportable_engines(checkpoint).items()
+        if refusal is None
     }
 
 
 def gate(p, exports: dict) -> tuple[dict, dict]:
     """Each export loaded back by its engine's own loader (convert.gate.verify). Returns (reports by gate name,
-    not_checked: {name: why} for an engine not installed here). The engine this run serves with is always
+    not_checked: {name: why} for an engine not installed here or a layout not exported). The engine this run serves with is always
     checked: its absence raises."""
     reports, not_checked = {}, {}
     for name, (engine, layout) in GATE.items():
+        if layout not in exports:
+            not_checked[name] = f"no {layout} export: its layout cannot serve this drafter (layouts.export_refusal)"
+            continue
         try:
             reports[name] = verify(
                 exports[layout],
@@ -97,4 +102,4 @@ def result(exports: dict, reports: dict, not_checked: dict, commands: dict) -> d
         "not_checked": not_checked,
     }
     headline = {name: f"{v['loaded']}/{v['expected']} loaded" for name, v in verified.items()}
-    return {"figures": figures, "headline": headline, "artifacts": [f"{e}/model.safetensors" for e in layouts.ENGINES]}
+    return {"figures": figures, "headline": headline, "artifacts": [f"{e}/model.safetensors" for e in exports]}

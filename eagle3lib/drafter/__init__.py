@@ -1,8 +1,10 @@
 """The EAGLE-3 drafter, as every stage sees it:
 
     model.py          the draft model (one Llama decoder layer over fc(aux states)), TTT forward and engine-style steps
+    mla.py            DeepSeek's multi-head latent attention as that layer's attention (draft_attention: mla)
     ttt_attention.py  the training-time-test attention kernels: dense (reference), flex, merged (cuDNN / flash varlen)
     vocab.py          the draft vocabulary (d2t, t2d)
+    layer_kinds.py    the draft layer's kind (gqa | mla) as a checkpoint sees it: architecture, config keys, tensor shapes
     formats.py        the checkpoint layouts we read (canonical, speculators, EAGLE/SpecForge) into the canonical form
     aux_ids.py        aux layer ids in each engine's convention (SGLang's rule per architecture)
 

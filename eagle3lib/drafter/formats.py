@@ -4,7 +4,11 @@
                  02_train writes and what vLLM reads
     speculators  canonical tensor names; config.json with speculators_model_type "eagle3" and
                  transformer_layer_config
-    specforge    EAGLE/SpecForge (and SGLang exports): midlayer.* tensors, eagle_config ids in SGLang's convention
+    specforge    EAGLE/SpecForge/TorchSpec (and SGLang exports): midlayer.* tensors, eagle_config ids in SGLang's
+                 convention
+
+Each layout holds either kind of draft layer (drafter/layer_kinds.py: GQA, or MLA as TorchSpec's Kimi-K2.5
+drafters have it), known from the config's architectures; the kind names the tensors and their shapes.
 
 convert/ writes each engine's layout from the canonical form and imports back through here; 02_train's
 train.init_from warm-starts from any of them.
@@ -18,13 +22,16 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from eagle3lib.drafter.model import ARCHITECTURE, VARIANTS
+from eagle3lib.drafter.layer_kinds import LayerKind, layer_kind
+from eagle3lib.drafter.model import VARIANTS
 from eagle3lib.target import AUX_LAYER_ID_CONVENTION, CONTRACT_FILE, check_aux_layer_ids, read_contract
 
 LAYOUTS = ("canonical", "speculators", "specforge")
 WEIGHTS = "model.safetensors"
 
-# Canonical tensor names of a 1-layer EAGLE-3 drafter (drafter.py); layer tensors under "layers.0.".
+# Canonical tensor names of a 1-layer GQA EAGLE-3 drafter (drafter/model.py); layer tensors under "layers.0.". An MLA
+# drafter's are MLA.tensors(config) (drafter/layer_kinds.py): q_a_proj, q_a_layernorm, q_b_proj (q_proj without
+# q_lora_rank), kv_a_proj_with_mqa, kv_a_layernorm, kv_b_proj and o_proj in place of q/k/v/o_proj.
 LAYER_TENSORS = (
     "input_layernorm.weight",
     "hidden_norm.weight",
@@ -39,6 +46,10 @@ LAYER_TENSORS = (
 )
 TOP_TENSORS = ("fc.weight", "norm.weight", "lm_head.weight", "d2t", "t2d")
 CANONICAL_TENSORS = tuple("layers.0." + n for n in LAYER_TENSORS) + TOP_TENSORS
+# Names other trainers give canonical tensors (after midlayer. -> layers.0.): TorchSpec's DeepSeekMLAAttention
+# (torchspec/models/draft/deepseek_eagle.py) calls the KV down projection kv_a_proj; both engines bind only
+# kv_a_proj_with_mqa (SGLang skips any other name without a word).
+TENSOR_ALIASES = {"layers.0.self_attn.kv_a_proj.weight": "layers.0.self_attn.kv_a_proj_with_mqa.weight"}
 # The config flags of EAGLE-3.1's norms (drafter/model.py VARIANTS); use_aux_norm is fc_norm's older name.
 VARIANT_FLAGS = (*VARIANTS, "use_aux_norm")
 
@@ -194,12 +205,12 @@ def llama_fields(config: dict) -> dict:
 
 
 def _canonical_config(
-    llama: dict, draft_vocab_size: int, target_hidden_size: int, aux_ids: list[int], variants: dict
+    kind: LayerKind, fields: dict, draft_vocab_size: int, target_hidden_size: int, aux_ids: list[int], variants: dict
 ) -> dict:
-    d = dict(llama)
+    d = dict(fields)
     d.update(
-        architectures=[ARCHITECTURE],
-        model_type="llama",
+        architectures=[kind.architecture],
+        model_type=kind.model_type,
         draft_vocab_size=draft_vocab_size,
         target_hidden_size=target_hidden_size,
         num_hidden_layers=1,
@@ -239,6 +250,13 @@ def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dic
         draft_vocab = config.get("draft_vocab_size")
         target_hidden = config.get("target_hidden_size") or config.get("hidden_size")
     variants = read_variants(config, speculators=layout == "speculators")
+    kind = layer_kind(config)
+    absent = kind.missing_keys(llama)
+    if absent:
+        raise ValueError(
+            f"{src_dir} ({layout} layout): its config names a {kind.name.upper()} drafter "
+            f"({config.get('architectures')}) but has no {absent}; the draft layer's shapes come from them."
+        )
 
     renamed = {}
     for name, t in tensors.items():
@@ -249,7 +267,7 @@ def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dic
             name = name.replace(legacy, f"fc_norm.{i}")
         if name == "embed_tokens.weight":
             continue
-        renamed[name] = t
+        renamed[TENSOR_ALIASES.get(name, name)] = t
     if draft_vocab is None:
         draft_vocab = renamed["lm_head.weight"].shape[0] if "lm_head.weight" in renamed else llama.get("vocab_size")
     if "d2t" not in renamed and draft_vocab == llama.get("vocab_size"):
@@ -258,14 +276,21 @@ def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dic
         t2d = torch.zeros(llama["vocab_size"], dtype=torch.bool)
         t2d[torch.arange(renamed["d2t"].numel()) + renamed["d2t"]] = True
         renamed["t2d"] = t2d
-    wanted = CANONICAL_TENSORS + variant_tensors(variants)
+    shapes = kind.shapes({**llama, "draft_vocab_size": draft_vocab, "target_hidden_size": target_hidden}, variants)
+    wanted = tuple(shapes)
     missing = [n for n in wanted if n not in renamed]
     extra = sorted(n for n in renamed if n not in wanted)
     if missing or extra:
         raise ValueError(
-            f"{src_dir} ({layout} layout): expected the tensors {list(wanted)} after renaming, "
-            f"missing {missing}, unexpected {extra} (EAGLE-3.1 flags: {sorted(variants) or 'none'}). It is not a "
-            "1-layer EAGLE-3 drafter of the layout we read."
+            f"{src_dir} ({layout} layout, {kind.name.upper()} draft layer): expected the tensors {list(wanted)} "
+            f"after renaming, missing {missing}, unexpected {extra} (EAGLE-3.1 flags: {sorted(variants) or 'none'}). "
+            "It is not a 1-layer EAGLE-3 drafter of the layout we read."
+        )
+    misshapen = [f"{n} {tuple(renamed[n].shape)} (expected {s})" for n, s in shapes.items() if renamed[n].shape != s]
+    if misshapen:
+        raise ValueError(
+            f"{src_dir} ({layout} layout, {kind.name.upper()} draft layer): tensors of other shapes than its "
+            f"config gives: {'; '.join(misshapen)}. The config does not belong to these weights."
         )
 
     aux = _aux_ids_from_config(config, contract.get("target_architecture"), contract.get("num_layers") or 0)
@@ -314,4 +339,4 @@ def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dic
         )
     contract.update(found, aux_layer_ids=aux, aux_layer_id_convention=AUX_LAYER_ID_CONVENTION)
     out = {n: renamed[n] for n in wanted}
-    return _canonical_config(llama, int(draft_vocab), int(target_hidden), aux, variants), out, contract
+    return _canonical_config(kind, llama, int(draft_vocab), int(target_hidden), aux, variants), out, contract

@@ -20,7 +20,7 @@ Two ways to run it, which must agree (tests/unit/test_drafter.py):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +29,7 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
+from eagle3lib.drafter.mla import MLA_ARCHITECTURE, MLA_DIMS, MLAAttention
 from eagle3lib.drafter.ttt_attention import (
     HALF_DTYPES,
     TTT_BLOCK,
@@ -44,6 +45,15 @@ from eagle3lib.drafter.ttt_attention import (
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 VARIANTS = ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")
+
+
+def standard_rope(rope: dict) -> dict:
+    """Rope parameters with the rope's kind under rope_type only ("type" is the older key of DeepSeek's and
+    TorchSpec's configs, which transformers keeps beside it), so a config reads back equal to itself."""
+    rope = dict(rope)
+    kind = rope.pop("type", None)
+    rope.setdefault("rope_type", kind or "default")
+    return rope
 
 
 @dataclass
@@ -66,10 +76,39 @@ class DrafterConfig:
     fc_norm: bool = False  # an RMSNorm per aux state before fc (exclusive with norm_before_fc)
     norm_output: bool = False  # the next chain step takes norm(h), not the pre-norm h
     norm_before_residual: bool = False  # the layer's residual is hidden_norm(h), not h
+    # The layer's attention (ATTENTIONS): gqa = Llama's q/k/v heads; mla = DeepSeek's multi-head latent attention,
+    # with these dims (drafter/mla.py; q_lora_rank None: q_proj reads the input directly). head_dim is then the
+    # rotary's, qk_rope_head_dim, as DeepSeek's configs define it.
+    draft_attention: str = "gqa"
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
 
     def __post_init__(self):
         if self.norm_before_fc and self.fc_norm:
             raise ValueError("norm_before_fc and fc_norm are exclusive: one norm over the aux states, or one each")
+        if self.draft_attention not in ATTENTIONS:
+            raise ValueError(f"draft_attention is one of {sorted(ATTENTIONS)}, not {self.draft_attention!r}")
+        dims = {d: getattr(self, d) for d in MLA_DIMS}
+        if self.draft_attention == "mla" and None in [v for d, v in dims.items() if d != "q_lora_rank"]:
+            raise ValueError(
+                f"an MLA drafter needs kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim: {dims}"
+            )
+        if self.q_lora_rank is not None and self.q_lora_rank < 1:
+            raise ValueError(f"q_lora_rank is None (q_proj reads the input) or positive, not {self.q_lora_rank}")
+        if self.draft_attention == "gqa" and any(v is not None for v in dims.values()):
+            raise ValueError(f"MLA dims on a gqa drafter: {dims}")
+
+    @property
+    def attention_class(self) -> type[nn.Module]:
+        """The layer's attention module: the one place the gqa / mla choice is read."""
+        return ATTENTIONS[self.draft_attention]
+
+    @property
+    def mla_dims(self) -> dict:
+        return {d: getattr(self, d) for d in MLA_DIMS} if self.draft_attention == "mla" else {}
 
     @property
     def variants(self) -> dict[str, bool]:
@@ -77,11 +116,21 @@ class DrafterConfig:
         return {f: True for f in VARIANTS if getattr(self, f)}
 
     @classmethod
-    def from_target(cls, target_config, draft_vocab_size: int, aux_layer_ids: list[int]) -> DrafterConfig:
+    def from_target(
+        cls,
+        target_config,
+        draft_vocab_size: int,
+        aux_layer_ids: list[int],
+        draft_attention: str = "gqa",
+        mla: dict | None = None,
+    ) -> DrafterConfig:
         """Dims default to the target's, as the engines expect. An MLA target (DeepSeek-V3, Kimi-K2.5) has no
-        plain head size: the drafter's Llama heads take its value head size (128 for Kimi, as the released
-        Kimi drafters have)."""
+        plain head size: a gqa drafter's Llama heads take its value head size (128 for Kimi, as the released
+        Kimi drafters have). An mla drafter takes the target's MLA dims and heads where it has them, `mla`'s
+        values ({dim: value}, None = the target's) where given; a dim neither has is an error naming it."""
         c = getattr(target_config, "text_config", None) or target_config
+        if draft_attention == "mla":
+            return cls.from_target(c, draft_vocab_size, aux_layer_ids).with_mla(c, mla or {})
         heads = c.num_attention_heads
         mla_head_dim = getattr(c, "v_head_dim", None) if getattr(c, "kv_lora_rank", None) else None
         rope = getattr(c, "rope_parameters", None) or {
@@ -101,7 +150,33 @@ class DrafterConfig:
             rms_norm_eps=c.rms_norm_eps,
             hidden_act=getattr(c, "hidden_act", "silu"),
             max_position_embeddings=getattr(c, "max_position_embeddings", 8192),
-            rope_parameters=dict(rope),
+            rope_parameters=standard_rope(rope),
+        )
+
+    def with_mla(self, target_text_config, given: dict) -> DrafterConfig:
+        """This config as an mla drafter: each MLA dim (and num_attention_heads) from `given` where not None,
+        else the target's. A q_lora_rank is required although the layer can do without (q_proj): neither engine
+        serves that (vLLM 0.32's loader stacks kv_a_proj_with_mqa into fused_qkv_a_proj, which only the low-rank
+        q has: tests/e2e/test_mla_vllm.py; SGLang 0.5.17's kimi_k25_eagle3 raises without it)."""
+        dims = {}
+        for name in (*MLA_DIMS, "num_attention_heads"):
+            value = given.get(name)
+            if value is None:
+                value = getattr(target_text_config, name, None)
+            if value is None:
+                why = "is null: no engine serves an MLA drafter without the low-rank q" if name == "q_lora_rank" else ""
+                raise ValueError(
+                    f"the target's config has no {name} ({why or 'it is not an MLA model'}): give it in train.mla.{name}"
+                )
+            dims[name] = value
+        heads = dims.pop("num_attention_heads")
+        return replace(
+            self,
+            draft_attention="mla",
+            num_attention_heads=heads,
+            num_key_value_heads=heads,
+            head_dim=dims["qk_rope_head_dim"],
+            **dims,
         )
 
     def llama_config(self) -> LlamaConfig:
@@ -121,7 +196,10 @@ class DrafterConfig:
         )
 
     def to_hf_dict(self) -> dict:
-        """config.json of the canonical checkpoint: flat Llama fields plus the EAGLE-3 ones."""
+        """config.json of the canonical checkpoint: flat Llama fields plus the EAGLE-3 ones; an mla drafter's is
+        TorchSpec's Eagle3DeepseekV2ForCausalLM config (mla_hf_dict)."""
+        if self.draft_attention == "mla":
+            return self.mla_hf_dict()
         d = self.llama_config().to_dict()
         d.update(
             architectures=[ARCHITECTURE],
@@ -138,19 +216,48 @@ class DrafterConfig:
         )
         return d
 
+    def mla_hf_dict(self) -> dict:
+        """TorchSpec's keys (its Kimi-K2.5 MLA drafter's config.json), the rope as rope_theta + rope_scaling, plus
+        ours: target_hidden_size, the aux ids' convention, EAGLE-3.1's flags. model_type deepseek_v2: a config class
+        every engine's transformers knows (kimi_k2, TorchSpec's, only vLLM's registry does), which vLLM does not take
+        for DeepSeek's MTP head as it takes deepseek_v3 (SpeculativeConfig.hf_config_override)."""
+        scaling = {k: v for k, v in self.rope_parameters.items() if k != "rope_theta"}
+        return {
+            "architectures": [MLA_ARCHITECTURE],
+            "model_type": "deepseek_v2",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_attention_heads,
+            **self.mla_dims,
+            "head_dim": self.qk_rope_head_dim,
+            "hidden_act": self.hidden_act,
+            "rms_norm_eps": self.rms_norm_eps,
+            "vocab_size": self.vocab_size,
+            "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size,
+            "max_position_embeddings": self.max_position_embeddings,
+            "rope_theta": self.rope_parameters.get("rope_theta", 10000.0),
+            "rope_scaling": None if scaling.get("rope_type", "default") == "default" else scaling,
+            "tie_word_embeddings": False,
+            "eagle_config": {
+                "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
+                "aux_layer_id_convention": "hf_hidden_states",
+            },
+            **self.variants,
+        }
+
     @classmethod
     def from_hf_dict(cls, d: dict) -> DrafterConfig:
-        rope = d.get("rope_parameters") or {
-            "rope_type": "default",
-            "rope_theta": d.get("rope_theta", 10000.0),
-            **(d.get("rope_scaling") or {}),
-        }
+        rope = d.get("rope_parameters") or {"rope_theta": d.get("rope_theta", 10000.0), **(d.get("rope_scaling") or {})}
         heads = d["num_attention_heads"]
+        mla = MLA_ARCHITECTURE in (d.get("architectures") or [])
         return cls(
             hidden_size=d["hidden_size"],
             num_attention_heads=heads,
             num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            head_dim=(d["qk_rope_head_dim"] if mla else d.get("head_dim")) or d["hidden_size"] // heads,
             intermediate_size=d["intermediate_size"],
             vocab_size=d["vocab_size"],
             draft_vocab_size=d.get("draft_vocab_size") or d["vocab_size"],
@@ -159,8 +266,9 @@ class DrafterConfig:
             rms_norm_eps=d["rms_norm_eps"],
             hidden_act=d.get("hidden_act", "silu"),
             max_position_embeddings=d.get("max_position_embeddings", 8192),
-            rope_parameters=rope,
+            rope_parameters=standard_rope(rope),
             **{f: bool(d.get(f, False)) for f in VARIANTS},
+            **({"draft_attention": "mla", **{k: d.get(k) for k in MLA_DIMS}} if mla else {}),
         )
 
     def as_dict(self) -> dict:
@@ -170,6 +278,8 @@ class DrafterConfig:
 class Attention(nn.Module):
     """Llama attention over a 2H input; the caller supplies keys/values to attend to and the mask."""
 
+    TARGET_LAYER = "a Llama-shaped target layer"  # what init_from_target_layer maps
+
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
         self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -177,6 +287,23 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(2 * cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.v_proj = nn.Linear(2 * cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
+
+    @staticmethod
+    def rotary_embedding(cfg: DrafterConfig) -> nn.Module:
+        return LlamaRotaryEmbedding(cfg.llama_config())
+
+    INPUT_PROJECTIONS = ("q_proj", "k_proj", "v_proj")  # the linear maps of the layer's 2H input
+
+    def input_weight(self) -> torch.Tensor:
+        """[(h+2kv)·d, 2H]: the q, k and v projections of the layer's input, stacked."""
+        return torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+
+    def heads_from_input(self, qkv, cos, sin):
+        """F.linear(x, input_weight()) [B,T,(h+2kv)·d] → q [B,h,T,d], k, v [B,kv,T,d], rotary applied."""
+        q, k, v = qkv.split(
+            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], -1
+        )
+        return self.heads_with_rope(q, k, v, cos, sin)
 
     def qkv(self, x, cos, sin):
         return self.heads_with_rope(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
@@ -202,6 +329,9 @@ class Attention(nn.Module):
         )
 
 
+ATTENTIONS = {"gqa": Attention, "mla": MLAAttention}
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -209,7 +339,7 @@ class DecoderLayer(nn.Module):
         self.norm_before_residual = cfg.norm_before_residual
         self.input_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.hidden_norm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = cfg.attention_class(cfg)
         self.post_attention_layernorm = LlamaRMSNorm(cfg.hidden_size, eps=cfg.rms_norm_eps)
         self.mlp = LlamaMLP(llama)
 
@@ -220,8 +350,7 @@ class DecoderLayer(nn.Module):
     # embedding half (weight columns :H) and a hidden half (H:). In TTT, step k at t reads the embedding
     # of token t+1+k, the same rows shifted by k: the embedding half is projected once for all steps.
     def qkv_weight_halves(self):
-        a, h = self.self_attn, self.hidden_norm.weight.shape[0]
-        w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+        w, h = self.self_attn.input_weight(), self.hidden_norm.weight.shape[0]
         return w[:, :h], w[:, h:]
 
     def embed_qkv(self, embeds, w_embed):
@@ -229,10 +358,7 @@ class DecoderLayer(nn.Module):
 
     def step_qkv(self, embed_part, hidden, w_hidden, cos, sin):
         """q, k, v of one TTT step from its slice of embed_qkv and the step's hidden state."""
-        a = self.self_attn
-        qkv = embed_part + F.linear(self.hidden_norm(hidden), w_hidden)
-        q, k, v = qkv.split([a.heads * a.head_dim, a.kv_heads * a.head_dim, a.kv_heads * a.head_dim], -1)
-        return a.heads_with_rope(q, k, v, cos, sin)
+        return self.self_attn.heads_from_input(embed_part + F.linear(self.hidden_norm(hidden), w_hidden), cos, sin)
 
     def finish(self, attn_out, hidden):
         """Residual from h (hidden_norm(h) with norm_before_residual), then post-attention norm and MLP; returns
@@ -258,7 +384,7 @@ class Drafter(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(cfg.vocab_size, dtype=torch.bool))
-        self.rotary = LlamaRotaryEmbedding(cfg.llama_config())
+        self.rotary = cfg.attention_class.rotary_embedding(cfg)
         self.compile_merge = False  # ttt_forward's merged attention: its merge torch.compile'd (train.compile_layer)
 
     @property
@@ -294,16 +420,16 @@ class Drafter(nn.Module):
     @torch.no_grad()
     def init_from_target_layer(self, layer: dict, top_aux: int = -1) -> None:
         """Start as the target's layer `layer` ({name within the layer: tensor}, target.load_layer_tensors)
-        applied to one aux state: fc passes aux state `top_aux` through unchanged, q/k/v read only the hidden
-        half (the embedding half starts at zero), and the norms, o_proj and MLP are the target's. So before
-        training the drafter is an early exit from the target's top aux layer through its last layer."""
+        applied to one aux state: fc passes aux state `top_aux` through unchanged, the projections of the layer's
+        input read only the hidden half (the embedding half starts at zero), and the norms, the rest of the
+        attention and the MLP are the target's. So before training the drafter is an early exit from the target's
+        top aux layer through its last layer. The target's layer must be shaped as the drafter's attention names
+        (TARGET_LAYER): Llama's for gqa; DeepSeek's MLA with a dense MLP for mla (an MoE layer, as Kimi-K2.5's
+        last, does not map)."""
         mine = self.layer
         h = mine.hidden_norm.weight.shape[0]
         wanted = {
-            "self_attn.q_proj.weight": mine.self_attn.q_proj.weight,
-            "self_attn.k_proj.weight": mine.self_attn.k_proj.weight,
-            "self_attn.v_proj.weight": mine.self_attn.v_proj.weight,
-            "self_attn.o_proj.weight": mine.self_attn.o_proj.weight,
+            **{"self_attn." + n: p for n, p in mine.self_attn.named_parameters()},
             "mlp.gate_proj.weight": mine.mlp.gate_proj.weight,
             "mlp.up_proj.weight": mine.mlp.up_proj.weight,
             "mlp.down_proj.weight": mine.mlp.down_proj.weight,
@@ -312,13 +438,13 @@ class Drafter(nn.Module):
         }
         for name, param in wanted.items():
             theirs = layer.get(name)
-            half = param[:, h:] if name.split(".")[-2] in ("q_proj", "k_proj", "v_proj") else param
+            half = param[:, h:] if name.split(".")[-2] in mine.self_attn.INPUT_PROJECTIONS else param
             if theirs is None or theirs.shape != half.shape:
                 got = "missing" if theirs is None else tuple(theirs.shape)
                 raise ValueError(
                     f"cannot start the drafter from the target's layer: {name} is {got}, the drafter's is "
-                    f"{tuple(half.shape)}; this needs a Llama-shaped target layer (set train.init_layer_from_target "
-                    "false for other architectures)"
+                    f"{tuple(half.shape)}; this needs {mine.self_attn.TARGET_LAYER} (set "
+                    "train.init_layer_from_target false for other architectures)"
                 )
             if half is not param:
                 param[:, :h].zero_()

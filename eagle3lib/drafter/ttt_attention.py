@@ -293,8 +293,18 @@ def causal_attention_with_diagonals(
     """Step k's TTT attention: q [B,h,T,d]; step 0's keys k0, v0 with q's heads on rows of one document
     (segments None), or with their kv heads [B,kv,T,d] and the rows' documents as segments (packed_segments);
     diag_keys/values: steps 1..k, [B,kv,T,d]. Returns [B,h,T,d].
+    Values may be narrower than q and k (MLA: 128 against 192), d_v: then the output is [B,h,T,d_v].
     compiled: the merge torch.compile'd (merge_kernels)."""
-    return _CausalWithDiagonals.apply(q, k0, v0, compiled, segments, *diag_keys, *diag_values)
+    d, d_v = q.shape[-1], v0.shape[-1]
+    if d_v == d:
+        return _CausalWithDiagonals.apply(q, k0, v0, compiled, segments, *diag_keys, *diag_values)
+    if d_v > d:
+        raise ValueError(f"the merged attention takes values no wider than q and k: {d_v} against {d}")
+    # The fused kernels take one head dim for q, k and v (flash attention 2 refuses others). Values padded with
+    # zeros to q's width add zero columns to the output, which are cut off; autograd slices their gradients.
+    pad = lambda x: torch.nn.functional.pad(x, (0, d - d_v))  # noqa: E731
+    padded = _CausalWithDiagonals.apply(q, k0, pad(v0), compiled, segments, *diag_keys, *map(pad, diag_values))
+    return padded[..., :d_v]
 
 
 TTT_BLOCK = 128  # flex_attention's block size

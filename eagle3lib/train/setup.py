@@ -109,7 +109,12 @@ def initial_drafter(p, tcfg, tensors: dict, target_path, vocab_maps: tuple, aux_
     """The drafter shaped for the target, with the draft vocabulary (d2t, t2d) and EAGLE-3.1's norms the params
     name; its head, norm and layer from the target's where the params say so."""
     train_params = p.train
-    cfg = DrafterConfig.from_target(tcfg, train_params.draft_vocab_size, aux_ids)
+    try:
+        cfg = DrafterConfig.from_target(
+            tcfg, train_params.draft_vocab_size, aux_ids, train_params.draft_attention, train_params.mla.model_dump()
+        )
+    except ValueError as e:
+        raise TrainingError(f"train.draft_attention: {train_params.draft_attention}: {e}") from e
     try:
         cfg = replace(cfg, **dict.fromkeys(train_params.eagle31_norms, True))
     except ValueError as e:
@@ -122,9 +127,26 @@ def initial_drafter(p, tcfg, tensors: dict, target_path, vocab_maps: tuple, aux_
             drafter.lm_head.weight.copy_(tensors["lm_head"][vocab_maps[1]])
             drafter.norm.weight.copy_(tensors["norm"])
     if train_params.init_layer_from_target:
-        layers = (getattr(tcfg, "text_config", None) or tcfg).num_hidden_layers
-        drafter.init_from_target_layer(target.load_layer_tensors(target_path, layers - 1))
+        init_layer_from_target(drafter, tcfg, target_path)
     return drafter
+
+
+def init_layer_from_target(drafter: Drafter, tcfg, target_path) -> None:
+    """train.init_layer_from_target: the drafter's layer from the target's last one, where its shape maps (the
+    drafter's attention names which: Drafter.init_from_target_layer). An MoE last layer is refused before its
+    experts are read (Kimi-K2.5's would be ~GBs): the drafter's MLP is dense."""
+    c = getattr(tcfg, "text_config", None) or tcfg
+    last = c.num_hidden_layers - 1
+    moe = last >= getattr(c, "first_k_dense_replace", 0) and last % (getattr(c, "moe_layer_freq", 1) or 1) == 0
+    if getattr(c, "n_routed_experts", None) and moe:  # DeepSeek's rule for which layers are MoE
+        raise TrainingError(
+            f"train.init_layer_from_target: the target's last layer ({last}) is an MoE layer ({c.n_routed_experts} "
+            "experts) and the drafter's MLP is dense, so the drafter cannot start as that layer; set it false"
+        )
+    try:
+        drafter.init_from_target_layer(target.load_layer_tensors(target_path, last))
+    except ValueError as e:
+        raise TrainingError(f"train.init_layer_from_target: {e}") from e
 
 
 def freeze(drafter: Drafter, train_params) -> None:

@@ -3,6 +3,7 @@
     python eagle3lib/engines/inside/load_check.py vllm DRAFT_DIR --target TARGET_DIR [--depth D]
     python eagle3lib/engines/inside/load_check.py sglang --args '[...launch flags...]'
     python eagle3lib/engines/inside/load_check.py vllm-forward DRAFT_DIR --target TARGET_DIR --inputs IN --out OUT
+    python eagle3lib/engines/inside/load_check.py vllm-meta CONFIG_DIR --target TARGET_DIR --shapes SHAPES_JSON
 
 Prints one JSON report line. Standalone on purpose (stdlib, torch, safetensors and the engine only):
 the engines pin transformers versions that our .venv does not have, so eagle3lib.engines.interpreter runs this
@@ -15,8 +16,12 @@ vllm: builds the VllmConfig that `vllm serve TARGET --speculative-config {...}` 
 sglang: resolves the launch flags with SGLang's own prepare_server_args (ServerArgs.__post_init__) and, for
     an EAGLE3 launch, reads the aux ids SGLang will hand to the target's set_eagle3_layers_to_capture. The
     deploy, convert and extraction checks all use it; add `--device cpu` to run it without a GPU.
-vllm-forward: the draft's forward in vLLM's own Eagle3LlamaForCausalLM on given inputs (attention over the one
-    sequence by plain causal softmax in place of the engine's kernels), to compare with our Drafter.step.
+vllm-meta: the draft model vLLM builds from CONFIG_DIR/config.json, on the meta device (no memory: a full-size
+    drafter on any host), and its own load_weights fed meta tensors of the names and shapes in SHAPES_JSON
+    ({name: shape}): vLLM's weight loaders assert every shape; AutoWeightsLoader refuses a name it cannot place.
+vllm-forward: the draft's forward in vLLM's own Eagle3LlamaForCausalLM (Eagle3DeepseekV2ForCausalLM for an MLA
+    draft) on given inputs (attention over the one sequence by plain causal softmax in place of the engine's
+    kernels), to compare with our Drafter.step.
 """
 
 import argparse
@@ -48,39 +53,41 @@ def _written_flags(folder):
     }
 
 
+# The parameters vLLM's draft models fuse from several checkpoint tensors, in the order of their shards:
+# llama_eagle3.py's qkv_proj and gate_up_proj, deepseek_eagle3.py's fused_qkv_a_proj (MLA, with q_lora_rank).
+FUSED = (
+    ("self_attn.qkv_proj", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("self_attn.fused_qkv_a_proj", ("self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa")),
+    ("mlp.gate_up_proj", ("mlp.gate_proj", "mlp.up_proj")),
+)
+
+
 def _expected_vllm_params(ours):
-    """{vLLM parameter name: [our tensor names whose concatenation it must hold]} (q/k/v and gate/up fused)."""
-    p, a, m = "model.layers.0.", "layers.0.self_attn.", "layers.0.mlp."
-    want = {
-        "model.fc.weight": ["fc.weight"],
-        p + "self_attn.qkv_proj.weight": [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"],
-        p + "self_attn.o_proj.weight": [a + "o_proj.weight"],
-        p + "mlp.gate_up_proj.weight": [m + "gate_proj.weight", m + "up_proj.weight"],
-        p + "mlp.down_proj.weight": [m + "down_proj.weight"],
-        "model.norm.weight": ["norm.weight"],
-        "lm_head.weight": ["lm_head.weight"],
-    }
-    if "d2t" in ours:  # a full-vocabulary draft has no map, and vLLM no parameter for one
-        want["draft_id_to_target_id"] = ["d2t"]
-    if "input_norm.weight" in ours:  # EAGLE-3.1 norm_before_fc
-        want["model.input_norm.weight"] = ["input_norm.weight"]
-    for name in (n for n in ours if n.startswith("fc_norm.")):  # EAGLE-3.1 fc_norm
-        want["model." + name] = [name]
-    for n in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
-        want[p + n + ".weight"] = [f"layers.0.{n}.weight"]
+    """{vLLM parameter name: [our tensor names whose concatenation it must hold]}: every tensor of the checkpoint
+    under model. (lm_head at the top, d2t as draft_id_to_target_id, t2d dropped by design), the FUSED groups as one
+    parameter each. GQA (Eagle3LlamaForCausalLM) and MLA (Eagle3DeepseekV2ForCausalLM) layers alike."""
+    want, fused = {}, set()
+    for param, parts in FUSED:
+        sources = [f"layers.0.{part}.weight" for part in parts]
+        if all(n in ours for n in sources):
+            want[f"model.layers.0.{param}.weight"] = sources
+            fused.update(sources)
+    for name in ours:
+        if name in fused or name == "t2d":
+            continue
+        if name == "d2t":  # present only for a draft vocabulary smaller than the target's
+            want["draft_id_to_target_id"] = ["d2t"]
+        elif name.startswith("lm_head."):
+            want[name] = [name]
+        else:
+            want["model." + name] = [name]
     return want
 
 
-def _vllm_draft(draft, target, depth):
-    """(vllm_config, the draft's model config, its model loaded by vLLM's own loader, problems, skipped)."""
-    import torch
-    from vllm.config import set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+def _vllm_config(draft, target, depth):
+    """The VllmConfig `vllm serve TARGET --speculative-config {eagle3 DRAFT}` builds, and the draft's model config."""
     from vllm.engine.arg_utils import EngineArgs
-    from vllm.model_executor.model_loader import get_model_loader
-    from vllm.utils.torch_utils import set_default_torch_dtype
 
-    problems = []
     args = EngineArgs(
         model=target,
         dtype="float32",
@@ -89,7 +96,19 @@ def _vllm_draft(draft, target, depth):
         speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": depth},
     )
     vllm_config = args.create_engine_config()
-    draft_cfg = vllm_config.speculative_config.draft_model_config
+    return vllm_config, vllm_config.speculative_config.draft_model_config
+
+
+def _vllm_draft(draft, target, depth):
+    """(vllm_config, the draft's model config, its model loaded by vLLM's own loader, problems, skipped)."""
+    import torch
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    problems = []
+    vllm_config, draft_cfg = _vllm_config(draft, target, depth)
     with set_current_vllm_config(vllm_config):
         init_distributed_environment(
             world_size=1,
@@ -120,6 +139,68 @@ def _vllm_draft(draft, target, depth):
         else:
             skipped = 0
     return vllm_config, draft_cfg, model, problems, skipped
+
+
+def meta_vllm(draft, target, shapes_json):
+    """vLLM's draft model on the meta device, loaded by its own load_weights from meta tensors of the given shapes."""
+    import torch
+    import vllm
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.model_executor.model_loader.utils import get_model_architecture
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    with open(shapes_json) as f:
+        shapes = json.load(f)
+    vllm_config, draft_cfg = _vllm_config(draft, target, 1)
+    problems = []
+    with set_current_vllm_config(vllm_config):
+        init_distributed_environment(
+            world_size=1,
+            rank=0,
+            local_rank=0,
+            backend="gloo",
+            distributed_init_method=f"file://{tempfile.mktemp(prefix='vllm-meta-')}",
+        )
+        ensure_model_parallel_initialized(1, 1)
+        get_model_architecture(draft_cfg)  # imports the model's module off the meta device (it may make tensors)
+        loader = get_model_loader(vllm_config.load_config)
+        with set_default_torch_dtype(draft_cfg.dtype), torch.device("meta"):
+            model = loader.create_model(vllm_config=vllm_config, model_config=draft_cfg)
+        params = dict(model.named_parameters())
+        seen = set()
+
+        def weights():
+            for name, shape in shapes.items():
+                seen.add(name)
+                kind = {"d2t": torch.int64, "t2d": torch.bool}.get(name, draft_cfg.dtype)
+                yield name, torch.empty(shape, dtype=kind, device="meta")
+
+        try:
+            model.load_weights(weights())
+        except Exception as e:  # a name vLLM cannot place or a shape a loader refuses: the verdict
+            problems.append(f"vLLM's load_weights refused the checkpoint: {type(e).__name__}: {e}")
+    want = _expected_vllm_params(shapes)
+    for name, sources in want.items():
+        if name not in params:
+            problems.append(f"vLLM's {type(model).__name__} has no parameter {name} for our tensor(s) {sources}.")
+            continue
+        rows = sum(shapes[n][0] for n in sources)
+        if [rows, *shapes[sources[0]][1:]] != list(params[name].shape):
+            problems.append(f"{name}: vLLM holds shape {tuple(params[name].shape)}, ours {sources} make {rows} rows.")
+    extra = sorted(n for n in params if n not in want and "embed_tokens" not in n)
+    problems += [f"vLLM parameter {n} {tuple(params[n].shape)} has no tensor in the export." for n in extra]
+    return {
+        "engine": "vllm",
+        "mode": "meta",
+        "ok": not problems,
+        "problems": problems,
+        "vllm_version": vllm.__version__,
+        "model_class": type(model).__name__,
+        "params": {n: list(p.shape) for n, p in params.items()},
+        "read": sorted(seen),
+    }
 
 
 def check_vllm(draft, target, depth):
@@ -220,8 +301,31 @@ def _plain_causal_attention(attn):
     return forward
 
 
+def _plain_mla_attention(mla):
+    """A stand-in for vLLM's MLAAttention.forward over one sequence: q [T, heads, qk_nope + qk_rope] after the rotary,
+    the normed latent kv_c [T, kv_lora_rank] and the rotated shared key k_pe [T, 1, qk_rope]. k_nope and v come from
+    the kv_b_proj vLLM loaded, then causal softmax with its scale (YaRN's mscale² in it). vLLM's kernels absorb
+    kv_b_proj into q and the output to attend over the latent cache, the same scores; they need the engine's batch
+    metadata. What is compared is the model around them (the fused q/latent projection of the 2H input, the q and
+    latent norms, q_b_proj, the latent split, the interleaved YaRN rotary, kv_b_proj's per-head layout, o_proj)."""
+    import torch
+    import torch.nn.functional as F
+
+    heads, nope, v_dim = mla.num_heads, mla.qk_nope_head_dim, mla.v_head_dim
+
+    def forward(q, kv_c_normed, k_pe, output_shape=None, **kwargs):
+        t = q.shape[0]
+        k_nope, v = mla.kv_b_proj(kv_c_normed)[0].view(t, heads, nope + v_dim).split([nope, v_dim], -1)
+        k = torch.cat([k_nope, k_pe.expand(t, heads, k_pe.shape[-1])], -1)
+        by_head = lambda x: x.transpose(0, 1)[None]  # noqa: E731
+        out = F.scaled_dot_product_attention(by_head(q), by_head(k), by_head(v), is_causal=True, scale=mla.scale)
+        return out[0].transpose(0, 1).reshape(t, heads * v_dim).to(q.dtype)
+
+    return forward
+
+
 def forward_vllm(draft, target, inputs, out):
-    """vLLM's Eagle3LlamaForCausalLM forward on one sequence: inputs (safetensors) holds input_embeds [T, H] (the
+    """vLLM's Eagle3LlamaForCausalLM (or, for an MLA draft, Eagle3DeepseekV2ForCausalLM) forward on one sequence: inputs (safetensors) holds input_embeds [T, H] (the
     target's embeddings of the tokens fed), aux [T, 3 H_t] and positions [T]; out gets its logits over the target
     vocabulary (compute_logits: draft rows mapped through d2t, -inf elsewhere) and the pre-norm hidden state."""
     import torch
@@ -237,7 +341,11 @@ def forward_vllm(draft, target, inputs, out):
         process_weights_after_loading(model, draft_cfg, torch.device("cpu"))
     x = load_file(inputs)
     for layer in model.model.layers:
-        layer.self_attn.attn.forward = _plain_causal_attention(layer.self_attn.attn)
+        if hasattr(layer.self_attn, "mla_attn"):  # DeepseekV2MLAAttention: the MLAAttention inside its wrapper
+            inner = layer.self_attn.mla_attn.mla_attn
+            inner.forward = _plain_mla_attention(inner)
+        else:
+            layer.self_attn.attn.forward = _plain_causal_attention(layer.self_attn.attn)
     with torch.inference_mode(), set_current_vllm_config(vllm_config), set_forward_context(None, vllm_config):
         hidden = model.combine_hidden_states(x["aux"])
         positions = x["positions"].long()
@@ -333,17 +441,20 @@ def check_sglang(argv):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("engine", choices=["vllm", "sglang", "vllm-forward"])
+    ap.add_argument("engine", choices=["vllm", "sglang", "vllm-forward", "vllm-meta"])
     ap.add_argument("draft", nargs="?", help="vllm: the export folder (sglang: the flags name it)")
     ap.add_argument("--target")
     ap.add_argument("--depth", type=int, default=3)
     ap.add_argument("--args", help="JSON list of SGLang launch flags")
     ap.add_argument("--inputs", help="vllm-forward: safetensors with input_embeds, aux, positions")
     ap.add_argument("--out", help="vllm-forward: where its logits and pre-norm hidden state go")
+    ap.add_argument("--shapes", help="vllm-meta: JSON {tensor name: shape} to load")
     a = ap.parse_args(argv)
     try:
         if a.engine == "vllm":
             report = check_vllm(a.draft, a.target, a.depth)
+        elif a.engine == "vllm-meta":
+            report = meta_vllm(a.draft, a.target, a.shapes)
         elif a.engine == "vllm-forward":
             report = forward_vllm(a.draft, a.target, a.inputs, a.out)
         else:

@@ -3,6 +3,7 @@ aux-layer capture that eagle3lib.convert.gate and eagle3lib.engines.sglang resta
 
     python eagle3lib/engines/inside/sglang_replay.py load EXPORT_DIR [--dtype float32]
     python eagle3lib/engines/inside/sglang_replay.py capture ARCH NUM_LAYERS IDS_JSON [ARCH NUM_LAYERS IDS_JSON ...]
+    python eagle3lib/engines/inside/sglang_replay.py meta-load CONFIG_DIR SHAPES_JSON
 
 Prints one JSON report line (last line of stdout). Standalone on purpose (stdlib, torch, safetensors and
 SGLang only), like load_check.py: eagle3lib.engines.interpreter.run_inside runs it.
@@ -21,7 +22,14 @@ load: SGLang's draft-model path up to its weights: ServerArgs (device cpu) publi
     CPU engine (SGLANG_USE_CPU_ENGINE, which needs sgl_kernel's CPU build), RotaryEmbedding.__init__
     imports vllm._custom_ops.rotary_embedding as its fallback forward kernel; when that import fails the
     model is built again with only that one function stubbed (it runs in forward, never at load), and
-    `how` and `construct_note` say so.
+    `how` and `construct_note` say so. An MLA draft (kimi_k25_eagle3's Eagle3DeepseekV2ForCausalLM) with a plain
+    rope gets the factory's get_rope, as on a GPU: the CPU one asserts DeepSeek's YaRN (_plain_rope_on_cpu). Its
+    loader fuses q_a_proj and kv_a_proj_with_mqa when the second comes; the report attributes the rows to both.
+meta-load: the same model built from CONFIG_DIR/config.json on the meta device (no memory: a full-size drafter,
+    Kimi-K2.5's hidden 7168, on any host), and its own load_weights fed meta tensors of the names and shapes in
+    SHAPES_JSON ({name: shape}; d2t as real zeros, its loader adds an arange to it): SGLang's weight loaders assert
+    every shape. Report: {ok, problems, model_class, params: {name: shape}, loaded_into: {tensor: [param[shard]]},
+    unloaded: [params no tensor reached, but embed_tokens], dropped: [tensors no parameter took, but t2d]}.
 capture: SGLang's own set_eagle3_layers_to_capture for ARCH (resolved by SGLang's ModelRegistry, as the
     server does) on an instance made without its __init__ (nn.Module's only), holding the attributes the
     method reads: pp_group, config.num_hidden_layers, model. A multimodal wrapper (KimiK25ForConditionalGeneration)
@@ -36,6 +44,7 @@ import os
 import sys
 import tempfile
 import traceback
+from contextlib import contextmanager
 from types import ModuleType
 from types import SimpleNamespace as NS
 
@@ -72,15 +81,15 @@ def _sglang_setup(export_dir, dtype):
     return ModelConfig.from_server_args(server_args, model_path=export_dir, is_draft_model=True)
 
 
-def _construct(model_config, load_config):
-    """(model, how, note): SGLang's _initialize_model on the CPU, as installed, else with the one kernel
+def _construct(model_config, load_config, device="cpu"):
+    """(model, how, note): SGLang's _initialize_model on the CPU (or meta), as installed, else with the one kernel
     import that a CPU-only install lacks stubbed (see the module docstring)."""
     import torch
     from sglang.srt.model_loader.loader import _initialize_model
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
     def build():
-        with set_default_torch_dtype(model_config.dtype), torch.device("cpu"):
+        with set_default_torch_dtype(model_config.dtype), torch.device(device), _plain_rope_on_cpu():
             return _initialize_model(model_config, load_config)
 
     try:
@@ -115,6 +124,28 @@ def _construct(model_config, load_config):
             else:
                 sys.modules[k] = v
     return model, "real model on cpu, vllm._custom_ops.rotary_embedding stubbed", note
+
+
+@contextmanager
+def _plain_rope_on_cpu():
+    """SGLang's CPU rope for DeepSeek's attention (rotary_embedding/factory.py get_rope_cpu) asserts a DeepSeek-YaRN
+    rope_scaling, so an MLA draft with a plain rope cannot be built with device cpu; such a rope has no weights, so
+    it is built by the factory's get_rope (what a GPU server builds) and the loading replayed is SGLang's own."""
+    from sglang.srt.layers.rotary_embedding import factory
+
+    cpu_rope = factory.get_rope_cpu
+
+    def rope(head_size, rotary_dim, max_position, base, is_neox_style=True, rope_scaling=None, *args, **kwargs):
+        if rope_scaling is None:
+            kwargs.pop("device", None)
+            return factory.get_rope(head_size, rotary_dim, max_position, base, is_neox_style, None, *args[:2])
+        return cpu_rope(head_size, rotary_dim, max_position, base, is_neox_style, rope_scaling, *args, **kwargs)
+
+    factory.get_rope_cpu = rope
+    try:
+        yield
+    finally:
+        factory.get_rope_cpu = cpu_rope
 
 
 def _bits(t):
@@ -198,6 +229,7 @@ def load_report(export_dir, dtype="float32"):
     DefaultModelLoader.load_weights_and_postprocess(
         model, instrumented(DefaultModelLoader(load_config)._get_all_weights(model_config, model)), torch.device("cpu")
     )
+    _attribute_deferred_fusions(params, per_tensor, ours)
 
     report_params = {}
     for n, p in params.items():
@@ -293,6 +325,112 @@ def load_report(export_dir, dtype="float32"):
     }
 
 
+def _attribute_deferred_fusions(params, per_tensor, ours):
+    """A loader that holds a tensor back and writes it later fused with another (kimi_k25_eagle3's load_weights
+    caches q_a_proj / kv_a_proj_with_mqa until both came, then loads their concatenation into
+    fused_qkv_a_proj_with_mqa) shows as the second tensor writing both row blocks and the first writing nothing.
+    Split such a write between the two when the rows are exactly their concatenation, in either order."""
+    import torch
+
+    silent = [t for t, info in per_tensor.items() if not info["wrote"] and t in ours]
+    for name, info in per_tensor.items():
+        src = ours.get(name)
+        for w in list(info["wrote"]):
+            p = params[w["param"]]
+            a, b = w["rows"]
+            got = p.detach()[a:b]
+            if src is None or (tuple(got.shape) == tuple(src.shape) and torch.equal(got, src.to(got.dtype))):
+                continue
+            for other in silent:
+                o = ours[other]
+                if o.shape[1:] != src.shape[1:] or o.shape[0] + src.shape[0] != b - a:
+                    continue
+                for first, second in ((other, name), (name, other)):
+                    if torch.equal(got, torch.cat([ours[first], ours[second]]).to(got.dtype)):
+                        cut = a + ours[first].shape[0]
+                        split = {first: [a, cut], second: [cut, b]}
+                        info["wrote"].remove(w)
+                        for t in (first, second):
+                            per_tensor[t]["wrote"].append({**w, "rows": split[t], "fused_with": [first, second]})
+                        silent.remove(other)
+                        break
+                else:
+                    continue
+                break
+
+
+def meta_load_report(config_dir, shapes_json, dtype="bfloat16"):
+    import sglang
+    import torch
+    from sglang.srt.configs.load_config import LoadConfig
+
+    with open(shapes_json) as f:
+        shapes = json.load(f)
+    model_config = _sglang_setup(config_dir, dtype)
+    # SGLang's registry imports its model modules on first lookup; some make tensors at import, which must not be
+    # on the meta device: look the class up first, then build it there.
+    from sglang.srt.model_loader.utils import get_model_architecture
+
+    get_model_architecture(model_config)
+    model, how, _ = _construct(model_config, LoadConfig(), device="meta")
+    from sglang.srt.model_loader.weight_utils import default_weight_loader
+
+    params = dict(model.named_parameters())
+    calls, current = [], {"name": None}
+    for n, p in params.items():
+        # a parameter without its own loader gets default_weight_loader (load_weights' getattr default)
+        loader = p.__dict__.get("weight_loader", default_weight_loader)
+
+        def record(param, loaded_weight, *args, _n=n, _loader=loader, **kwargs):
+            shard = args[0] if args else kwargs.get("loaded_shard_id", kwargs.get("shard_id"))
+            calls.append((current["name"], _n, shard))
+            return _loader(param, loaded_weight, *args, **kwargs)
+
+        p.weight_loader = record
+
+    def weights():
+        for name, shape in shapes.items():
+            current["name"] = name
+            small = name.endswith(("d2t", "t2d"))  # read by value (hot_token_id = d2t + arange)
+            dtype_ = {"d2t": torch.int64, "t2d": torch.bool}.get(name.rsplit(".", 1)[-1], model_config.dtype)
+            yield name, torch.zeros(shape, dtype=dtype_) if small else torch.empty(shape, dtype=dtype_, device="meta")
+
+    problems = []
+    try:
+        model.load_weights(weights())
+    except Exception as e:  # a shape a weight loader refuses: the verdict
+        problems.append(f"SGLang's load_weights refused the tensor {current['name']}: {type(e).__name__}: {e}")
+    loaded_into = {t: [] for t in shapes}
+    for t, n, shard in calls:
+        loaded_into.setdefault(t, []).append(n + (f"[{shard}]" if shard is not None else ""))
+    if "d2t" in shapes and getattr(model, "hot_token_id", None) is not None:
+        loaded_into["d2t"].append("hot_token_id")
+    # a fused write comes with the second tensor of the pair: the first (held back, no call of its own) went there
+    fused = {t for t, n, _ in calls if "fused_qkv_a_proj_with_mqa" in n}
+    for t in shapes:
+        partner = t.replace("kv_a_proj_with_mqa", "q_a_proj") if "kv_a_proj_with_mqa" in t else None
+        partner = partner or (t.replace("q_a_proj", "kv_a_proj_with_mqa") if "q_a_proj" in t else None)
+        if not loaded_into[t] and partner in fused:
+            loaded_into[t] = [n for tt, n, _ in calls if tt == partner]
+    reached = {n.split("[")[0] for names in loaded_into.values() for n in names}
+    unloaded = sorted(n for n in params if n not in reached and n not in SHARED_FROM_TARGET)
+    dropped = sorted(t for t, names in loaded_into.items() if not names and "t2d" not in t)
+    problems += [f"SGLang parameter {n} {tuple(params[n].shape)} gets no tensor." for n in unloaded]
+    problems += [f"tensor {t} {tuple(shapes[t])} is dropped by SGLang's load_weights." for t in dropped]
+    return {
+        "mode": "meta-load",
+        "how": how.replace("on cpu", "on the meta device"),
+        "ok": not problems,
+        "problems": problems,
+        "sglang_version": sglang.__version__,
+        "model_class": type(model).__name__,
+        "params": {n: list(p.shape) for n, p in params.items()},
+        "loaded_into": loaded_into,
+        "unloaded": unloaded,
+        "dropped": dropped,
+    }
+
+
 def _overlap(ranges):
     spans = sorted(r for r in ranges if r)
     return any(b[0] < a[1] for a, b in zip(spans, spans[1:]))
@@ -306,7 +444,15 @@ def _replay_set_embed(model):
         return hasattr(model, "set_embed_and_head")
     old = model.model.embed_tokens.weight
     stand_in = torch.nn.Parameter(torch.zeros(1, dtype=old.dtype), requires_grad=False)
-    model.set_embed(stand_in)
+    # Eagle3DeepseekV2ForCausalLM.set_embed ends with torch.cuda.empty_cache() and synchronize(), which raise on a
+    # host without CUDA; they only free and wait on the GPU, so on the CPU they are no-ops for the replay.
+    saved = torch.cuda.empty_cache, torch.cuda.synchronize
+    if not torch.cuda.is_available():
+        torch.cuda.empty_cache = torch.cuda.synchronize = lambda *args, **kwargs: None
+    try:
+        model.set_embed(stand_in)
+    finally:
+        torch.cuda.empty_cache, torch.cuda.synchronize = saved
     return model.model.embed_tokens.weight is stand_in
 
 
@@ -379,6 +525,8 @@ def main(argv=None):
     try:
         if mode == "load" and len(argv) in (2, 4) and (len(argv) == 2 or argv[2] == "--dtype"):
             report = load_report(argv[1], argv[3] if len(argv) == 4 else "float32")
+        elif mode == "meta-load" and len(argv) == 3:
+            report = meta_load_report(argv[1], argv[2])
         elif mode == "capture":
             report = capture_report(_parse_cases(argv[1:]))
         else:
