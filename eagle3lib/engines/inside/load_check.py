@@ -99,25 +99,28 @@ def _vllm_config(draft, target, depth):
     return vllm_config, vllm_config.speculative_config.draft_model_config
 
 
+def one_process_group(prefix: str) -> None:
+    """vLLM's distributed state for one process on the CPU (gloo), as its loaders need it."""
+    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
+
+    init_distributed_environment(
+        world_size=1, rank=0, local_rank=0, backend="gloo",
+        distributed_init_method=f"file://{tempfile.mktemp(prefix=prefix)}",
+    )  # fmt: skip
+    ensure_model_parallel_initialized(1, 1)
+
+
 def _vllm_draft(draft, target, depth):
     """(vllm_config, the draft's model config, its model loaded by vLLM's own loader, problems, skipped)."""
     import torch
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.utils.torch_utils import set_default_torch_dtype
 
     problems = []
     vllm_config, draft_cfg = _vllm_config(draft, target, depth)
     with set_current_vllm_config(vllm_config):
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            local_rank=0,
-            backend="gloo",
-            distributed_init_method=f"file://{tempfile.mktemp(prefix='vllm-gate-')}",
-        )
-        ensure_model_parallel_initialized(1, 1)
+        one_process_group("vllm-gate-")
         # DefaultModelLoader.load_model's own steps (create_model, load_weights) without its
         # torch.accelerator.empty_cache(), which raises on a machine with no accelerator.
         loader = get_model_loader(vllm_config.load_config)
@@ -146,7 +149,6 @@ def meta_vllm(draft, target, shapes_json):
     import torch
     import vllm
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import ensure_model_parallel_initialized, init_distributed_environment
     from vllm.model_executor.model_loader import get_model_loader
     from vllm.model_executor.model_loader.utils import get_model_architecture
     from vllm.utils.torch_utils import set_default_torch_dtype
@@ -156,14 +158,7 @@ def meta_vllm(draft, target, shapes_json):
     vllm_config, draft_cfg = _vllm_config(draft, target, 1)
     problems = []
     with set_current_vllm_config(vllm_config):
-        init_distributed_environment(
-            world_size=1,
-            rank=0,
-            local_rank=0,
-            backend="gloo",
-            distributed_init_method=f"file://{tempfile.mktemp(prefix='vllm-meta-')}",
-        )
-        ensure_model_parallel_initialized(1, 1)
+        one_process_group("vllm-meta-")
         get_model_architecture(draft_cfg)  # imports the model's module off the meta device (it may make tensors)
         loader = get_model_loader(vllm_config.load_config)
         with set_default_torch_dtype(draft_cfg.dtype), torch.device("meta"):
