@@ -28,6 +28,8 @@
 #   TTT length); speculators: defaults, sglang (its defaults less norm_before_residual, which SGLang 0.5.17
 #   ignores), our-hparams; specforge: defaults, our-hparams (our lr, TTT length, warmup, tokens a step).
 #   (SpecForge's batch of 1 makes ~11 steps/s alone: 4 epochs of 1,317 take ~480 s.)
+#   PICK="CFG ..." bash benchmarks/h200/peers.sh pick   prints which of ours' configurations has the best mean
+#                                          validation est. AL@3 over its seeds (a choice no served set informs)
 #   bash benchmarks/h200/peers.sh offline  every drafter's AL by our trainer's validation (no engine), into $OUT
 #   bash benchmarks/h200/peers.sh serve    served AL of every trained drafter, summary.json into $OUT
 # Across sessions (a new machine starts bare): BRING="ours:defaults speculators:sglang" bash benchmarks/h200/peers.sh bring packs
@@ -164,6 +166,14 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
       ttt3) X=(--set train.ttt_steps=3) ;; seq2048) X=(--set train.max_seq_len=2048) ;; lr2e-3) X=(--set train.lr=2e-3) ;;
       vocab32k) X=(--set train.draft_vocab_size=32000) ;; decay1) X=(--set train.step_weight_decay=1.0) ;;
       top1) X=(--set train.loss_target=top_token) ;;
+      seq1024) X=(--set train.max_seq_len=1024) ;;
+      s2k-norms) X=(--set train.max_seq_len=2048 --set "train.eagle31_norms=[norm_before_fc,norm_output]") ;;
+      s2k-scratch) X=(--set train.max_seq_len=2048 "${S0[@]}") ;;
+      # issue 41: MLA attention in the draft layer over the Llama target (no MLA dims of its own: Kimi-K2.5's
+      # latent and head widths, its q rank halved), from scratch (the early exit needs a DeepSeek-shaped layer)
+      mla) X=(--set train.max_seq_len=2048 "${S0[@]}" --set train.draft_attention=mla --set train.mla.q_lora_rank=768
+              --set train.mla.kv_lora_rank=512 --set train.mla.qk_nope_head_dim=128 --set train.mla.qk_rope_head_dim=64
+              --set train.mla.v_head_dim=128) ;;
       *) echo "ours: unknown configuration $CFG"; exit 2 ;; esac
     rm -rf "$R" && mkdir -p "$R" && ln -s $W/run/00_prepare $W/run/01_extract "$R"/ || exit 6
     # run.seed: the drafter's initialisation and the data order (00_prepare and 01_extract are the shared run's)
@@ -227,6 +237,19 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     ours_env; trained_drafters
     python3 benchmarks/served_al.py $W/run --params params/tiny-h200.yaml "${DR[@]}" --depths 3,5 --offline-only \
       --out "$OUT/offline.json" > "$OUT/offline.log" 2>&1; rc=$?; tail -n 8 "$OUT/offline.log"; exit $rc ;;
+  pick)  # the configuration of PICK whose seeds have the best mean validation est. AL at depth 3 (no served set)
+    python3 - $W ${PICK:-seq2048} <<'PY'
+import glob, json, statistics, sys
+w, configs = sys.argv[1], sys.argv[2:]
+means = {}
+for c in configs:
+    als = [json.load(open(f))["figures"]["eval"]["est_accept_len"]["3"] for f in glob.glob(f"{w}/ours-{c}-s*/02_train/result.json")]
+    if als:
+        means[c] = statistics.mean(als)
+        print(f"{c}: est. AL@3 {means[c]:.4f} over {len(als)} seeds", file=sys.stderr)
+print(max(means, key=means.get) if means else configs[0])
+PY
+    exit 0 ;;
   bring)
     ours_env; T=$(target_dir); mkdir -p $W/bring
     for name in ${BRING:-ours:defaults}; do
