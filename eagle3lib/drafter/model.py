@@ -412,7 +412,8 @@ class Drafter(nn.Module):
     def next_state(self, out: torch.Tensor) -> torch.Tensor:
         """What the next chain step takes as its hidden state: the layer's pre-norm output, or with
         norm_output its final norm (the logits read norm(out) either way)."""
-        return self.norm(out) if self.cfg.norm_output else out
+        # in out's dtype: the norm's fp32 weight would promote a bf16 state, and the rope then makes q/k fp32
+        return self.norm(out).to(out.dtype) if self.cfg.norm_output else out
 
     def rope(self, x, position_ids):
         return self.rotary(x, position_ids)

@@ -367,6 +367,12 @@ def ttt_block_masks(docs: torch.Tensor, t: int, steps: int) -> list:
     return masks
 
 
+# flex's default tiles for fp32 heads wider than 128 (an MLA drafter's 192-wide q/k) ask more shared memory than an
+# H200 has (279,808 bytes of 232,448): smaller tiles, one stage, forward and backward
+WIDE_FP32_TILES = {"BLOCK_M": 32, "BLOCK_N": 32, "num_stages": 1, "BLOCK_M1": 16, "BLOCK_N1": 32, "BLOCK_M2": 32,
+                   "BLOCK_N2": 16}  # fmt: skip
+
+
 def flex_attention_on_device(q, k, v, **kw):
     """flex_attention, compiled on GPUs (its fused kernel); eager elsewhere (tests, CPU)."""
     from torch.nn.attention.flex_attention import flex_attention
@@ -376,7 +382,15 @@ def flex_attention_on_device(q, k, v, **kw):
         return flex_attention(q, k, v, **kw)
     if _compiled_flex is None:
         _compiled_flex = torch.compile(flex_attention)
+    tiles = flex_tiles(q.dtype, max(q.shape[-1], v.shape[-1]))
+    if tiles:
+        kw.setdefault("kernel_options", tiles)
     return _compiled_flex(q, k, v, **kw)
+
+
+def flex_tiles(dtype: torch.dtype, head_dim: int) -> dict | None:
+    """flex_attention's kernel_options for heads of this dtype and width on a GPU; None: its defaults."""
+    return WIDE_FP32_TILES if dtype == torch.float32 and head_dim > 128 else None
 
 
 _compiled_flex = None

@@ -147,16 +147,23 @@ def _offline(page: str) -> str:
     return page
 
 
-def _notebook_error(notebook: Path) -> str:
-    """The error a failed notebook shows, as 'Name: message'."""
+# papermill's default (60 s) lost a stage on a host where 12 trainings started side by side: its kernel answered
+# later than that
+KERNEL_START_TIMEOUT_S = 600
+
+
+def notebook_error(notebook: Path, raised: Exception) -> str:
+    """The error a failed notebook shows, as 'Name: message'; papermill's own where no cell failed (the kernel did
+    not start, the notebook could not be read)."""
     import nbformat
 
-    nb = nbformat.read(notebook, as_version=4)
-    for cell in nb.cells:
-        for out in cell.get("outputs", []):
-            if out.get("output_type") == "error":
-                return f"{out['ename']}: {out['evalue']}"
-    return "unknown error (see the executed notebook)"
+    if notebook.is_file():
+        nb = nbformat.read(notebook, as_version=4)
+        for cell in nb.cells:
+            for out in cell.get("outputs", []):
+                if out.get("output_type") == "error":
+                    return f"{out['ename']}: {out['evalue']}"
+    return f"{type(raised).__name__}: {raised}"
 
 
 def execute_stage(
@@ -188,12 +195,13 @@ def execute_stage(
                 parameters={"params_file": p.file, "run_dir": str(run_dir), "overrides": overrides},
                 kernel_name="python3",
                 kernel_manager_class=_ipc_kernel_manager(),
+                start_timeout=KERNEL_START_TIMEOUT_S,
                 cwd=str(notebooks_dir),
                 log_output=True,
                 progress_bar={"desc": stage, "disable": None, "leave": False},  # None: only on a terminal
             )
     except Exception as e:  # papermill raises its own error type with the cell's traceback
-        error = _notebook_error(executed) if executed.is_file() else f"{type(e).__name__}: {e}"
+        error = notebook_error(executed, e)
     seconds = round(time.time() - started, 1)
     if error is None and not result_path.is_file():
         error = "the notebook finished without saving its result (stage.save, eagle3lib.run_folder.save_result)"

@@ -553,3 +553,36 @@ def test_starting_from_the_targets_last_layer_is_an_exact_early_exit(embedded_ta
     assert (ours - theirs).abs().max().item() <= 1e-3 * theirs.abs().max().item()
     with pytest.raises(ValueError, match="Llama-shaped"):
         drafter.init_from_target_layer({k: v[:1] for k, v in layer.items()})
+
+
+@pytest.mark.parametrize("variants", [SPECULATORS_DEFAULT | {"norm_before_residual": False}, {"fc_norm": True}])
+def test_eagle31_norms_keep_the_chain_in_autocasts_dtype(real_states, monkeypatch, variants):
+    """Under bf16 autocast every TTT step hands the fused causal kernel bf16 q/k/v: norm_output's fp32 weight once
+    promoted the next step's state, its rope and so q to fp32, which the H200's kernels refuse (issue 40's run)."""
+    from eagle3lib.drafter import model as drafter_model
+
+    ids, aux, base, embed = real_states
+    drafter = Drafter(DrafterConfig(**{**base.cfg.as_dict(), **variants}))
+    seen = []
+
+    def recording(q, k, v, *rest, **kw):
+        seen.append({q.dtype, k.dtype, v.dtype})
+        return causal(q, k, v, *rest, **kw)
+
+    causal = drafter_model.causal_attention_with_diagonals
+    monkeypatch.setattr(drafter_model, "causal_attention_with_diagonals", recording)
+    n = ids.shape[1] - STEPS - 1
+    pos = torch.arange(n)[None]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        drafter.ttt_forward(aux[:, :n], embed[ids[:, 1 : n + STEPS]], pos, torch.zeros_like(pos), attention="merged")
+    assert seen == [{torch.bfloat16}] * STEPS
+
+
+def test_flex_tiles_fit_wide_fp32_heads():
+    """An MLA drafter's 192-wide fp32 heads (our validation, the predicted AL) get smaller flex tiles on GPUs; the
+    GQA drafter's 64-wide ones and half precision keep flex's defaults (benchmarks/h200/gpu_dtype_check.py ran
+    both on an H200: the defaults asked 279,808 bytes of shared memory of 232,448)."""
+    from eagle3lib.drafter.ttt_attention import WIDE_FP32_TILES, flex_tiles
+
+    assert flex_tiles(torch.float32, 192) == WIDE_FP32_TILES
+    assert flex_tiles(torch.float32, 128) is None and flex_tiles(torch.bfloat16, 192) is None
