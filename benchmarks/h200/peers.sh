@@ -157,8 +157,8 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     exit 0 ;;
   ours)
     ours_env; TOK=$(train_tokens) || exit 6; CFG=${2:-defaults}; SEED=${3:-}; NAME=$CFG${SEED:+-s$SEED}; R=$W/ours-$NAME
-    # defaults: params/tiny-h200.yaml (1 row of 4,096 a step, the early-exit start); the others are the levers
-    # that chose it, from the pilot's defaults (4 rows a step, from scratch)
+    # defaults: params/tiny-h200.yaml (1 row of 2,048 a step, the early-exit start); the others are the levers
+    # that chose it (rows4096: its rows before issue 40), from the pilot's defaults (4 rows a step, from scratch)
     S0=(--set train.init_layer_from_target=false)
     case $CFG in defaults) X=() ;; rows4-scratch) X=(--set train.batch_rows=4 "${S0[@]}") ;;
       rows2-scratch) X=(--set train.batch_rows=2 "${S0[@]}") ;; rows1-scratch) X=(--set train.batch_rows=1 "${S0[@]}") ;;
@@ -166,7 +166,7 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
       ttt3) X=(--set train.ttt_steps=3) ;; seq2048) X=(--set train.max_seq_len=2048) ;; lr2e-3) X=(--set train.lr=2e-3) ;;
       vocab32k) X=(--set train.draft_vocab_size=32000) ;; decay1) X=(--set train.step_weight_decay=1.0) ;;
       top1) X=(--set train.loss_target=top_token) ;;
-      seq1024) X=(--set train.max_seq_len=1024) ;;
+      seq1024) X=(--set train.max_seq_len=1024) ;; rows4096) X=(--set train.max_seq_len=4096) ;;
       s2k-norms) X=(--set train.max_seq_len=2048 --set "train.eagle31_norms=[norm_before_fc,norm_output]") ;;
       s2k-scratch) X=(--set train.max_seq_len=2048 "${S0[@]}") ;;
       # issue 41: MLA attention in the draft layer over the Llama target (no MLA dims of its own: Kimi-K2.5's
