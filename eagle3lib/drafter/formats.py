@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from eagle3lib.drafter.digests import check_digests
 from eagle3lib.drafter.layer_kinds import LayerKind, layer_kind
 from eagle3lib.drafter.model import VARIANTS
 from eagle3lib.target import AUX_LAYER_ID_CONVENTION, CONTRACT_FILE, check_aux_layer_ids, read_contract
@@ -227,6 +228,7 @@ def _canonical_config(
 def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dict]:
     """(canonical config, canonical tensors, contract) of any layout import_checkpoint reads, in memory."""
     src_dir = Path(src_dir)
+    check_digests(src_dir)
     layout = detect_layout(src_dir)
     config, tensors = read_config(src_dir), read_tensors(src_dir)
     own = contract is None

@@ -15,6 +15,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from eagle3lib.drafter import Drafter, DrafterConfig
+from eagle3lib.drafter.digests import check_digests, damage, record_digests
 
 CHECKPOINTS = "checkpoints"
 SET_ASIDE = "checkpoints.previous"  # a run of other params or inputs, kept when a fresh one starts
@@ -22,6 +23,10 @@ STATE_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 CHECKPOINT_NAME = re.compile(r"step_(\d+)")  # whole name: step_N.tmp / step_N.old are writes a kill cut short
 CHECKPOINT_FILES = ("config.json", "model.safetensors", "eagle3.json", OPTIMIZER_FILE, STATE_FILE)
+
+
+class CheckpointError(RuntimeError):
+    """No checkpoint of the run can be trusted: the message names each one's damaged file."""
 
 
 def drafter_state(drafter: Drafter) -> dict:
@@ -44,6 +49,7 @@ def save_drafter(drafter: Drafter, out_dir: Path, contract: dict, extra: dict | 
             torch.save(obj, tmp / name)
         else:
             (tmp / name).write_text(json.dumps(obj, indent=2) + "\n")
+    record_digests(tmp)
     old = out_dir.with_name(out_dir.name + ".old")
     if out_dir.exists():
         shutil.rmtree(old, ignore_errors=True)
@@ -54,10 +60,12 @@ def save_drafter(drafter: Drafter, out_dir: Path, contract: dict, extra: dict | 
 
 
 def load_drafter(folder: Path, device="cpu") -> Drafter:
+    """The drafter of a canonical folder; its files checked against the folder's sha256.json where it has one."""
     folder = Path(folder)
     for name in ("config.json", "model.safetensors"):
         if not (folder / name).is_file():
             raise FileNotFoundError(f"{folder / name} missing: expected a canonical drafter checkpoint folder")
+    check_digests(folder)
     cfg = DrafterConfig.from_hf_dict(json.loads((folder / "config.json").read_text()))
     drafter = Drafter(cfg)
     state = load_file(str(folder / "model.safetensors"))
@@ -134,9 +142,8 @@ def resume(
     state, and rank 0 removes the older checkpoints and log (a fresh run must not mix with them)."""
     fresh = {"step": 0, "epoch": 0, "micro_in_epoch": 0, "sequence_in_epoch": 0, "tokens": 0, "train_seconds": 0.0}
     fresh["run_key"] = run_key
-    latest = latest_checkpoint(ckpt_root) if enabled else None
+    latest, state, loaded = newest_good(ckpt_root, device, log) if enabled else (None, None, None)
     if latest is not None:
-        state = json.loads((latest / STATE_FILE).read_text())
         differences = run_key_differences(state.get("run_key"), run_key)
         if differences:
             aside = ckpt_root.with_name(SET_ASIDE)
@@ -155,14 +162,60 @@ def resume(
             shutil.rmtree(ckpt_root)
             log_path.unlink(missing_ok=True)
         return fresh
-    resumed = load_drafter(latest, device)
+    resumed, optimizer_state = loaded
     drafter.load_state_dict(resumed.state_dict())
-    optimizer.load_state_dict(torch.load(latest / OPTIMIZER_FILE, map_location=device, weights_only=True))
-    if rank == 0 and log_path.exists():  # drop log lines of steps the checkpoint does not hold
-        lines = [line for line in log_path.read_text().splitlines() if json.loads(line)["step"] <= state["step"]]
-        log_path.write_text("".join(line + "\n" for line in lines))
+    optimizer.load_state_dict(optimizer_state)
+    if rank == 0 and log_path.exists():
+        log_path.write_text("".join(line + "\n" for line in log_lines_until(log_path, state["step"], log)))
     log(f"resumed from {latest} (step {state['step']}, {state['tokens']} tokens)")
     return state
+
+
+def newest_good(ckpt_root: Path, device, log=print):
+    """(folder, state, (drafter, optimizer state)) of the newest checkpoint whose files match their digests and
+    load; a damaged newer one is passed over with a line naming its file. (None, None, None) without checkpoints;
+    CheckpointError when there are some and none is good."""
+    found, bad = checkpoints(ckpt_root), []
+    for folder in sorted(Path(ckpt_root).glob("step_*")):
+        lacking = [n for n in CHECKPOINT_FILES if not (folder / n).is_file()]
+        if CHECKPOINT_NAME.fullmatch(folder.name) and folder.is_dir() and lacking:
+            log(f"not resuming {folder.name}: it lacks {', '.join(lacking)} (a write cut short, or files removed)")
+    for folder in reversed(found):
+        try:
+            wrong = damage(folder)
+            if wrong is None:
+                state = json.loads((folder / STATE_FILE).read_text())
+                drafter = load_drafter(folder, device)
+                optimizer_state = torch.load(folder / OPTIMIZER_FILE, map_location=device, weights_only=True)
+        except Exception as e:  # a torn file of a checkpoint written before digests: name it, try the older one
+            wrong = f"{folder} does not load ({type(e).__name__}: {e})"
+        if wrong is None:
+            if bad:
+                log(f"resuming from the older {folder.name}: {'; '.join(bad)}")
+            return folder, state, (drafter, optimizer_state)
+        bad.append(wrong)
+        log(f"not resuming {folder.name}: {wrong}")
+    if found:
+        raise CheckpointError(
+            f"no checkpoint under {ckpt_root} can be trusted: {'; '.join(bad)}. Move {ckpt_root} away to train "
+            "from step 0 (or set train.resume: false, which removes it)"
+        )
+    return None, None, None
+
+
+def log_lines_until(log_path: Path, step: int, log=print) -> list[str]:
+    """The training log's lines up to `step` (later steps are the checkpoint's future); a line that does not parse
+    (a kill while it was written) is dropped with a note."""
+    kept = []
+    for number, line in enumerate(log_path.read_text().splitlines(), 1):
+        try:
+            entry = json.loads(line)
+        except ValueError:
+            log(f"{log_path}: line {number} is torn ({line[:60]!r}...), dropped")
+            continue
+        if entry["step"] <= step:
+            kept.append(line)
+    return kept
 
 
 def weights_digest(module: torch.nn.Module) -> str:

@@ -7,15 +7,20 @@ import shutil
 import pytest
 import torch
 
+from eagle3lib.convert import layouts
 from eagle3lib.drafter import Drafter, DrafterConfig
+from eagle3lib.drafter.digests import DIGESTS_FILE, DamagedFolderError
 from eagle3lib.train.checkpoint import (
     OPTIMIZER_FILE,
     SET_ASIDE,
     STATE_FILE,
+    CheckpointError,
     checkpoints,
     latest_checkpoint,
+    load_drafter,
     resume,
     save_checkpoint,
+    save_drafter,
 )
 
 KEY = {"train": {"lr": 0.001, "draft_vocab_size": 100}, "run": {"seed": 0}, "inputs": {"train_tokens_sha256": "ab"}}
@@ -130,3 +135,80 @@ def test_a_checkpoint_without_params_is_not_resumed(tmp_path):
     log = []
     assert resume(drafter, opt, root, tmp_path / "log.jsonl", "cpu", KEY, log=log.append)["step"] == 0
     assert "records no params" in log[-1]
+
+
+def flip_byte(path, from_end=100):
+    data = bytearray(path.read_bytes())
+    data[-from_end] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "damage_it",
+    [
+        lambda c: flip_byte(c / "model.safetensors"),  # in the weights: it would load, silently other weights
+        lambda c: (c / OPTIMIZER_FILE).write_bytes((c / OPTIMIZER_FILE).read_bytes()[:200]),  # torn
+        lambda c: (c / "config.json").unlink(),
+    ],
+    ids=["flipped-weight", "torn-optimizer", "missing-config"],
+)
+def test_a_damaged_latest_checkpoint_resumes_the_previous_one_and_says_which_file(tmp_path, damage_it):
+    root = tmp_path / "checkpoints"
+    trained_steps(root, [1, 2])
+    older, latest = checkpoints(root)
+    expected = load_drafter(older)
+    damage_it(latest)
+    drafter, opt = fresh_pair()
+    said = []
+    state = resume(drafter, opt, root, tmp_path / "log.jsonl", "cpu", KEY, log=said.append)
+    assert state["step"] == 1
+    assert all(torch.equal(a, b) for a, b in zip(drafter.state_dict().values(), expected.state_dict().values()))
+    told = " ".join(said)
+    assert f"not resuming {latest.name}" in told and state["step"] == 1
+
+
+def test_a_checkpoint_without_digests_that_does_not_load_is_passed_over(tmp_path):
+    """A checkpoint written before sha256.json: a torn optimizer.pt is named, the older one resumed."""
+    root = tmp_path / "checkpoints"
+    trained_steps(root, [1, 2])
+    older, latest = checkpoints(root)
+    for c in (older, latest):
+        (c / DIGESTS_FILE).unlink()
+    (latest / OPTIMIZER_FILE).write_bytes(b"PK\x03\x04torn")
+    said = []
+    assert resume(*fresh_pair(), root, tmp_path / "log.jsonl", "cpu", KEY, log=said.append)["step"] == 1
+    assert "does not load" in " ".join(said) and latest.name in " ".join(said)
+
+
+def test_no_good_checkpoint_is_refused_naming_each_file(tmp_path):
+    root = tmp_path / "checkpoints"
+    trained_steps(root, [1, 2])
+    for c in checkpoints(root):
+        flip_byte(c / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"step_0000002/model.safetensors.*step_0000001/model.safetensors"):
+        resume(*fresh_pair(), root, tmp_path / "log.jsonl", "cpu", KEY, log=lambda m: None)
+    assert len(checkpoints(root)) == 2  # nothing removed: the user decides
+
+
+def test_a_torn_log_line_is_dropped_with_a_note(tmp_path):
+    root, log_path = tmp_path / "checkpoints", tmp_path / "log.jsonl"
+    trained_steps(root, [1, 2])
+    log_path.write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n{"step": 3, "lo')
+    said = []
+    assert resume(*fresh_pair(), root, log_path, "cpu", KEY, log=said.append)["step"] == 2
+    assert log_path.read_text().splitlines() == ['{"step": 1, "loss": 2.0}', '{"step": 2, "loss": 1.5}']
+    assert any("line 3 is torn" in m for m in said)
+
+
+def test_the_final_drafter_is_checked_before_it_is_read(tmp_path):
+    """03_convert (formats.to_canonical) and the benchmark (load_drafter) read 02_train/drafter: a changed byte is
+    refused before anything is made from it."""
+    folder = save_drafter(tiny_drafter(0), tmp_path / "drafter", {"contract": True})
+    assert json.loads((folder / DIGESTS_FILE).read_text()).keys() == {"config.json", "eagle3.json", "model.safetensors"}
+    load_drafter(folder)
+    flip_byte(folder / "model.safetensors")
+    with pytest.raises(DamagedFolderError, match="drafter/model.safetensors does not match its sha256"):
+        load_drafter(folder)
+    with pytest.raises(DamagedFolderError, match="drafter/model.safetensors does not match its sha256"):
+        layouts.export(folder, "vllm", tmp_path / "vllm")  # 03_convert's read
+    assert not (tmp_path / "vllm").exists()
