@@ -228,9 +228,9 @@ def _canonical_config(
 def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dict]:
     """(canonical config, canonical tensors, contract) of any layout import_checkpoint reads, in memory."""
     src_dir = Path(src_dir)
-    check_digests(src_dir)
     layout = detect_layout(src_dir)
-    config, tensors = read_config(src_dir), read_tensors(src_dir)
+    config, tensors = read_config(src_dir), read_tensors(src_dir)  # a torn file is named as torn first
+    check_digests(src_dir)  # then a changed byte, which would read as other weights
     own = contract is None
     if own:
         if not (src_dir / CONTRACT_FILE).is_file():

@@ -40,6 +40,9 @@ def free_port(host: str = "127.0.0.1") -> int:
 def check_port(host: str, port: int) -> None:
     """Raise EngineError when host:port cannot be bound (another server holds it)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        # as the engines' servers bind (uvicorn sets it): connections left in TIME_WAIT by a stopped engine do
+        # not keep the next one off its port, a listener still does
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as e:

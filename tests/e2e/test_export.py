@@ -19,6 +19,7 @@ from eagle3lib.__main__ import main as cli
 from eagle3lib.convert import gate
 from eagle3lib.convert import layouts as ex
 from eagle3lib.drafter import Drafter, DrafterConfig, formats
+from eagle3lib.drafter.digests import record_digests
 from eagle3lib.drafter.vocab import build_draft_vocab, d2t_sha256
 from eagle3lib.engines.interpreter import run_inside
 from eagle3lib.engines.sglang import sglang_launch_args
@@ -219,6 +220,7 @@ def test_sglang_ids_follow_the_targets_rule(ckpt, tmp_path):
     contract.update(aux_layer_ids=[3, 15, 27], target_architecture="DeepseekV3ForCausalLM")
     (src / "config.json").write_text(json.dumps(config))
     (src / "eagle3.json").write_text(json.dumps(contract))
+    record_digests(src)  # changed on purpose: the folder's digests say so
     out = ex.export(src, "sglang", tmp_path / "sglang")
     assert json.loads((out / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
         3,
