@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 
 import eagle3lib  # noqa: F401  (sets OMP_WAIT_POLICY before anything imports torch)
@@ -74,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         import logging
 
+        from eagle3lib.run_folder import RunFolderBusy
         from eagle3lib.workbook.pipeline import StageError, run_pipeline
 
         if args.verbose:
@@ -90,11 +92,30 @@ def main(argv: list[str] | None = None) -> int:
         except StageError as e:
             print(f"error: {e}", file=sys.stderr)
             return 1
+        except RunFolderBusy as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 3
         print(f"run finished: {out / 'index.html'}")
         return 0
     except (ParamsError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # permissions, a full disk: the path and what to do, not a traceback
+        print(f"error: {os_error_text(e)}", file=sys.stderr)
+        return 2
+
+
+def os_error_text(e: OSError) -> str:
+    """An OS error as its path and what to do about it."""
+    where = f"{e.filename}: " if e.filename else ""
+    advice = {
+        errno.EACCES: "this user may not write there: fix its permissions or set run.output_root to a folder you own",
+        errno.EPERM: "this user may not write there: fix its permissions or set run.output_root to a folder you own",
+        errno.ENOSPC: "the disk is full: free space (df -h) or set run.output_root on another disk, then run again "
+        "(finished stages are kept)",
+        errno.EROFS: "a read-only file system: set run.output_root to a writable folder",
+    }.get(e.errno, "see the path and the system's message")
+    return f"{where}{e.strerror or e} ({advice})"
 
 
 def _export_command(args) -> int:

@@ -724,7 +724,14 @@ def parse_override(text: str) -> tuple[str, Any]:
     if "=" not in text:
         raise ParamsError(f"override '{text}': expected KEY=VALUE, e.g. extract.batch_tokens=2048")
     key, value = text.split("=", 1)
-    parsed = yaml.safe_load(value)
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError as e:
+        problem = str(e).splitlines()[0]
+        raise ParamsError(
+            f"override '{text}': the value of {key.strip()} is not valid YAML ({problem}); quote it, e.g. "
+            f"--set '{key.strip()}=[1, 2]' for a list or --set '{key.strip()}=\"text\"' for a string"
+        ) from None
     if isinstance(parsed, str) and re.fullmatch(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+", parsed.strip()):
         parsed = float(parsed)
     return key.strip(), parsed

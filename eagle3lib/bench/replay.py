@@ -22,12 +22,12 @@ from __future__ import annotations
 import functools
 import inspect
 import json
-import os
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from eagle3lib import run_folder
 from eagle3lib.drafter import DraftCache, Drafter
 
 TARGET = 0  # source of a token the target produced itself
@@ -338,9 +338,7 @@ def compare_with_engine(prov: dict, rows: list[dict]) -> list[dict]:
 def save(path, prov: dict) -> Path:
     """Write the replay record atomically (05_benchmark/provenance.json; the widget and the report read it)."""
     path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(prov) + "\n")
-    os.replace(tmp, path)
+    run_folder.write_json(path, prov)
     return path
 
 

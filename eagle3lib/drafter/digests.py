@@ -3,23 +3,16 @@ the weights would otherwise load as other weights without a word."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
+
+from eagle3lib.run_folder import file_digest
 
 DIGESTS_FILE = "sha256.json"  # {file: sha256} of the folder's other files, written last
 
 
 class DamagedFolderError(ValueError):
     """A file of a drafter folder no longer matches the sha256 recorded when it was written."""
-
-
-def file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 24), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def record_digests(folder: Path) -> None:

@@ -80,25 +80,28 @@ def stage_hash(p: Params, stage: str, run_dir: Path, earlier: list[str], noteboo
     inputs = {
         "params": params,
         "notebook": _sha256_file(notebooks_dir / f"{stage}.ipynb"),
-        "earlier": {
-            s: json.loads((run_dir / s / "result.json").read_text()).get("hash")
-            for s in earlier
-            if (run_dir / s / "result.json").is_file()
-        },
+        "earlier": {s: r.get("hash") for s in earlier if (r := run_folder.read_result(run_dir, s)) is not None},
     }
     return hashlib.sha256(json.dumps(inputs, sort_keys=True).encode()).hexdigest()
 
 
+def damage_before_skip(stage_path: Path, digest: str) -> str | None:
+    """Why a stage that would be skipped must run again although its inputs are the same: an artifact gone, or a
+    file it made changed since (run_folder.changed_files); None when there is nothing to skip or nothing wrong."""
+    result = run_folder.read_result(stage_path.parent, stage_path.name)
+    if result is None or result.get("status") != "ok" or result.get("hash") != digest:
+        return None
+    gone = [f"{a}: missing" for a in result.get("artifacts", []) if not (stage_path / a).exists()]
+    changed = gone or run_folder.changed_files(stage_path, result.get("made", {}))
+    if not changed:
+        return None
+    more = f" and {len(changed) - 3} more" if len(changed) > 3 else ""
+    return f"{len(changed)} of its files changed since it made them ({'; '.join(changed[:3])}{more})"
+
+
 def _is_current(stage_path: Path, digest: str) -> bool:
-    path = stage_path / "result.json"
-    if not path.is_file():
-        return False
-    result = json.loads(path.read_text())
-    return (
-        result.get("status") == "ok"
-        and result.get("hash") == digest
-        and all((stage_path / a).exists() for a in result.get("artifacts", []))
-    )
+    result = run_folder.read_result(stage_path.parent, stage_path.name)
+    return result is not None and result.get("status") == "ok" and result.get("hash") == digest
 
 
 # ------------------------------------------------------------- execution ----
@@ -270,8 +273,7 @@ def stage_times_text(run_dir: Path, stage_names: list[str]) -> str:
     """The console's closing table: each stage's status and time (as its result.json says), the total, the machine."""
     lines, total = [], 0.0
     for stage in stage_names:
-        path = run_dir / stage / "result.json"
-        r = json.loads(path.read_text()) if path.is_file() else {}
+        r = run_folder.read_result(run_dir, stage) or {}
         seconds = r.get("seconds") or 0
         total += seconds
         lines.append(f"  {stage:<14} {r.get('status', 'not run'):<8} {seconds:>8.1f} s")
@@ -368,7 +370,13 @@ def run_pipeline(
         if first and first > last:
             raise ValueError(f"nothing to run: {first} comes after {last} (--to)")
     out = params_run_dir(p)
-    out.mkdir(parents=True, exist_ok=True)
+    with run_folder.held(out, " ".join(sys.argv) or "run_pipeline"):
+        _run_stages(p, out, names, overrides, forced_from, only, last, log_output, notebooks_dir)
+    return out
+
+
+def _run_stages(p, out, names, overrides, forced_from, only, last, log_output, notebooks_dir) -> None:
+    """run_pipeline's loop, with the run folder held."""
     write_run_json(p, out)
     from tqdm.contrib.logging import logging_redirect_tqdm
 
@@ -379,18 +387,19 @@ def run_pipeline(
             digest = stage_hash(p, stage, out, names[:i], notebooks_dir)
             forced = stage == only or (forced_from is not None and stage >= forced_from)
             neighbours = (names[i - 1] if i else None, names[i + 1] if i + 1 < len(names) else None)
-            if not forced and _is_current(out / stage, digest):
+            damaged = None if forced else damage_before_skip(out / stage, digest)
+            if not forced and not damaged and _is_current(out / stage, digest):
                 print(f"[eagle3] {stage}: unchanged, skipped", file=sys.stderr)
                 _rerender_if_needed(p, out / stage, stage, neighbours)
                 continue
-            print(f"[eagle3] {stage}: running", file=sys.stderr)
+            print(f"[eagle3] {stage}: {damaged + ': running it again' if damaged else 'running'}", file=sys.stderr)
             with logging_redirect_tqdm():  # echoed notebook output goes above the progress bar
                 result = execute_stage(p, stage, out, overrides, log_output, notebooks_dir, neighbours)
             result["hash"] = digest
+            result["made"] = run_folder.made_files(out / stage)  # checked before a later run skips the stage
             run_folder.write_json(out / stage / "result.json", result)
             write_index(out, names)  # browsable while later stages run
             print(f"[eagle3] {stage}: done in {result['seconds']} s {result.get('headline', {})}", file=sys.stderr)
     finally:
         write_index(out, names)
         print(stage_times_text(out, names), file=sys.stderr)
-    return out

@@ -14,7 +14,7 @@ import re
 import time
 from pathlib import Path
 
-from eagle3lib import hardware
+from eagle3lib import hardware, run_folder
 from eagle3lib.workbook.html_pieces import CSS, duration, fmt, table_html
 
 WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
@@ -37,8 +37,7 @@ def _bytes(n: int) -> str:
 
 def produced(stage_path: Path, stage: str, limit: int = 24) -> list[dict]:
     """The files and folders a stage left in its folder: [{name, href, size, files, artifact}]."""
-    result_path = stage_path / "result.json"
-    artifacts = json.loads(result_path.read_text()).get("artifacts", []) if result_path.is_file() else []
+    artifacts = (run_folder.read_result(stage_path.parent, stage_path.name) or {}).get("artifacts", [])
     tops = {a.split("/")[0] for a in artifacts}
     out = []
     for p in sorted(stage_path.iterdir()):
@@ -276,8 +275,7 @@ def index_html(run_dir: Path, stage_names: list[str]) -> str:
     rows, figures, total, done = [], [], 0.0, 0
     results, failed_before = {}, None
     for stage in stage_names:
-        path = run_dir / stage / "result.json"
-        r = json.loads(path.read_text()) if path.is_file() else None
+        r = run_folder.read_result(run_dir, stage)
         results[stage] = r
         if r is None:
             rows.append(f"<tr><td>{html.escape(stage)}</td><td class='e3-dim'>not run</td><td></td><td></td></tr>")

@@ -71,9 +71,18 @@ def test_rerun_skips_and_a_deleted_shard_is_redone(ci_run, capsys):
     assert capsys.readouterr().err.count("unchanged, skipped") == len(pipeline.stages())
     manifest = json.loads((run_dir / "01_extract" / "train" / "manifest.json").read_text())
     victim = run_dir / "01_extract" / "train" / manifest["shards"][0]["file"]
+    others = {e["file"]: (victim.parent / e["file"]).stat().st_mtime_ns for e in manifest["shards"][1:]}
     victim.write_bytes(victim.read_bytes()[:1000])  # truncated
-    pipeline.run_pipeline(ROOT / "params" / "ci.yaml", overrides, only_stage="extract", log_output=False)
+    pipeline.run_pipeline(ROOT / "params" / "ci.yaml", overrides, log_output=False)  # a plain run
+    err = capsys.readouterr().err
+    assert f"01_extract: 1 of its files changed since it made them (train/{victim.name}: 1000 bytes" in err, err
+    assert err.count("unchanged, skipped") == len(pipeline.stages()) - 1  # the same inputs: nothing later reruns
     assert shards.ShardSet(run_dir / "01_extract" / "train").verify_all() == manifest["num_sequences"]
+    assert {f: (victim.parent / f).stat().st_mtime_ns for f in others} == others  # the damaged shard alone redone
+    assert (
+        f"extract: dropped {victim.name}, will redo its sequences"
+        in (run_dir / "01_extract" / "01_extract.log").read_text()
+    )
 
 
 def test_convert_exports_pass_the_load_back_gate(ci_run):
@@ -86,24 +95,25 @@ def test_convert_exports_pass_the_load_back_gate(ci_run):
         assert set(r["verified"]) == set(convert_steps.GATE) and r["not_checked"] == {}, r["not_checked"]
 
 
-def test_convert_refuses_a_corrupt_drafter_and_nothing_later_starts(ci_run, tmp_path):
-    """A copy of the ci run whose trained drafter was cut short: rerun from convert fails at 03_convert with the
-    reason, and deploy and benchmark never start."""
+def test_convert_refuses_a_corrupt_drafter_and_a_plain_run_trains_it_again(ci_run, tmp_path, capsys):
+    """A copy of the ci run whose trained drafter was cut short: 03_convert alone fails with the reason; a plain run
+    sees the damage in 02_train's files, trains again (from its last good checkpoint) and converts."""
     run_dir, overrides = ci_run
     copy = tmp_path / run_dir.name
     shutil.copytree(run_dir, copy, ignore=shutil.ignore_patterns("04_deploy", "05_benchmark"))
     weights = copy / "02_train" / "drafter" / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:4096])
+    here = overrides | {"run.output_root": str(tmp_path)}
     with pytest.raises(pipeline.StageError, match="03_convert"):
-        pipeline.run_pipeline(
-            ROOT / "params" / "ci.yaml",
-            overrides | {"run.output_root": str(tmp_path)},
-            from_stage="convert",
-            log_output=False,
-        )
+        pipeline.run_pipeline(ROOT / "params" / "ci.yaml", here, only_stage="convert", log_output=False)
     failed = result(copy, "03_convert")
     assert failed["status"] == "failed" and "model.safetensors is not a readable safetensors file" in failed["error"]
-    assert not (copy / "04_deploy").exists() and not (copy / "05_benchmark").exists()
+    capsys.readouterr()
+    pipeline.run_pipeline(ROOT / "params" / "ci.yaml", here, to_stage="convert", log_output=False)
+    err = capsys.readouterr().err
+    assert "02_train: 1 of its files changed since it made them (drafter/model.safetensors: 4096 bytes" in err, err
+    assert "01_extract: unchanged, skipped" in err
+    assert result(copy, "02_train")["status"] == result(copy, "03_convert")["status"] == "ok"
 
 
 def test_deploy_served_the_drafter_and_left_no_process(ci_run):

@@ -99,7 +99,7 @@ def test_runs_in_order_then_skips_then_forces(workbook, capsys):
     (out / "00_first" / "made.txt").unlink()
     capsys.readouterr()
     run(workbook, overrides={"bench.max_tokens": 8})
-    assert "00_first: running" in capsys.readouterr().err
+    assert "00_first: 1 of its files changed since it made them (made.txt: missing): running" in capsys.readouterr().err
 
 
 def test_console_shows_stage_lines_the_log_keeps_the_cells(workbook, caplog, capsys):
@@ -249,3 +249,77 @@ def test_open_stage_gives_the_stage_its_view_of_the_params(tmp_path):
     with pytest.raises(P.UnreadSectionError, match=r"02_train read params bench.depths.*STAGE_SECTIONS\['02_train'\]"):
         _ = stage.p.bench.depths
     assert stage.save({"n": 1})["figures"]["n"] == 1
+
+
+# ------------------------------------------------------- what a run trusts (issue 42) ----
+
+
+def test_a_plain_run_redoes_a_stage_whose_files_changed(workbook, capsys):
+    """A skipped stage is checked first: a file it made with other bytes (same size), cut short or gone makes the
+    stage run again, with a line naming the file; a later stage with the same inputs stays skipped."""
+    out = run(workbook)
+    made = out / "00_first" / "made.txt"
+    for damage, said in [
+        (lambda: made.write_text("8"), "made.txt: other bytes than when made"),  # '7' -> '8': the same size
+        (lambda: made.write_text(""), "made.txt: 0 bytes, 1 when made"),
+        (made.unlink, "made.txt: missing"),
+    ]:
+        damage()
+        capsys.readouterr()
+        run(workbook)
+        err = capsys.readouterr().err
+        assert f"00_first: 1 of its files changed since it made them ({said}): running it again" in err, err
+        assert made.read_text() == "7" and "01_second: unchanged, skipped" in err
+    run(workbook)
+    assert capsys.readouterr().err.count("unchanged, skipped") == 2
+
+
+def test_a_second_run_on_a_held_folder_is_refused_and_a_dead_holders_lock_is_taken(workbook, caplog):
+    out = run(workbook)
+    made = (out / "00_first" / "made.txt").stat().st_mtime_ns
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom pathlib import Path\nfrom eagle3lib import run_folder\n"
+         "with run_folder.held(Path(sys.argv[1]), 'make run in another terminal'):\n"
+         "    print('held', flush=True); time.sleep(600)", str(out)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline() == "held\n"
+        with pytest.raises(run_folder.RunFolderBusy, match=rf"in use by pid {holder.pid} on .*make run in another"):
+            run(workbook, from_stage="first")  # forced: without the lock it would rewrite the first run's files
+        assert (out / "00_first" / "made.txt").stat().st_mtime_ns == made
+    finally:
+        holder.kill()
+        holder.wait()
+    with caplog.at_level("WARNING"):
+        run(workbook, from_stage="first")
+    assert f"took over the lock of pid {holder.pid}" in caplog.text
+    assert (out / "00_first" / "made.txt").stat().st_mtime_ns != made
+    assert (out / run_folder.LOCK_FILE).read_text() == ""  # let go at the end
+
+
+def test_a_torn_result_json_counts_as_not_run(workbook, capsys):
+    out = run(workbook)
+    (out / "00_first" / "result.json").write_text('{"stage": "00_fi')  # a kill or a full disk while it was written
+    with pytest.raises(FileNotFoundError, match=r"00_first/result.json does not read: run stage 00_first first"):
+        run_folder.load_result(out, "00_first")
+    capsys.readouterr()
+    run(workbook)
+    err = capsys.readouterr().err
+    assert "00_first: running" in err and result(out, "00_first")["status"] == "ok"
+
+
+def test_cli_names_what_to_fix_for_a_bad_value_or_a_path(workbook, tmp_path):
+    _, params_file, _ = workbook
+    bad = subprocess.run(
+        [sys.executable, "-m", "eagle3lib", "run", str(params_file), "--set", "train.lr=[1,"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert bad.returncode == 2 and "train.lr is not valid YAML" in bad.stderr and "Traceback" not in bad.stderr
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    where = subprocess.run(
+        [sys.executable, "-m", "eagle3lib", "run", str(params_file), "--set", f"run.output_root={blocked}"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert where.returncode == 2 and str(blocked) in where.stderr and "Traceback" not in where.stderr, where.stderr

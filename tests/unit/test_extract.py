@@ -334,7 +334,7 @@ def test_corrupt_truncated_and_missing_shards_detected_and_repaired(model, token
         b = f.read(1)
         f.seek(-1, 1)
         f.write(bytes([b[0] ^ 0xFF]))
-    with pytest.raises(ShardError, match=f"{files[1]}.*sha256.*Delete this file and rerun extraction"):
+    with pytest.raises(ShardError, match=f"{files[1]}.*sha256.*Run the extract stage again .*--only 01_extract"):
         list(ShardSet(out))
     truncated = os.path.join(out, files[3])
     os.truncate(truncated, os.path.getsize(truncated) // 2)

@@ -1,6 +1,7 @@
 """Params: every shipped file validates; mistakes are errors that say what to fix."""
 
 import copy
+import errno
 import pickle
 import subprocess
 import sys
@@ -236,3 +237,16 @@ def test_00_prepare_prints_later_stages_plans_from_the_whole_params_and_hashes_o
     with pytest.raises(UnreadSectionError, match="00_prepare read params train.lr"):
         _ = stage.p.train.lr
     assert stage_sections("00_prepare", stage.whole) == ["target", "data"]
+
+
+def test_an_override_that_is_not_yaml_names_its_key():
+    with pytest.raises(ParamsError, match=r"train.lr is not valid YAML .*quote it"):
+        parse_override("train.lr=[1,")
+
+
+def test_os_errors_say_what_to_do():
+    from eagle3lib.__main__ import os_error_text
+
+    full = os_error_text(OSError(errno.ENOSPC, "No space left on device", "/runs/t/01_extract/train/shard_3"))
+    assert full.startswith("/runs/t/01_extract/train/shard_3: No space left on device") and "disk is full" in full
+    assert "permissions" in os_error_text(PermissionError(errno.EACCES, "Permission denied", "/runs"))

@@ -22,7 +22,7 @@ def atomic_write(path, chunks):
     the folder. Returns (sha256 hex, bytes written). Each chunk is hashed in a thread while it is written
     (both release the GIL)."""
     folder, name = os.path.split(os.path.abspath(path))
-    tmp = os.path.join(folder, f".{name}.tmp")
+    tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")  # this writer's own: another's is never cut short
     h, n = hashlib.sha256(), 0
     with open(tmp, "wb") as f, ThreadPoolExecutor(1) as hasher:
         for chunk in chunks:

@@ -128,8 +128,9 @@ def read_shard(path, expected_sha256=None):
 
     def bad(what):
         return ShardError(
-            f"{path}: {what}. Delete this file and rerun extraction on its folder: "
-            f"extract() drops a bad shard from the manifest and redoes just its sequences"
+            f"{path}: {what}. Run the extract stage again (python -m eagle3lib run PARAMS --only 01_extract; a "
+            f"plain run does when the stage recorded the file's bytes): it drops this shard and extracts its sequences "
+            f"again, alone"
         )
 
     try:

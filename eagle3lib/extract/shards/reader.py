@@ -63,8 +63,8 @@ class ShardSet:
         if t["first_sequence"] != e["first_sequence"] or t["seq_starts"].numel() - 1 != e["sequences"]:
             raise ShardError(
                 f"{path}: holds {t['seq_starts'].numel() - 1} sequences from {t['first_sequence']}, "
-                f"the manifest expects {e['sequences']} from {e['first_sequence']}; delete it and "
-                f"rerun extraction on {self.out_dir}"
+                f"the manifest expects {e['sequences']} from {e['first_sequence']}; run the extract stage again "
+                f"(python -m eagle3lib run PARAMS --only 01_extract), which drops it and extracts its sequences alone"
             )
         return t
 
