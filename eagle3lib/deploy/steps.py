@@ -19,8 +19,11 @@ def check_stopped(server) -> list[int]:
     return left
 
 
-def result(server, smoke: dict, engine: str, depth: int, dtype: str | None, left: list[int]) -> dict:
-    """For Stage.save: the server (ready time, url, command, log) and its smoke request (sweep.measure at
+def result(
+    server, smoke: dict, engine: str, depth: int, dtype: str | None, left: list[int], served_by: dict[int, str]
+) -> dict:
+    """For Stage.save: the server (ready time, url, command, log, the processes that served: {pid: start time},
+    engines.process_starts, for anyone to look up after the stage) and its smoke request (sweep.measure at
     concurrency 1) as figures, the index's headline, the log as the artifact."""
     log = server.log_path.name
     figures = {
@@ -33,6 +36,8 @@ def result(server, smoke: dict, engine: str, depth: int, dtype: str | None, left
         "log": log,
         "logs": [log],
         "left_processes": left,
+        "group": server.group,
+        "served_by": {str(pid): start for pid, start in served_by.items()},
         "smoke": {k: smoke[k] for k in SMOKE_FIGURES} | {"text": smoke["outputs"][0]["text"]},
     }
     headline = {

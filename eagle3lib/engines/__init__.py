@@ -24,6 +24,7 @@ from eagle3lib.engines.server import (  # noqa: F401  (the engines' API)
     free_port,
     group_members,
     log_tail,
+    process_starts,
 )
 
 CLASSES = {"vllm": vllm.VLLM, "sglang": sglang.SGLang}

@@ -259,6 +259,19 @@ def alive_in_group(group: int) -> list[int]:
     return alive
 
 
+def process_starts(pids: list[int]) -> dict[int, str]:
+    """{pid: its start time in clock ticks since boot (/proc/PID/stat)} of those that run: a pid with its start
+    time names one process, whatever reuses the pid later."""
+    starts = {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                starts[pid] = f.read().rsplit(")", 1)[1].split()[19]
+        except (OSError, IndexError):
+            continue
+    return starts
+
+
 def group_members(group: int) -> list[int]:
     """Pids whose process group is `group` (from /proc)."""
     found = []
