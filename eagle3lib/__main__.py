@@ -95,6 +95,11 @@ def main(argv: list[str] | None = None) -> int:
         except RunFolderBusy as e:
             print(f"error: {e}", file=sys.stderr)
             return 3
+        except KeyboardInterrupt as e:
+            print(
+                f"interrupted: {e or 'Ctrl-C'}; finished stages are kept, the next run redoes the rest", file=sys.stderr
+            )
+            return 130
         print(f"run finished: {out / 'index.html'}")
         return 0
     except (ParamsError, ValueError, FileNotFoundError) as e:

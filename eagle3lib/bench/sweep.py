@@ -93,7 +93,9 @@ def run_config(
     the distribution check. Returns (rows, draws)."""
     server = engines.make(engine_params, target_dir, draft_dir, depth, log_dir, dtype)
     with server:
-        server.generate(prompts[0]["prompt_ids"], min(8, max_tokens))  # warm-up, not measured
+        warm = server.generate(prompts[0]["prompt_ids"], min(8, max_tokens))  # warm-up, not measured
+        per_token = warm["seconds"] / max(1, warm["completion_tokens"] or 1)  # the prompt's time in it: generous
+        server.request_timeout_s = engines.request_timeout_s(per_token, max_tokens, max(concurrency))
         if prepare is not None:
             prepare(server)
         low = min(concurrency)
@@ -173,6 +175,7 @@ class Sweep:
         self.differences: list[dict] = []
         self.draws: dict[int, dict] = {}  # depth (0: the baseline) -> draw_samples's result
         self.checks: list[dict] = []
+        self.missing: list[dict] = []  # {config, why} of a configuration whose engine died or hung
 
     def expect(self, configurations: int) -> None:
         """The progress bar's total: `configurations` in all, the baseline included."""
@@ -188,12 +191,17 @@ class Sweep:
         bench, name = self.bench_params, engines.config_name(depth, self.bench_params.dtype)
         self.say(f"[bench] {name}: starting {self.engine_params.name} ({len(prompts)} prompts{note})")
         self.bar.set_postfix_str(name)
-        got, drawn = run_config(
-            self.engine_params, self.target_dir, self.draft_dir, depth, prompts, bench.max_tokens,
-            concurrency or bench.concurrency, self.log_dir, bench.dtype, self.generate,
-            prepare=self._answer_first_turns if depth is None and self.pending else None,
-            sample=self._sample_draws if self.sampled and bench.samples else None,
-        )  # fmt: skip
+        try:
+            got, drawn = run_config(
+                self.engine_params, self.target_dir, self.draft_dir, depth, prompts, bench.max_tokens,
+                concurrency or bench.concurrency, self.log_dir, bench.dtype, self.generate,
+                prepare=self._answer_first_turns if depth is None and self.pending else None,
+                sample=self._sample_draws if self.sampled and bench.samples else None,
+            )  # fmt: skip
+        except (engines.EngineError, KeyboardInterrupt) as e:
+            why = str(e) if isinstance(e, engines.EngineError) else "interrupted (Ctrl-C) while it was measured"
+            self.missing.append({"config": name, "why": why})
+            raise
         if drawn is not None:
             self._check_draws(depth, drawn)
         measured = [self._add_row(depth, r, prompts, prediction, calibration) for r in got]
@@ -290,6 +298,7 @@ class Sweep:
             "lossless_reference": f"baseline (no speculation) at the same concurrency, dtype {bench.dtype or 'engine default (bf16 on CPU)'}",
             "cost_model": model,
             "seconds": round(time.time() - started, 1),
+            "missing": self.missing,
         }
 
 
@@ -304,6 +313,7 @@ def benchmark(
     progress=print,
     measure_costs=None,
     render=None,
+    keep=None,
 ) -> dict:
     """The sweep: the baseline, then the depths worth measuring, at each concurrency (docs/design.md §5).
 
@@ -323,17 +333,26 @@ def benchmark(
     `sets` and is itself over every set but the long-context one, which runs at the lowest concurrency only.
     A later turn is built (render: messages -> ids) from the baseline's answer to the turn before it. With
     bench.temperature > 0 the requests are sampled, losslessness is the distribution check (bench.sampling)
-    of bench.samples draws per prompt against the baseline's, and outputs are not compared token for token."""
+    of bench.samples draws per prompt against the baseline's, and outputs are not compared token for token.
+
+    An engine that dies or hangs (EngineError) ends the sweep: keep(partial result), when given, gets the rows
+    measured before it and `missing` ({config, why}) first, then the error goes on."""
     started = time.time()
     sweep = Sweep(engine_params, bench_params, target_dir, draft_dir, prompts, log_dir, eval_summary, progress, render)
-    sweep.measure(None, prompts)
-    model = None
-    if bench_params.pick_depth and eval_summary is not None and measure_costs is not None:
-        model = plan.choose_and_measure(sweep, bench_params, eval_summary, measure_costs)
-    else:
-        for depth in bench_params.depths:
-            sweep.measure(depth, prompts)
-    sweep.bar.close()
+    try:
+        sweep.measure(None, prompts)
+        model = None
+        if bench_params.pick_depth and eval_summary is not None and measure_costs is not None:
+            model = plan.choose_and_measure(sweep, bench_params, eval_summary, measure_costs)
+        else:
+            for depth in bench_params.depths:
+                sweep.measure(depth, prompts)
+    except (engines.EngineError, KeyboardInterrupt):
+        if keep is not None:
+            keep(sweep.result(None, started))
+        raise
+    finally:
+        sweep.bar.close()
     return sweep.result(model, started)
 
 

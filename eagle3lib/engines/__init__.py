@@ -25,6 +25,7 @@ from eagle3lib.engines.server import (  # noqa: F401  (the engines' API)
     group_members,
     log_tail,
     process_starts,
+    request_timeout_s,
 )
 
 CLASSES = {"vllm": vllm.VLLM, "sglang": sglang.SGLang}

@@ -40,6 +40,10 @@ def main() -> int:
     while True:
         code = child.poll()
         if code is not None:
+            if code < 0:  # killed by a signal: die of the same one, so that our parent reads the same status
+                if -code != signal.SIGKILL:  # SIGKILL has no handler to reset
+                    signal.signal(-code, signal.SIG_DFL)
+                os.kill(os.getpid(), -code)
             return code
         if stop or os.getppid() != parent:
             _kill_group(child)

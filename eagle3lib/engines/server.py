@@ -9,6 +9,7 @@ running at interpreter exit are stopped by an atexit hook; a `with` block stops 
 from __future__ import annotations
 
 import atexit
+import http.client
 import json
 import os
 import signal
@@ -29,6 +30,17 @@ _RUNNING: set = set()
 
 class EngineError(RuntimeError):
     """The engine did not start, answer or stop as expected; the message carries the log tail."""
+
+
+# A request's limit before anything was measured (the warm-up itself); then size_request_timeout's
+FIRST_REQUEST_TIMEOUT_S = 600
+
+
+def request_timeout_s(seconds_per_token: float, max_tokens: int, concurrency: int) -> float:
+    """A request's limit from the decode speed measured on this server: 10x what max_tokens take with
+    `concurrency` requests sharing it, plus a minute for the prompt, at most FIRST_REQUEST_TIMEOUT_S. A hung
+    engine then ends the measurement in about that, not in 600 s a request."""
+    return round(min(FIRST_REQUEST_TIMEOUT_S, 60 + 10 * seconds_per_token * max_tokens * max(1, concurrency)), 1)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -107,6 +119,7 @@ class Server:
         self.start_timeout_s = start_timeout_s
         self.proc: subprocess.Popen | None = None
         self.group: int | None = None  # process group id of the last start (the guard's pid)
+        self.request_timeout_s: float = FIRST_REQUEST_TIMEOUT_S  # complete()'s limit a request
         self.ready_s: float | None = None
 
     # -- subclasses -----------------------------------------------------------------------
@@ -139,8 +152,29 @@ class Server:
         if stop_token_ids:
             sampling["stop_token_ids"] = list(stop_token_ids)
         t0 = time.perf_counter()
-        out = self.complete(prompt_ids, sampling)
+        try:
+            out = self.complete(prompt_ids, sampling)
+        except (OSError, http.client.HTTPException) as e:  # refused, reset, closed without an answer, timed out
+            raise EngineError(self.failure_text(e)) from None
         return {**out, "seconds": time.perf_counter() - t0}
+
+    def failure_text(self, error: Exception) -> str:
+        """What a request that got no answer says: the engine, whether it still runs (else its exit status), the
+        error and its log's last lines."""
+        timed_out = isinstance(error, TimeoutError) or "timed out" in str(error)
+        code, deadline = None, time.time() + (0 if timed_out else 3)  # the guard sees its engine's exit in 0.25 s
+        while self.proc is not None and (code := self.proc.poll()) is None and time.time() < deadline:
+            time.sleep(0.1)
+        if code is not None:
+            state = f"exited with status {code}"
+        elif timed_out:
+            state = f"still runs but did not answer within {self.request_timeout_s:.0f} s (hung)"
+        else:
+            state = "still runs but closed the connection"
+        return (
+            f"{self.name} at {self.url} {state} while it served a request ({type(error).__name__}: {error}). "
+            f"Last lines of {self.log_path}:\n{log_tail(self.log_path)}"
+        )
 
     # -- lifecycle ------------------------------------------------------------------------
     @property
@@ -212,25 +246,7 @@ class Server:
         """SIGTERM to the whole process group, SIGKILL after grace_s; waits until no member is left."""
         if self.proc is None:
             return
-        group = self.proc.pid  # the guard leads its own group
-        try:
-            os.killpg(group, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
-        deadline = time.time() + grace_s
-        while time.time() < deadline and alive_in_group(group):
-            self.proc.poll()
-            time.sleep(0.2)
-        if alive_in_group(group):
-            try:
-                os.killpg(group, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        self.proc.wait()
-        for _ in range(50):  # SIGKILL is not instant
-            if not alive_in_group(group):
-                break
-            time.sleep(0.1)
+        stop_group(self.proc, grace_s)
         self.proc = None
         _RUNNING.discard(self)
 
@@ -244,6 +260,45 @@ class Server:
 
     def log_tail(self, lines: int = 40) -> str:
         return log_tail(self.log_path, lines)
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = 20) -> None:
+    """End the process group that proc (a guard) leads: SIGTERM, SIGKILL after grace_s; waits until no member is
+    left."""
+    group = proc.pid
+    try:
+        os.killpg(group, signal.SIGTERM)
+    except ProcessLookupError:
+        pass
+    deadline = time.time() + grace_s
+    while time.time() < deadline and alive_in_group(group):
+        proc.poll()
+        time.sleep(0.2)
+    if alive_in_group(group):
+        try:
+            os.killpg(group, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
+    for _ in range(50):  # SIGKILL is not instant
+        if not alive_in_group(group):
+            break
+        time.sleep(0.1)
+
+
+def run_guarded(cmd: list[str], grace_s: float = 20, **popen) -> None:
+    """Run cmd to its end under guard.py, in a process group of its own: ended with this process however it dies
+    (kill -9 included), and on an exception here (Ctrl-C: KeyboardInterrupt) with SIGTERM to the group first, so
+    that a launcher (torchrun) stops its own workers, which lead sessions of their own. Raises
+    subprocess.CalledProcessError for a non-zero exit, as subprocess.run(check=True) does."""
+    proc = subprocess.Popen([sys.executable, str(GUARD), str(os.getpid()), *cmd], start_new_session=True, **popen)
+    try:
+        code = proc.wait()
+    except BaseException:
+        stop_group(proc, grace_s)
+        raise
+    if code:
+        raise subprocess.CalledProcessError(code, cmd)
 
 
 def alive_in_group(group: int) -> list[int]:

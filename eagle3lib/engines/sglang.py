@@ -167,7 +167,9 @@ class SGLang(Server):
     def complete(self, prompt_ids: list[int], sampling: dict) -> dict:
         """SGLang's /generate on token ids (max_tokens is its max_new_tokens)."""
         params = {("max_new_tokens" if k == "max_tokens" else k): v for k, v in sampling.items()}
-        r = http_json(self.url + "/generate", {"input_ids": prompt_ids, "sampling_params": params})
+        r = http_json(
+            self.url + "/generate", {"input_ids": prompt_ids, "sampling_params": params}, self.request_timeout_s
+        )
         meta = r.get("meta_info", {})
         finish = meta.get("finish_reason")
         return {

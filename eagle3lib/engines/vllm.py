@@ -105,7 +105,7 @@ class VLLM(Server):
     def complete(self, prompt_ids: list[int], sampling: dict) -> dict:
         """vLLM's OpenAI /v1/completions on token ids, the ids returned."""
         body = {"model": self.model, "prompt": prompt_ids, **sampling, "return_token_ids": True}
-        r = http_json(self.url + "/v1/completions", body)
+        r = http_json(self.url + "/v1/completions", body, self.request_timeout_s)
         choice = r["choices"][0]
         return {
             "token_ids": choice.get("token_ids"),

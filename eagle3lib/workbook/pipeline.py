@@ -10,14 +10,19 @@ outputs/<run>/
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import hashlib
 import json
 import logging
+import os
 import platform
+import signal
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from importlib import metadata
 from pathlib import Path
 
@@ -124,10 +129,21 @@ def render_html(notebook: Path, hide_code: bool, result: dict | None = None, nei
         )
     # The notebook's default parameters cell is followed by papermill's injected one, which tells the truth.
     nb.cells = [c for c in nb.cells if "parameters" not in c.metadata.get("tags", [])]
-    exporter = HTMLExporter(
-        template_name="lab", exclude_input=hide_code, exclude_input_prompt=hide_code, exclude_output_prompt=hide_code
-    )
-    body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": notebook.stem}})
+    # nbconvert's own warnings ("Alternative text is missing on N image(s).") go to the stage's log, not the console
+    log = logging.getLogger("eagle3lib.nbconvert")
+    log.propagate = False
+    to_stage_log = logging.FileHandler(notebook.with_suffix(".log"), mode="a")
+    to_stage_log.setFormatter(logging.Formatter("%(asctime)s nbconvert %(levelname)s %(message)s"))
+    log.addHandler(to_stage_log)
+    try:
+        exporter = HTMLExporter(
+            template_name="lab", exclude_input=hide_code, exclude_input_prompt=hide_code,
+            exclude_output_prompt=hide_code, log=log,
+        )  # fmt: skip
+        body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": notebook.stem}})
+    finally:
+        log.removeHandler(to_stage_log)
+        to_stage_log.close()
     out = notebook.with_suffix(".html")
     out.write_text(_offline(body))
     return out
@@ -189,7 +205,7 @@ def execute_stage(
     result_path = out_dir / "result.json"
     result_path.unlink(missing_ok=True)  # a stale result must not survive a failed rerun
     started = time.time()
-    error = None
+    error, stopped = None, None
     try:
         with _stage_log(out_dir / f"{stage}.log", echo=log_output):
             papermill.execute_notebook(
@@ -205,12 +221,16 @@ def execute_stage(
             )
     except Exception as e:  # papermill raises its own error type with the cell's traceback
         error = notebook_error(executed, e)
+    except KeyboardInterrupt as e:  # stop_on_signals's second signal: recorded as failed, then on up
+        error, stopped = f"Interrupted: {e or 'Ctrl-C'}", e
     seconds = round(time.time() - started, 1)
     if error is None and not result_path.is_file():
         error = "the notebook finished without saving its result (stage.save, eagle3lib.run_folder.save_result)"
     report_name = executed.with_suffix(".html").name
     if error is not None:
+        kept = run_folder.read_result(run_dir, stage) or {}  # Stage.keep's figures, when the stage kept some
         result = {
+            **({"figures": kept["figures"], "partial": True} if kept.get("status") == "partial" else {}),
             "stage": stage,
             "status": "failed",
             "error": error,
@@ -222,6 +242,8 @@ def execute_stage(
         run_folder.write_json(result_path, result)
         if executed.is_file():
             render_html(executed, p.run.hide_code, result, neighbours)
+        if stopped is not None:
+            raise stopped
         raise StageError(
             f"stage {stage} failed after {seconds} s: {error}\n"
             f"  executed notebook: {executed}\n  report: {executed.with_suffix('.html')}\n"
@@ -233,16 +255,71 @@ def execute_stage(
     return result
 
 
+_KERNELS: weakref.WeakSet = weakref.WeakSet()  # the managers of the stage kernels this process started
+
+
 def _ipc_kernel_manager():
     """The kernel manager over local sockets: over TCP, ipykernel warns on every start that its traffic is
-    unencrypted, and our kernels never leave the machine."""
+    unencrypted, and our kernels never leave the machine. Each instance is known to stop_on_signals."""
     from jupyter_client.manager import AsyncKernelManager
     from traitlets import CaselessStrEnum
 
     class IPCKernelManager(AsyncKernelManager):
         transport = CaselessStrEnum(["tcp", "ipc"], default_value="ipc", config=True)
 
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            _KERNELS.add(self)
+
     return IPCKernelManager
+
+
+# After Ctrl-C the running stage has this long to stop as a notebook does on Ctrl-C (its engines stopped, what it
+# measured kept) before papermill kills its kernel
+INTERRUPT_GRACE_S = 8.0
+
+
+class Interrupted(KeyboardInterrupt):
+    """The run was stopped by Ctrl-C, SIGTERM or SIGHUP."""
+
+
+@contextlib.contextmanager
+def stop_on_signals(grace_s: float = INTERRUPT_GRACE_S):
+    """Ctrl-C (SIGINT), SIGTERM and SIGHUP stop the run, also where the shell that started it ignores SIGINT (a
+    background job). The first interrupts the running stage's kernel: its cell stops as on Ctrl-C in a notebook;
+    a second signal, or grace_s without the stage ending, raises Interrupted here at once (papermill then kills the
+    kernel; guarded children end with it). Between stages the first raises at once."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    first: list[float] = []
+    timers: list[threading.Timer] = []
+
+    def handler(signum, _frame):
+        running = [k for k in list(_KERNELS) if getattr(k.provisioner, "pid", None) and k.has_kernel]
+        if first or not running:
+            raise Interrupted(f"stopped by {signal.Signals(signum).name}")
+        first.append(time.time())
+        print(
+            f"[eagle3] {signal.Signals(signum).name}: stopping the running stage (again to stop at once)",
+            file=sys.stderr,
+        )
+        for kernel in running:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(kernel.provisioner.pid, signal.SIGINT)
+        timer = threading.Timer(grace_s, _thread.interrupt_main)
+        timer.daemon = True
+        timer.start()
+        timers.append(timer)
+
+    saved = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield first
+    finally:
+        for timer in timers:
+            timer.cancel()
+        for sig, before in saved.items():
+            signal.signal(sig, before)
 
 
 @contextlib.contextmanager
@@ -370,8 +447,13 @@ def run_pipeline(
         if first and first > last:
             raise ValueError(f"nothing to run: {first} comes after {last} (--to)")
     out = params_run_dir(p)
-    with run_folder.held(out, " ".join(sys.argv) or "run_pipeline"):
-        _run_stages(p, out, names, overrides, forced_from, only, last, log_output, notebooks_dir)
+    with run_folder.held(out, " ".join(sys.argv) or "run_pipeline"), stop_on_signals() as stopped:
+        try:
+            _run_stages(p, out, names, overrides, forced_from, only, last, log_output, notebooks_dir)
+        except StageError as e:
+            if stopped:  # the interrupted stage failed with KeyboardInterrupt, as asked
+                raise Interrupted(str(e)) from None
+            raise
     return out
 
 

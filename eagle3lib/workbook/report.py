@@ -127,6 +127,8 @@ def stage_summary_html(
             f"<div class='e3-status e3-failed'>stage failed after {duration(result.get('seconds'))}: "
             f"{html.escape(str(result.get('error', '')))} ({where} shows the traceback below)</div>"
         )
+        if result.get("partial"):
+            state += f"<div class='e3-status e3-failed'>{html.escape(kept_text(result['figures']))}</div>"
     cards = "".join(
         f"<div class='e3-card'><div class='k'>{html.escape(str(k))}</div>"
         f"<div class='v'>{html.escape(fmt(v))}</div></div>"
@@ -143,6 +145,16 @@ def stage_summary_html(
         f"<style>{CSS.strip()}</style>\n<div class='e3-summary'><div class='e3-nav'>{' &middot; '.join(nav)}</div>"
         f"{state}<div class='e3-cards'>{cards}</div>{made}</div>"
     ).replace("\n\n", "\n")
+
+
+def kept_text(figures: dict) -> str:
+    """What a stopped stage kept (Stage.keep): its measured configurations, and each missing one with why."""
+    rows = figures.get("rows", [])
+    measured = sorted({r.get("config", "?") for r in rows})
+    text = f"Kept in result.json: {len(rows)} rows measured before it stopped ({', '.join(measured) or 'none'})."
+    for m in figures.get("missing", []):
+        text += f" Missing: {m['config']}, {m['why'].splitlines()[0]}"
+    return text
 
 
 PAPERMILL_ERROR_TAG = "papermill-error-cell-tag"

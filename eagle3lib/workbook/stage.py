@@ -62,6 +62,14 @@ class Stage:
             headline = {**(headline or {}), "dtype (auto)": ", ".join(picks)}
         return run_folder.save_result(self.run_dir, self.name, figures, headline, artifacts)
 
+    def keep(self, figures: dict) -> dict:
+        """What the stage measured before it was stopped (an engine died, Ctrl-C), as its result.json with status
+        'partial': the pipeline keeps these figures in the failed stage's result, and the next run redoes it."""
+        result = run_folder.save_result(self.run_dir, self.name, figures)
+        result["status"] = "partial"
+        run_folder.write_json(self.out / "result.json", result)
+        return result
+
 
 def open_stage(name: str, params_file: str | Path, run_dir: str | Path | None = None, overrides: dict | None = None):
     """The run's params (params_file with overrides) as this stage sees them (params.stage_view: a section outside

@@ -1,6 +1,10 @@
 """bench/sweep.py: predicted acceptance, losslessness, the report, and one real sweep on the vLLM CPU server."""
 
 import json
+import os
+import signal
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -163,3 +167,52 @@ def test_real_sampled_sweep_checks_the_distribution(drafts, embedded_target, tmp
     assert check["passed"] is False and check["p_value"] < 0.01, check  # the engine's defect, caught
     assert "FAILED" in steps.sampling_text(swept) and "FAILED" in steps.lossless_headline(swept)
     assert "sampled" in report.table_html(sweep.table(swept["rows"]))
+
+
+@pytest.mark.slow
+def test_an_engine_killed_mid_sweep_ends_it_naming_the_engine_with_the_rows_kept(drafts, embedded_target, tmp_path):  # noqa: F811
+    """kill -9 of the depth's vLLM once it is healthy: the sweep ends within two minutes with the engine, its
+    exit status and its log named; keep() gets the baseline's rows and the depth as missing, with why."""
+    need("vllm")
+    render = prompt_sets.renderer(embedded_target[1])
+    held_out = [{"id": f"p{i}", "messages": [{"role": "user", "content": PROMPTS[0]}]} for i in range(2)]
+    prompts = prompt_sets.build_prompts(render, ["held_out"], 2, held_out)
+    params = BenchParams(depths=[3], concurrency=[1], num_prompts=2, max_tokens=MAX_TOKENS, dtype="float32")
+    log = tmp_path / "vllm-depth3-float32.log"
+    killed = {}
+
+    def kill_the_depths_engine():  # the guard's children, once the server says it is up
+        while "Application startup complete" not in (log.read_text(errors="replace") if log.is_file() else ""):
+            time.sleep(0.2)
+        for pid in guards_children():
+            os.kill(pid, signal.SIGKILL)
+            killed.setdefault("at", time.time())
+
+    def guards_children():
+        me = str(os.getpid())
+        for entry in os.listdir("/proc"):
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                cmdline = Path(f"/proc/{fields[1]}/cmdline").read_bytes()
+            except (OSError, IndexError):
+                continue
+            parent_stat = Path(f"/proc/{fields[1]}/stat").read_text().rsplit(")", 1)[1].split()
+            if b"guard.py" in cmdline and parent_stat[1] == me and "vllm" in Path(f"/proc/{entry}/cmdline").read_text():
+                yield int(entry)
+
+    threading.Thread(target=kill_the_depths_engine, daemon=True).start()
+    kept = []
+    with pytest.raises(engines.EngineError) as err:
+        sweep.benchmark(
+            EngineParams(extra_args=FAST_START), params, drafts["target"], drafts["vllm"], prompts, tmp_path,
+            render=render, keep=kept.append,
+        )  # fmt: skip
+    assert killed and time.time() - killed["at"] < 120
+    text = str(err.value)
+    assert text.startswith("vllm at http://127.0.0.1:") and "exited with status -9" in text and str(log) in text
+    (partial,) = kept
+    assert [r["config"] for r in partial["rows"]] == ["baseline-float32"]
+    assert [m["config"] for m in partial["missing"]] == ["depth3-float32"] and "exited with status -9" in partial[
+        "missing"
+    ][0]["why"]
+    assert engines.alive_in_group(partial["rows"][0]["group"]) == []

@@ -1,9 +1,13 @@
 """The papermill pipeline on small real notebooks: order, skipping, forcing, failures, reports."""
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -20,6 +24,9 @@ stage = open_stage("00_first", params_file, run_dir, overrides)
 p = stage.p
 (stage.out / "made.txt").write_text(str(p.bench.max_tokens))
 print("a line for the stage's log")
+import base64
+from IPython.display import Image, display
+display(Image(base64.b64decode("iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg==")))
 stage.save({"n": p.bench.max_tokens}, headline={"tokens": p.bench.max_tokens}, artifacts=["made.txt"])
 """,
     "01_second": """
@@ -118,6 +125,8 @@ def test_console_shows_stage_lines_the_log_keeps_the_cells(workbook, caplog, cap
     assert f"{machine['cores']} cores" in (out / "index.html").read_text()
     log = (out / "00_first" / "00_first.log").read_text()
     assert "Executing Cell" in log and "a line for the stage's log" in log
+    # nbconvert's warning on the image without alternative text: in the log, not among the stage lines
+    assert "Alternative text is missing on 1 image(s)." in log and "Alternative text" not in err
     assert not any("a line for the stage's log" in r.getMessage() for r in caplog.records)
     assert not any("Executing Cell" in r.getMessage() for r in caplog.records)
     caplog.clear()
@@ -323,3 +332,120 @@ def test_cli_names_what_to_fix_for_a_bad_value_or_a_path(workbook, tmp_path):
         capture_output=True, text=True,
     )  # fmt: skip
     assert where.returncode == 2 and str(blocked) in where.stderr and "Traceback" not in where.stderr, where.stderr
+
+
+# A stand-in for torchrun: it starts a worker in a session of its own, as torch's elastic agent does, and stops it
+# on SIGTERM or SIGINT
+LAUNCHER = """
+import os, signal, subprocess, sys, time
+worker = subprocess.Popen([sys.executable, "-c", "import time\\nwhile True: time.sleep(0.2)"], start_new_session=True)
+def stop(*_):
+    os.killpg(worker.pid, signal.SIGTERM)
+    worker.wait()
+    sys.exit(1)
+signal.signal(signal.SIGTERM, stop)
+signal.signal(signal.SIGINT, stop)
+open(sys.argv[1], "w").write(f"{os.getpid()} {worker.pid}")
+while True:
+    time.sleep(0.2)
+"""
+
+LONG_STAGE = """
+import os, sys
+from eagle3lib.workbook import open_stage
+from eagle3lib.engines.server import run_guarded
+stage = open_stage("00_first", params_file, run_dir, overrides)
+(stage.out / "kernel.pid").write_text(str(os.getpid()))
+try:
+    run_guarded([sys.executable, "-c", LAUNCHER, str(stage.out / "launched.pids")])
+except KeyboardInterrupt:
+    stage.keep({"rows": [{"config": "baseline"}], "missing": [{"config": "depth1", "why": "interrupted"}]})
+    raise
+"""
+
+DRIVER = """
+import sys
+from pathlib import Path
+from eagle3lib.workbook import pipeline
+try:
+    pipeline.run_pipeline(sys.argv[1], notebooks_dir=Path(sys.argv[2]), log_output=False)
+except KeyboardInterrupt as e:
+    print("interrupted:", e, file=sys.stderr)
+    sys.exit(130)
+"""
+
+
+@pytest.fixture
+def long_stage(tmp_path):
+    nbs = tmp_path / "notebooks"
+    nbs.mkdir()
+    nb = new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    params = new_code_cell("params_file = None\nrun_dir = None\noverrides = {}")
+    params.metadata["tags"] = ["parameters"]
+    nb.cells = [params, new_code_cell(f"LAUNCHER = {LAUNCHER!r}\n" + LONG_STAGE)]
+    nbformat.write(nb, nbs / "00_first.ipynb")
+    params_file = tmp_path / "t.yaml"
+    params_file.write_text("run: {output_root: outputs}\n")
+    return params_file, nbs, tmp_path / "outputs" / "t" / "00_first"
+
+
+def start_and_wait_for_the_launch(long_stage, ignore_sigint=False):
+    """The pipeline in a session of its own, as a terminal runs it (SIGINT ignored: as a shell's background job);
+    returns it with the kernel's, the launcher's and its worker's pids once the worker runs."""
+    params_file, nbs, stage_dir = long_stage
+    run = subprocess.Popen(
+        [sys.executable, "-c", DRIVER, str(params_file), str(nbs)], start_new_session=True, stderr=subprocess.PIPE,
+        text=True, preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignore_sigint else None,
+    )  # fmt: skip
+    launched = stage_dir / "launched.pids"
+    deadline = time.time() + 120
+    while not launched.is_file() or len(launched.read_text().split()) < 2:
+        assert time.time() < deadline and run.poll() is None, run.stderr.read() if run.poll() is not None else "late"
+        time.sleep(0.2)
+    return run, [int((stage_dir / "kernel.pid").read_text()), *map(int, launched.read_text().split())]
+
+
+def gone(pids, within_s):
+    deadline = time.time() + within_s
+    while time.time() < deadline:
+        if not any(Path(f"/proc/{pid}").exists() and not zombie(pid) for pid in pids):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def zombie(pid):
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+@pytest.mark.parametrize("ignore_sigint", [False, True], ids=["terminal", "background-job"])
+def test_ctrl_c_stops_the_run_within_seconds_and_keeps_what_was_measured(long_stage, ignore_sigint):
+    run, pids = start_and_wait_for_the_launch(long_stage, ignore_sigint)
+    t0 = time.time()
+    os.killpg(run.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends
+    try:
+        code = run.wait(timeout=20)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert code == 130 and time.time() - t0 < 12, run.stderr.read()
+    assert gone(pids, within_s=5), pids  # the kernel, the launcher and the worker in its own session
+    r = json.loads((long_stage[2] / "result.json").read_text())
+    assert r["status"] == "failed" and r["partial"] and "KeyboardInterrupt" in r["error"]
+    assert r["figures"]["rows"] == [{"config": "baseline"}] and r["figures"]["missing"][0]["config"] == "depth1"
+    page = (long_stage[2] / "00_first.html").read_text()
+    assert "Kept in result.json: 1 rows measured before it stopped (baseline). Missing: depth1, interrupted" in page
+    assert (long_stage[2].parent / run_folder.LOCK_FILE).read_text() == ""
+
+
+def test_a_killed_run_leaves_no_worker(long_stage):
+    """kill -9 of the run: no finally runs in it; the kernel goes with its parent, the guard with the kernel, and
+    the launcher stops its worker."""
+    run, pids = start_and_wait_for_the_launch(long_stage)
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait()
+    assert gone(pids, within_s=30), [p for p in pids if Path(f"/proc/{p}").exists()]

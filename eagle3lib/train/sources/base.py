@@ -12,7 +12,6 @@ A placement is one class in one file of this folder; a new one is a new file, it
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
@@ -21,6 +20,7 @@ from pathlib import Path
 from typing import Protocol
 
 from eagle3lib import run_folder
+from eagle3lib.engines.server import run_guarded
 
 TRAIN_ENTRY = "eagle3lib.train.launch"  # the stage's entry point in a process this layer starts (python -m)
 SUMMARY = "train_summary.json"
@@ -90,7 +90,7 @@ class Placement(ABC):
         if nproc <= 1:
             return run.run_stage(run.p, run.run_dir)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        subprocess.run([*cmd, "-m", TRAIN_ENTRY, *run.command_args()], check=True)
+        run_guarded([*cmd, "-m", TRAIN_ENTRY, *run.command_args()])  # no worker outlives the stage
         return run.summary()
 
     def check_started(self, proc: StageProcess) -> None:
