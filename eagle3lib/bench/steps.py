@@ -1,5 +1,5 @@
 """The 05_benchmark stage's texts and result, from the sweep (sweep.benchmark), its recommendation
-(sweep.recommend) and the replay (replay.replay_prompts); the cost model's in-process probe."""
+(fastest.recommend) and the replay (replay.replay_prompts); the cost model's in-process probe."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import io
 
 import ipywidgets as W
 
-from eagle3lib.bench import sweep
+from eagle3lib.bench import fastest
 from eagle3lib.bench.replay import TARGET
 from eagle3lib.workbook import html_pieces, plots
 
@@ -286,7 +286,7 @@ def speed_html(rows: list[dict], concurrency: int, recommendation: dict | None =
             f"<p>Fastest at concurrency {concurrency}: <b>{html.escape(rec['config'])}</b>, "
             f"{html_pieces.fmt(rec['tokens_per_s'])} tokens/s ({html_pieces.fmt(rec['speedup'])}x the baseline).</p>"
         )
-    return f"{STYLE}{html_pieces.table_html(sweep.table(sel))}{line}"
+    return f"{STYLE}{html_pieces.table_html(fastest.table(sel))}{line}"
 
 
 def speed_explorer(rows: list[dict], recommendation: dict | None = None) -> W.VBox:

@@ -14,7 +14,7 @@ from sweep_rows import ROWS
 from test_engines import drafts, need  # noqa: F401  (the learned drafter's exports; a module-scoped fixture)
 
 from eagle3lib import engines
-from eagle3lib.bench import prompt_sets, steps, sweep
+from eagle3lib.bench import fastest, prompt_sets, steps, sweep
 from eagle3lib.params import BenchParams, EngineParams
 from eagle3lib.train.metrics import acceptance_summary
 from eagle3lib.workbook import report
@@ -49,7 +49,7 @@ def test_compare_outputs_reports_every_difference():
 
 
 def test_recommendation_table_and_plots(tmp_path):
-    rec = sweep.recommend(ROWS, "/models/t", {"vllm": "/x/vllm", "sglang": "/x/sglang"})
+    rec = fastest.recommend(ROWS, "/models/t", {"vllm": "/x/vllm", "sglang": "/x/sglang"})
     assert rec["1"]["config"] == "depth5" and rec["8"]["config"] == "baseline"
     assert (
         '"num_speculative_tokens": 5' in rec["1"]["vllm"] and "--speculative-num-draft-tokens 6" in rec["1"]["sglang"]
@@ -57,7 +57,7 @@ def test_recommendation_table_and_plots(tmp_path):
     assert "--speculative" not in rec["8"]["vllm"] + rec["8"]["sglang"]
     from eagle3lib.workbook import plots, report
 
-    page = report.table_html(sweep.table(ROWS))
+    page = report.table_html(fastest.table(ROWS))
     assert page.count("<tr>") == 5 and "75%" in page and "0.70 0.40 0.20 0.10 0.00" in page
 
     for fig in (
@@ -166,7 +166,7 @@ def test_real_sampled_sweep_checks_the_distribution(drafts, embedded_target, tmp
     )
     assert check["passed"] is False and check["p_value"] < 0.01, check  # the engine's defect, caught
     assert "FAILED" in steps.sampling_text(swept) and "FAILED" in steps.lossless_headline(swept)
-    assert "sampled" in report.table_html(sweep.table(swept["rows"]))
+    assert "sampled" in report.table_html(fastest.table(swept["rows"]))
 
 
 @pytest.mark.slow
@@ -181,9 +181,9 @@ def test_an_engine_killed_mid_sweep_ends_it_naming_the_engine_with_the_rows_kept
     log = tmp_path / "vllm-depth3-float32.log"
     killed = {}
 
-    def kill_the_depths_engine():  # the guard's children, once the server says it is up
-        while "Application startup complete" not in (log.read_text(errors="replace") if log.is_file() else ""):
-            time.sleep(0.2)
+    def kill_the_depths_engine():  # the guard's children, once the server has answered its warm-up
+        while "POST /v1/completions" not in (log.read_text(errors="replace") if log.is_file() else ""):
+            time.sleep(0.1)
         for pid in guards_children():
             os.kill(pid, signal.SIGKILL)
             killed.setdefault("at", time.time())

@@ -13,8 +13,8 @@ from sweep_rows import ROWS
 from test_export import ckpt  # noqa: F401  (a real drafter checkpoint for the embedded target)
 
 from eagle3lib import engines, run_folder, target
+from eagle3lib.bench import fastest, sweep
 from eagle3lib.bench import steps as bench_steps
-from eagle3lib.bench import sweep
 from eagle3lib.convert import layouts
 from eagle3lib.convert import steps as convert_steps
 from eagle3lib.deploy import steps as deploy_steps
@@ -284,6 +284,7 @@ def test_deploy_checks_the_group_is_gone_and_records_the_server(tmp_path):
     with server:
         with pytest.raises(RuntimeError, match=r"survived stop\(\); expected none. Kill them: kill \d+"):
             deploy_steps.check_stopped(server)  # still serving
+        served_by = engines.process_starts(engines.group_members(server.group))
     assert deploy_steps.check_stopped(server) == []
     smoke = {
         "completion_tokens": 32,
@@ -294,7 +295,8 @@ def test_deploy_checks_the_group_is_gone_and_records_the_server(tmp_path):
         "drafts": 10,
         "outputs": [{"id": "b0", "text": "One, two"}],
     }
-    r = deploy_steps.result(server, smoke, "vllm", 3, None, [])
+    r = deploy_steps.result(server, smoke, "vllm", 3, None, [], served_by)
+    assert r["figures"]["group"] == server.group and str(server.group) in r["figures"]["served_by"]
     assert r["figures"]["log"] == "engine-depth3.log" and r["figures"]["logs"] == ["engine-depth3.log"]
     assert r["figures"]["command"] == server.command and r["figures"]["url"] == server.url
     assert r["figures"]["smoke"] == {k: v for k, v in smoke.items() if k != "outputs"} | {"text": "One, two"}
@@ -327,7 +329,7 @@ def swept(rows):
 def test_benchmark_texts_and_result():
     rows = [r | {"log": f"vllm-{r['config']}.log"} for r in ROWS]
     s = swept(rows)
-    rec = sweep.recommend(rows, "/models/t", {"vllm": "/x/vllm", "sglang": "/x/sglang"})
+    rec = fastest.recommend(rows, "/models/t", {"vllm": "/x/vllm", "sglang": "/x/sglang"})
     assert sweep.lowest_concurrency_baseline(s) == s["baseline_outputs"]["1"]
     text = bench_steps.losslessness_text(s)
     assert text.splitlines()[:2] == [

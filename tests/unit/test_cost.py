@@ -2,7 +2,7 @@
 
 import pytest
 
-from eagle3lib.bench import cost
+from eagle3lib.bench import cost, fastest
 
 
 def synthetic(prefill_share=0.0, overhead=0.0):
@@ -191,7 +191,7 @@ class SyntheticEngine:
 
 
 def test_the_sweep_measures_the_true_best_depth_and_recommends_only_what_beat_the_baseline():
-    from eagle3lib.bench import plan, sweep
+    from eagle3lib.bench import plan
     from eagle3lib.params import BenchParams
 
     truth = synthetic(prefill_share=0.1, overhead=6.0)
@@ -215,7 +215,7 @@ def test_the_sweep_measures_the_true_best_depth_and_recommends_only_what_beat_th
     assert quick == set(model["quick"]) and quick
     for d in quick:
         assert all(r["speedup"] < 0.75 for r in engine.rows if r["depth"] == d)
-    rec = sweep.recommend(engine.rows, "/models/t", {})
+    rec = fastest.recommend(engine.rows, "/models/t", {})
     for c, chosen in rec.items():
         base = next(r for r in engine.rows if r["depth"] == 0 and r["concurrency"] == int(c))
         assert chosen["tokens_per_s"] >= base["tokens_per_s"] and chosen["depth"] not in quick
@@ -225,7 +225,7 @@ def test_when_every_depth_loses_the_picks_still_run_every_prompt():
     """A drafter whose drafts are rarely accepted: every depth is predicted far below the baseline, the user's
     depths run quick, but the cost model's picks are measured on the full prompt set (the answer "no speculation"
     rests on them)."""
-    from eagle3lib.bench import plan, sweep
+    from eagle3lib.bench import plan
     from eagle3lib.params import BenchParams
 
     truth = synthetic(prefill_share=0.1, overhead=30.0)
@@ -238,7 +238,7 @@ def test_when_every_depth_loses_the_picks_still_run_every_prompt():
     full = {d for d, n, _ in engine.runs if d and n == len(prompts)}
     assert set(model["picks"].values()) <= full and {16, 10} <= set(model["quick"])
     assert all(r["speedup"] < 1 for r in engine.rows if r["depth"])
-    rec = sweep.recommend(engine.rows, "/models/t", {})
+    rec = fastest.recommend(engine.rows, "/models/t", {})
     assert all(chosen["depth"] in (0, None) for chosen in rec.values())  # no speculation
 
 
@@ -247,7 +247,7 @@ def test_a_first_run_sweep_measures_the_baseline_and_the_picks_and_answers_the_a
     """bench.neighbours off and bench.asked_depths predict or quick (params/tiny.yaml's first run): servers start
     for the baseline and the picks only (every prompt, every concurrency); the asked depths are the calibrated
     model's predictions, or a few prompts at the lowest concurrency, and asked_depths says which."""
-    from eagle3lib.bench import plan, steps, sweep
+    from eagle3lib.bench import plan, steps
     from eagle3lib.params import BenchParams
 
     truth = synthetic(prefill_share=0.1, overhead=6.0)
@@ -278,7 +278,7 @@ def test_a_first_run_sweep_measures_the_baseline_and_the_picks_and_answers_the_a
         hows = {(r["concurrency"], r["how"]) for r in answered}
         assert hows == {(1, "quick (3 prompts)"), (8, "predicted")}  # concurrency 8 is not run: its prediction
     assert "depth 16, concurrency 1" in steps.asked_depths_text(answered)
-    rec = sweep.recommend(engine.rows, "/models/t", {})
+    rec = fastest.recommend(engine.rows, "/models/t", {})
     assert {chosen["depth"] for chosen in rec.values()} <= picks | {0}
 
 
