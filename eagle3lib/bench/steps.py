@@ -77,20 +77,39 @@ def bench_prompts(p, tokenizer, held_out: list[dict]) -> list[dict]:
     return prompts
 
 
-def check_context(prompts: list[dict], target_config, max_tokens: int) -> None:
-    """Every prompt plus bench.max_tokens within the target's context (its max_position_embeddings)."""
+def check_context(prompts: list[dict], target_config, max_tokens: int, engine_params=None) -> list[dict]:
+    """The prompts that fit, with bench.max_tokens to generate, within the context the engine serves: the
+    target's max_position_embeddings, or less where engine.extra_args limit it (--max-model-len,
+    --context-length). A question-set prompt that does not fit is left out, for every configuration alike, with
+    a line; a long-context prompt (bench.context_lengths) that does not fit is refused, since it was asked for."""
     from eagle3lib import target
 
-    max_model_len = getattr(target.text_config(target_config), "max_position_embeddings", None)
-    if not max_model_len:
-        return
-    over = [x for x in prompts if x["prompt_ids"] and len(x["prompt_ids"]) + max_tokens > max_model_len]
-    if over:
+    limits = {"the target's context": getattr(target.text_config(target_config), "max_position_embeddings", None)}
+    if engine_params is not None:
+        limits[f"{engine_params.name}'s context (engine.extra_args)"] = engines.context_limit(engine_params)
+    limits = {why: n for why, n in limits.items() if n}
+    if not limits:
+        return prompts
+    why, limit = min(limits.items(), key=lambda item: item[1])
+    over = [x for x in prompts if x["prompt_ids"] and len(x["prompt_ids"]) + max_tokens > limit]
+    asked = [x for x in over if x["set"] == prompt_sets.CONTEXT]
+    if asked:
         raise ValueError(
-            f"{len(over)} prompt(s) do not fit the target's context of {max_model_len} tokens with bench.max_tokens "
-            f"{max_tokens} to generate, e.g. {over[0]['id']} ({len(over[0]['prompt_ids'])} tokens); lower "
+            f"{len(asked)} long-context prompt(s) do not fit {why} of {limit} tokens with bench.max_tokens "
+            f"{max_tokens} to generate, e.g. {asked[0]['id']} ({len(asked[0]['prompt_ids'])} tokens); lower "
             f"bench.context_lengths"
         )
+    if over:
+        dropped = {x["id"] for x in over}
+        dropped |= {x["id"] for x in prompts if x.get("after") in dropped}  # a later turn follows its first
+        print(
+            f"{len(dropped)} of {len(prompts)} prompt(s) left out: longer than {why} of {limit} tokens with "
+            f"bench.max_tokens {max_tokens} to generate (e.g. {over[0]['id']}, {len(over[0]['prompt_ids'])} tokens)"
+        )
+        prompts = [x for x in prompts if x["id"] not in dropped]
+        if not prompts:
+            raise ValueError(f"No prompt fits {why} of {limit} tokens with bench.max_tokens {max_tokens}")
+    return prompts
 
 
 def prompts_text(prompts: list[dict]) -> str:

@@ -36,6 +36,18 @@ def config_name(depth: int | None, dtype: str | None = None) -> str:
     return ("baseline" if not depth else f"depth{depth}") + (f"-{dtype}" if dtype else "")
 
 
+def context_limit(engine_params) -> int | None:
+    """The context length engine.extra_args give the engine (vLLM's --max-model-len, SGLang's --context-length),
+    None when they leave it to the model's config."""
+    flag, args = CLASSES[engine_params.name].context_flag, [str(a) for a in engine_params.extra_args]
+    for i, arg in enumerate(args):
+        if arg == flag and i + 1 < len(args):
+            return int(args[i + 1])
+        if arg.startswith(flag + "="):
+            return int(arg.split("=", 1)[1])
+    return None
+
+
 def python_for(engine_params) -> str:
     """The interpreter that runs the engine: engine.python, else .venv-<engine> of this repo, else this one."""
     return engine_python(engine_params.name, engine_params.python) or sys.executable

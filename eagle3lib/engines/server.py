@@ -9,6 +9,7 @@ running at interpreter exit are stopped by an atexit hook; a `with` block stops 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import http.client
 import json
 import os
@@ -99,6 +100,7 @@ class Server:
     """
 
     name = "engine"
+    context_flag: str | None = None  # the launch flag that limits the served context (subclasses)
     health_path = "/health"
 
     def __init__(
@@ -152,11 +154,18 @@ class Server:
         if stop_token_ids:
             sampling["stop_token_ids"] = list(stop_token_ids)
         t0 = time.perf_counter()
-        try:
+        with self.answering():
             out = self.complete(prompt_ids, sampling)
+        return {**out, "seconds": time.perf_counter() - t0}
+
+    @contextlib.contextmanager
+    def answering(self):
+        """Around any request to the running engine (a completion, its metrics): one that gets no answer raises
+        EngineError with failure_text, not the socket's bare error."""
+        try:
+            yield
         except (OSError, http.client.HTTPException) as e:  # refused, reset, closed without an answer, timed out
             raise EngineError(self.failure_text(e)) from None
-        return {**out, "seconds": time.perf_counter() - t0}
 
     def failure_text(self, error: Exception) -> str:
         """What a request that got no answer says: the engine, whether it still runs (else its exit status), the

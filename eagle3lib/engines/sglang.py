@@ -157,6 +157,7 @@ def aggregate_meta(metas: list[dict]) -> dict:
 
 class SGLang(Server):
     name = "sglang"
+    context_flag = "--context-length"  # the launch flag that limits the served context
 
     def start(self) -> float:
         problems = check_sglang_args(self.base_command) if "--speculative-algorithm" in self.base_command else []
@@ -183,6 +184,7 @@ class SGLang(Server):
     def stats(self) -> dict:
         """Lifetime figures from /server_info (average acceptance since start); per-configuration figures
         come from aggregate_meta over the requests' meta_info."""
-        info = http_json(self.url + "/server_info", timeout=30)
+        with self.answering():
+            info = http_json(self.url + "/server_info", timeout=30)
         states = info.get("internal_states") or [{}]
         return {"avg_spec_accept_length": states[0].get("avg_spec_accept_length")}

@@ -92,6 +92,7 @@ def sum_diffs(diffs: list[dict]) -> dict:
 
 class VLLM(Server):
     name = "vllm"
+    context_flag = "--max-model-len"  # the launch flag that limits the served context
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -117,4 +118,5 @@ class VLLM(Server):
 
     def stats(self) -> dict:
         """Cumulative speculative counters (see parse_metrics); diff readings with stats_diff."""
-        return parse_metrics(http_text(self.url + "/metrics"))
+        with self.answering():
+            return parse_metrics(http_text(self.url + "/metrics"))

@@ -168,3 +168,28 @@ def test_per_set_tables_regroup_rows(tmp_path):
     assert widgets.set_tables_html([table, table]).count("<caption>concurrency 1</caption>") == 2
     assert "math" in widgets.grouped_acceptance_html(per_set.category_table(rows), "set / category")
     plots.bench_context(ctx).savefig(tmp_path / "c.png")
+
+
+def test_prompts_longer_than_the_engines_context_are_left_out_before_the_sweep(capsys):
+    """vLLM at --max-model-len 2048 refused a 2,616-token held-out prompt mid-sweep (HTTP 400) on a tiny Kimi run;
+    the engine's own limit now counts beside the target's, and a question-set prompt over it (with its later
+    turns) is left out for every configuration alike, a long-context one refused."""
+    from types import SimpleNamespace
+
+    from eagle3lib.bench import steps
+    from eagle3lib.params import EngineParams
+
+    config = SimpleNamespace(max_position_embeddings=262144)
+    short = {"id": "a", "set": "held_out", "prompt_ids": [1] * 100}
+    long_ = {"id": "b", "set": "mt_bench", "prompt_ids": [1] * 2616}
+    its_turn = {"id": "b#2", "set": "mt_bench", "prompt_ids": None, "after": "b"}
+    engine = EngineParams(name="vllm", extra_args=["--enforce-eager", "--max-model-len", "2048"])
+    kept = steps.check_context([short, long_, its_turn], config, 64, engine)
+    assert kept == [short]
+    assert (
+        "2 of 3 prompt(s) left out: longer than vllm's context (engine.extra_args) of 2048" in capsys.readouterr().out
+    )
+    assert steps.check_context([short, long_], config, 64, EngineParams(name="sglang")) == [short, long_]
+    sglang = EngineParams(name="sglang", extra_args=["--context-length=1024"])
+    with pytest.raises(ValueError, match="1 long-context prompt"):
+        steps.check_context([short, {**long_, "set": prompt_sets.CONTEXT}], config, 64, sglang)

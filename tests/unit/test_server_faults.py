@@ -60,3 +60,19 @@ def test_an_engine_that_dies_or_hangs_mid_request_is_named(tmp_path, mode, said)
 def test_the_request_limit_follows_the_measured_decode_speed():
     assert request_timeout_s(0.01, 64, 1) == pytest.approx(66.4)  # a minute for the prompt, 10x the decode
     assert request_timeout_s(0.05, 256, 8) == 600  # never above the first request's limit
+
+
+class StandInWithMetrics(StandIn):
+    def stats(self):
+        with self.answering():
+            return http_json(self.url + "/metrics", {"read": 1}, self.request_timeout_s)
+
+
+def test_a_metrics_read_of_an_engine_that_died_is_named(tmp_path):
+    """The benchmark reads the engine's counters between requests; a dead engine there is named as in generate."""
+    server = StandInWithMetrics([sys.executable, "-c", STAND_IN, "die"], tmp_path / "stand-in.log", start_timeout_s=60)
+    with server:
+        server.generate([1], 2)
+        with pytest.raises(EngineError) as err:
+            server.stats()
+    assert str(err.value).startswith(f"stand-in at http://127.0.0.1:{server.port} exited with status -9"), err.value
