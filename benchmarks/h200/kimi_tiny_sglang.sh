@@ -4,7 +4,7 @@
 # and out (--skip-tokenizer-init: SGLang cannot load Kimi's tokenizer without its remote code); without and with
 # speculation (depth 3), the same prompts. Random weights: the check is that the launch works, the drafter binds and
 # the engine verifies drafts (spec_verify_ct), not the acceptance.
-#   here:        bash benchmarks/h200/kimi_tiny_sglang.sh prep RUN_DIR   (RUN_DIR: a finished params/kimi-tiny.yaml run
+#   here:        bash benchmarks/h200/kimi_tiny_sglang.sh prep RUN_DIR [TARGET_WEIGHTS]  (RUN_DIR: a finished params/kimi-tiny.yaml run
 #                to 03_convert; copies Kimi's config, tiktoken.model, template and tokenizer config from
 #                ../shared/fixtures/kimi-k2.5 and the run's SGLang export into the git-ignored outputs/k18gpu)
 #   the H200:    bash benchmarks/h200/kimi_tiny_sglang.sh     carry outputs/k18gpu benchmarks/h200/.cache/.gpu/sglang-bundle
@@ -15,12 +15,17 @@ if [ "${1:-}" = prep ]; then
   F=../shared/fixtures/kimi-k2.5; rm -rf $G; mkdir -p $G/kimi $G/draft
   cp $F/config.json $F/tiktoken.model $F/chat_template.jinja $F/k2-instruct/tokenizer_config.json $G/kimi/
   cp -r "$2"/03_convert/sglang/* $G/draft/
-  .venv/bin/python - <<'PY'
+  [ -f "${3:-}" ] && sha256sum "$3" | cut -d' ' -f1 > $G/target.sha256  # TARGET_WEIGHTS: the run's tiny target
+  RUN_DIR=$2 .venv/bin/python - <<'PY'
 import json
 from eagle3lib import target
 tok = target.load_tokenizer("outputs/k18gpu/kimi")
-prompts = ["What is 2+2? Answer briefly.", "Write a haiku about autumn.", "List three prime numbers."]
-ids = [tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in prompts]
+import os, pathlib
+prompts = [[{"role": "user", "content": p}] for p in
+           ["What is 2+2? Answer briefly.", "Write a haiku about autumn.", "List three prime numbers."]]
+bench = pathlib.Path(os.environ["RUN_DIR"]) / "00_prepare" / "bench.jsonl"  # the run's held-out prompts too
+prompts += [json.loads(line)["messages"] for line in bench.read_text().splitlines() if line.strip()]
+ids = [tok.apply_chat_template(m, add_generation_prompt=True) for m in prompts]
 json.dump(ids, open("outputs/k18gpu/prompts.json", "w"))
 PY
   exit 0
@@ -29,7 +34,9 @@ OUT=${OUT:-$PWD/h200-out}; mkdir -p "$OUT"
 mkdir -p /tmp/sglang-site; [ -f /tmp/sglang-site/.complete ] || { for t in $B/site*.tar.xz; do tar -C /tmp/sglang-site -xJf $t; done; touch /tmp/sglang-site/.complete; }
 export PYTHONPATH=/tmp/sglang-site:$PWD PATH=/tmp/sglang-site/bin:$PATH HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
 T=$(python3 -c "from eagle3lib.target import tiny; print(tiny.build('$G/kimi', '/tmp/tinycache'))") || exit 5
-echo "tiny target: $T"; python3 -c "import json;c=json.load(open('$T/config.json'));print({k:c[k] for k in ('architectures','hidden_size','num_hidden_layers','kv_lora_rank','qk_rope_head_dim','n_routed_experts','vocab_size')})"
+echo "tiny target: $T"; sha256sum "$T"/*.safetensors  # the same weights as the CPU's copy the drafter trained on?
+[ -f $G/target.sha256 ] && echo "the CPU's copy: $(cat $G/target.sha256)"
+python3 -c "import json;c=json.load(open('$T/config.json'));print({k:c[k] for k in ('architectures','hidden_size','num_hidden_layers','kv_lora_rank','qk_rope_head_dim','n_routed_experts','vocab_size')})"
 COMMON="--model-path $T --host 127.0.0.1 --port 30000 --attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.3 --context-length 2048 --disable-cuda-graph --skip-tokenizer-init --dtype bfloat16"
 for mode in base spec; do
   ARGS="$COMMON"; [ $mode = spec ] && ARGS="$ARGS --speculative-algorithm EAGLE3 --speculative-draft-model-path $G/draft --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
