@@ -43,6 +43,10 @@ class RunParams(Section):
     )
     seed: int = 0
     hide_code: bool = Field(False, description="hide code cells in the HTML reports")
+    minutes: float | None = Field(
+        None, gt=0, description="the run's time budget: the benchmark sizes its prompts to what the stages before it "
+        "left of it, from its baseline server's speed here (None: every prompt asked)"
+    )  # fmt: skip
 
 
 class TargetParams(Section):

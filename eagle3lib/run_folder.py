@@ -163,6 +163,12 @@ def save_result(
     return result
 
 
+def seconds_before(run_dir: str | Path, stage: str) -> float:
+    """The seconds the run's stages before `stage` (NN_name folders, by their number) took, as their results say."""
+    earlier = sorted(d.name for d in Path(run_dir).glob("[0-9][0-9]_*") if d.is_dir() and d.name < stage)
+    return sum(float((read_result(run_dir, name) or {}).get("seconds") or 0) for name in earlier)
+
+
 def read_result(run_dir: str | Path, stage: str) -> dict | None:
     """The stage's result.json, or None when it has none or one that does not read (emptied or torn by a full disk
     or a kill): such a stage counts as not run, so the next run makes it again, and a warning names the file."""

@@ -58,6 +58,17 @@ def depths_to_measure(prediction: list[dict], bench, measured) -> Plan:
     return Plan(order + [d for d in asked if d not in predicted_only], chosen, asked, predicted_only)
 
 
+def expected_configurations(bench, cost_model: bool) -> int:
+    """How many configurations a sweep measures at most, the baseline included, before it knows its picks: with the
+    cost model the baseline, the first pick, a pick at each other concurrency, the neighbours and the asked depths
+    when they are measured (each quick or full; picks that coincide make it fewer); without it the baseline and
+    bench.depths."""
+    if not cost_model:
+        return 1 + len(bench.depths)
+    asked = len(bench.depths) if bench.asked_depths != "predict" else 0
+    return 2 + (len(set(bench.concurrency)) - 1) + (2 if bench.neighbours else 0) + asked
+
+
 def how_to_measure(depth: int, prediction: list[dict], plan: Plan, bench) -> Measurement:
     """How one planned depth is measured, given its predicted rows (one per concurrency): quick (a few prompts)
     when predicted below bench.quick_below at every concurrency, unless it is a pick (the recommendation rests on

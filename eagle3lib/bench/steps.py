@@ -112,6 +112,12 @@ def check_context(prompts: list[dict], target_config, max_tokens: int, engine_pa
     return prompts
 
 
+def measured_prompts(swept: dict, prompts: list[dict]) -> list[dict]:
+    """The prompts the sweep measured: all of them, or those the run's time left room for (its sizing)."""
+    ids = {x["id"] for x in swept["prompt_list"]}
+    return [x for x in prompts if x["id"] in ids]
+
+
 def prompts_text(prompts: list[dict]) -> str:
     """Per set: how many prompts (turns), their categories and their lengths in tokens."""
     lines = []
@@ -352,6 +358,7 @@ def result(
         "prompt_list": swept.get("prompt_list"),
         "sampling": swept.get("sampling"),
         "sets": sets,
+        "sizing": swept.get("sizing"),
     }
     best = best_speculative(rows)
     headline = {
@@ -360,6 +367,8 @@ def result(
         "replay acceptance": best and _round(replayed["summary"].get(str(best["depth"]), {}).get("accept_len"), 2),
         "lossless": lossless_headline(swept),
     }
+    if (sized := swept.get("sizing")) and sized["prompts"] < sized["asked"]:
+        headline["prompts (run.minutes)"] = f"{sized['prompts']} of {sized['asked']}"
     if swept.get("cost_model"):
         picks = swept["cost_model"]["picks"]
         headline["cost model picks"] = ", ".join(f"{d} at concurrency {c}" for c, d in picks.items())

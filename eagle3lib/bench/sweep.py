@@ -19,7 +19,7 @@ import time
 from tqdm.auto import tqdm
 
 from eagle3lib import engines
-from eagle3lib.bench import cost, measurement, plan, prompt_sets, sampling
+from eagle3lib.bench import cost, measurement, plan, prompt_sets, sampling, sizing
 from eagle3lib.bench.fastest import figure_text
 
 # ------------------------------------------------------------------------------ inputs ----
@@ -85,17 +85,21 @@ def run_config(
     generate: dict | None = None,
     prepare=None,
     sample=None,
+    size=None,
 ) -> tuple[list[dict], dict | None]:
     """Start a server for one configuration, warm it up, measure each concurrency, stop it (always).
 
-    generate: sampling arguments for server.generate (temperature, top_p); prepare(server): run after the
-    warm-up, before measuring (the baseline answers the first turns there); sample(server) -> the draws of
-    the distribution check. Returns (rows, draws)."""
+    generate: sampling arguments for server.generate (temperature, top_p); size(server) -> the prompts to measure,
+    run after the warm-up (the baseline sizes the sweep there); prepare(server): run after it, before measuring
+    (the baseline answers the first turns there); sample(server) -> the draws of the distribution check.
+    Returns (rows, draws)."""
     server = engines.make(engine_params, target_dir, draft_dir, depth, log_dir, dtype)
     with server:
         warm = server.generate(prompts[0]["prompt_ids"], min(8, max_tokens))  # warm-up, not measured
         per_token = warm["seconds"] / max(1, warm["completion_tokens"] or 1)  # the prompt's time in it: generous
         server.request_timeout_s = engines.request_timeout_s(per_token, max_tokens, max(concurrency))
+        if size is not None:
+            prompts = size(server)
         if prepare is not None:
             prepare(server)
         low = min(concurrency)
@@ -176,6 +180,7 @@ class Sweep:
         self.draws: dict[int, dict] = {}  # depth (0: the baseline) -> draw_samples's result
         self.checks: list[dict] = []
         self.missing: list[dict] = []  # {config, why} of a configuration whose engine died or hung
+        self.sizing: sizing.Fit | None = None  # the baseline's choice of prompts for the time left (size_to)
 
     def expect(self, configurations: int) -> None:
         """The progress bar's total: `configurations` in all, the baseline included."""
@@ -183,11 +188,12 @@ class Sweep:
 
     def measure(
         self, depth: int | None, prompts: list[dict], prediction: dict | None = None, note: str = "",
-        calibration: bool = False, concurrency: list[int] | None = None,
+        calibration: bool = False, concurrency: list[int] | None = None, size=None,
     ) -> list[dict]:  # fmt: skip
         """One configuration (depth None: the baseline, which goes first) on `prompts` at each concurrency
         (bench.concurrency unless given): its rows, also added to self.rows. prediction: the cost model's
-        {(depth, concurrency): predicted row} before this measurement; calibration: the model is fitted to it."""
+        {(depth, concurrency): predicted row} before this measurement; calibration: the model is fitted to it;
+        size(server) -> the prompts (the baseline's size_to)."""
         bench, name = self.bench_params, engines.config_name(depth, self.bench_params.dtype)
         self.say(f"[bench] {name}: starting {self.engine_params.name} ({len(prompts)} prompts{note})")
         self.bar.set_postfix_str(name)
@@ -197,6 +203,7 @@ class Sweep:
                 concurrency or bench.concurrency, self.log_dir, bench.dtype, self.generate,
                 prepare=self._answer_first_turns if depth is None and self.pending else None,
                 sample=self._sample_draws if self.sampled and bench.samples else None,
+                size=size,
             )  # fmt: skip
         except (engines.EngineError, KeyboardInterrupt) as e:
             why = str(e) if isinstance(e, engines.EngineError) else "interrupted (Ctrl-C) while it was measured"
@@ -204,9 +211,27 @@ class Sweep:
             raise
         if drawn is not None:
             self._check_draws(depth, drawn)
+        prompts = self.prompts if size is not None else prompts
         measured = [self._add_row(depth, r, prompts, prediction, calibration) for r in got]
         self.bar.update(1)
         return measured
+
+    def size_to(self, deadline: float, configurations: int):
+        """The baseline's size(server): the prompts every configuration measures so that `configurations` of them
+        end by `deadline` (time.time()), from what this server takes here (bench/sizing.py); self.prompts becomes
+        them and the line saying why is printed."""
+
+        def size(server):
+            bench = self.bench_params
+            speeds = sizing.probe(server, self.prompts, bench.concurrency)
+            left = deadline - time.time()
+            self.sizing = sizing.fit(self.prompts, speeds, left, configurations, bench.max_tokens, bench.concurrency)
+            self.prompts = self.sizing.prompts
+            self.pending = [p for p in self.prompts if p["prompt_ids"] is None]
+            self.say(f"[bench] {self.sizing.text()}")
+            return self.prompts
+
+        return size
 
     def _answer_first_turns(self, server) -> None:
         """The baseline's greedy answers to the turns that later turns follow (stopping at end of text)."""
@@ -299,6 +324,7 @@ class Sweep:
             "cost_model": model,
             "seconds": round(time.time() - started, 1),
             "missing": self.missing,
+            "sizing": self.sizing.as_dict() | {"text": self.sizing.text()} if self.sizing else None,
         }
 
 
@@ -314,6 +340,7 @@ def benchmark(
     measure_costs=None,
     render=None,
     keep=None,
+    deadline: float | None = None,
 ) -> dict:
     """The sweep: the baseline, then the depths worth measuring, at each concurrency (docs/design.md §5).
 
@@ -335,18 +362,23 @@ def benchmark(
     bench.temperature > 0 the requests are sampled, losslessness is the distribution check (bench.sampling)
     of bench.samples draws per prompt against the baseline's, and outputs are not compared token for token.
 
+    deadline (time.time(), the run's run.minutes): the baseline's server sizes the prompts that every configuration
+    measures so that the sweep ends by then (bench/sizing.py; `sizing` in the result says what and why).
+
     An engine that dies or hangs (EngineError) ends the sweep: keep(partial result), when given, gets the rows
     measured before it and `missing` ({config, why}) first, then the error goes on."""
     started = time.time()
     sweep = Sweep(engine_params, bench_params, target_dir, draft_dir, prompts, log_dir, eval_summary, progress, render)
+    cost_model = bench_params.pick_depth and eval_summary is not None and measure_costs is not None
+    configurations = plan.expected_configurations(bench_params, cost_model)
     try:
-        sweep.measure(None, prompts)
+        sweep.measure(None, prompts, size=sweep.size_to(deadline, configurations) if deadline else None)
         model = None
-        if bench_params.pick_depth and eval_summary is not None and measure_costs is not None:
+        if cost_model:
             model = plan.choose_and_measure(sweep, bench_params, eval_summary, measure_costs)
         else:
             for depth in bench_params.depths:
-                sweep.measure(depth, prompts)
+                sweep.measure(depth, sweep.prompts)
     except (engines.EngineError, KeyboardInterrupt):
         if keep is not None:
             keep(sweep.result(None, started))

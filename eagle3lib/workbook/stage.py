@@ -33,6 +33,15 @@ class Stage:
         return round(time.time() - self.started, 1)
 
     @property
+    def deadline(self) -> float | None:
+        """When this stage must end (time.time()) for the run to keep to run.minutes: the budget less the seconds
+        its earlier stages took (their result.json, however many invocations made them), from when it opened;
+        None without a budget."""
+        if self.p.run.minutes is None:
+            return None
+        return self.started + self.p.run.minutes * 60 - run_folder.seconds_before(self.run_dir, self.name)
+
+    @property
     def cache_dir(self) -> Path:
         return params.cache_dir(self.p)
 

@@ -104,8 +104,13 @@ def test_real_sweep_is_lossless_in_fp32(drafts, learned, embedded_target, tmp_pa
         tmp_path,
         eval_summary=acceptance_summary([0.1], [0.1], 3),
         render=render,
+        deadline=time.time() + 3600,  # run.minutes with room: the probe runs, every prompt stays
     )
     rows = swept["rows"]
+    sized = swept["sizing"]
+    assert sized["prompts"] == sized["asked"] == len(prompts) and sized["configurations"] == 2, sized
+    assert sized["speeds"]["start_s"] > 0 and sized["speeds"]["prefill_s_per_token"] > 0, sized
+    assert set(sized["speeds"]["step_s"]) == {1, 3} and all(v > 0 for v in sized["speeds"]["step_s"].values())
     assert [(r["config"], r["concurrency"]) for r in rows] == [
         ("baseline-float32", 1),
         ("baseline-float32", 3),
@@ -140,6 +145,31 @@ def test_real_sweep_is_lossless_in_fp32(drafts, learned, embedded_target, tmp_pa
         True
     }
     assert all(engines.alive_in_group(r["group"]) == [] for r in rows), "a configuration's server survived"
+
+
+@pytest.mark.slow
+def test_a_sweep_short_of_time_measures_every_configuration_on_the_prompts_it_sized(drafts, embedded_target, tmp_path):  # noqa: F811
+    """run.minutes nearly spent: the baseline's server sizes the sweep to the fewest prompts that cover every set,
+    says so, and the depth measures those same prompts, compared with the baseline's outputs."""
+    need("vllm")
+    render = prompt_sets.renderer(embedded_target[1])
+    held_out = [{"id": f"p{i}", "messages": [{"role": "user", "content": PROMPTS[i % 2]}]} for i in range(3)]
+    prompts = prompt_sets.build_prompts(render, ["held_out"], 3, held_out)
+    params = BenchParams(depths=[1], concurrency=[1], num_prompts=3, max_tokens=MAX_TOKENS, dtype="float32")
+    said = []
+    swept = sweep.benchmark(
+        EngineParams(extra_args=FAST_START), params, drafts["target"], drafts["vllm"], prompts, tmp_path,
+        progress=said.append, render=render, deadline=time.time() + 5,
+    )  # fmt: skip
+    assert [(r["config"], r["prompts"], r["completion_tokens"]) for r in swept["rows"]] == [
+        ("baseline-float32", 1, MAX_TOKENS),
+        ("depth1-float32", 1, MAX_TOKENS),
+    ]
+    assert [p["id"] for p in swept["prompt_list"]] == ["held_out/p0"]
+    assert swept["rows"][1]["lossless_frac"] == 1.0
+    line = next(x for x in said if "sized to" in x)
+    assert "sized to 1 of 3 prompts (the fewest that cover every set, still over it)" in line, line
+    assert steps.measured_prompts(swept, prompts) == prompts[:1]
 
 
 @pytest.mark.slow

@@ -138,6 +138,9 @@ def test_benchmark_is_lossless_in_fp32_and_measures_acceptance(ci_run):
         (f"depth{d}-float32", 1) for d in plan
     ]
     assert len(model["predicted"]) == 5 and all(x["speedup"] > 0 for x in model["predicted"])
+    sized = r["sizing"]  # run.minutes 90: every prompt fits, and the sweep expected no fewer configurations than ran
+    assert sized["prompts"] == sized["asked"] == len(r["prompt_list"]) and sized["configurations"] >= len(r["rows"])
+    assert 0 < sized["estimate_s"] < sized["seconds_left"], sized
     for row in r["rows"][1:]:
         assert row["drafts"] > 0 and row["accept_len"] >= 1.0 and len(row["per_pos"]) == row["depth"]
         assert row["lossless_frac"] == 1.0, r["differences"]

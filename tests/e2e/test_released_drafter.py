@@ -80,6 +80,13 @@ def test_the_train_report_shows_the_released_drafter_before_and_after_the_fine_t
     text = train_steps.fine_tune_text(summary)
     assert text.startswith(f"started from {RELEASED}") and "@3 1.53 -> 1.73" in text and "@16 1.66 -> 1.86" in text
     assert train_steps.result(summary)["headline"]["est. accept len @5 before"] == 1.55
+    assert "demonstration" not in text and "fine-tune" not in train_steps.result(summary)["headline"]
     scratch = summary | {"vocab": {}}
     assert train_steps.fine_tune_text(scratch).startswith("started untrained")
     assert "est. accept len @5 before" not in train_steps.result(scratch)["headline"]
+    # issue 43's run: 3 CPU minutes moved the released drafter's est. AL@5 from 2.0906 to 2.0976
+    flat = summary | {"initial_eval": ev(2.0406), "eval": ev(2.0476), "tokens": 51_000}
+    said = train_steps.fine_tune_text(flat).splitlines()[-1]
+    assert said.startswith("A demonstration of the stage: 51,000 tokens moved est. AL@5 by +0.3% (2.091 -> 2.098)")
+    assert train_steps.result(flat)["headline"]["fine-tune"] == "a demonstration (under +1% est. AL@5)"
+    assert train_steps.fine_tune_text(flat | {"vocab": {}}).count("\n") == 0  # from scratch: no verdict
