@@ -368,7 +368,10 @@ def result(
         "lossless": lossless_headline(swept),
     }
     if (sized := swept.get("sizing")) and sized["prompts"] < sized["asked"]:
-        headline["prompts (run.minutes)"] = f"{sized['prompts']} of {sized['asked']}"
+        headline["prompts (run.minutes)"] = (
+            f"{sized['prompts']} of {sized['asked']}: all would take ~{sized['asked_estimate_s'] / 60:.0f} min here, "
+            f"{sized['seconds_left'] / 60:.0f} were left"
+        )
     if swept.get("cost_model"):
         picks = swept["cost_model"]["picks"]
         headline["cost model picks"] = ", ".join(f"{d} at concurrency {c}" for c, d in picks.items())

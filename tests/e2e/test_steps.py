@@ -361,6 +361,12 @@ def test_benchmark_texts_and_result():
     bf16 = bench_steps.lossless_headline(s | {"dtype": "bfloat16", "baseline_agreement_across_concurrency": 0.42})
     assert bf16 == "75%, as exact as the baseline across batch sizes (42%); fp32 checks it token for token"
     assert bench_steps.losslessness_text(s).splitlines()[2] == "headline: 75% (fp32, token for token)"
+    sized = {"prompts": 12, "asked": 26, "asked_estimate_s": 1176.0, "seconds_left": 720.0, "text": "sized to 12"}
+    r = bench_steps.result(s | {"sizing": sized}, rec, replayed, 12, 32)
+    assert r["headline"]["prompts (run.minutes)"] == "12 of 26: all would take ~20 min here, 12 were left"
+    assert r["figures"]["sizing"] == sized
+    every = bench_steps.result(s | {"sizing": sized | {"prompts": 26}}, rec, replayed, 26, 32)
+    assert "prompts (run.minutes)" not in every["headline"]
 
 
 def test_preflight_resolves_sglangs_flags_only(ckpt, params, tmp_path):  # noqa: F811
