@@ -86,6 +86,11 @@ class RegenerateParams(Section):
     batch_size: int = Field(8, gt=0)
     max_prompt_tokens: int = Field(1024, gt=0, description="a conversation is cut before a turn whose prompt is longer")
     only_regenerated: bool = Field(False, description="train/val keep only conversations the target rewrote")
+    max_minutes: float | None = Field(
+        None, gt=0, description="the regeneration's share of the run's time: after its first batch (hf) or window "
+        "of conversations (engine), budget_tokens is cut to what the measured tokens/s fits, recorded so a resume "
+        "keeps it (None: budget_tokens alone)"
+    )  # fmt: skip
     backend: Literal["hf", "engine"] = Field(
         "hf",
         description="hf: model.generate in the prepare process (batch_size prompts per call); engine: the "

@@ -8,6 +8,11 @@ The token budget: hf runs fixed batches and checks it before each wave of a batc
 engines run the conversations in order, batch_size in flight, and check it before starting
 a conversation (see _in_window). Conversations not started keep their original responses.
 
+The time limit (data.regenerate.max_minutes): after the first batch (hf) or window of conversations (engines) the
+token budget is cut to what the measured tokens/s fits in the minutes, less the conversations still in flight when
+it runs out (see sizing.TokenBudget). The cut is decided once and recorded in every later line, so a resume keeps it and the
+replies stay a rule of the budget, not of timing.
+
 Resumable: each finished conversation (engines) or batch (hf) appends one JSON line per
 conversation to out_path (flush + fsync). On restart, lines already there are kept, a torn
 tail is cut off, and a partly written hf batch is recomputed whole (same batch, so the same
@@ -30,6 +35,7 @@ from tqdm.auto import tqdm
 
 from eagle3lib.prepare import conversations
 from eagle3lib.prepare.conversations import render
+from eagle3lib.prepare.sizing import TokenBudget
 
 
 def _read_done(out_path: Path, repair: bool = True) -> dict:
@@ -194,7 +200,7 @@ class _Job:
     conversations: list
     done: dict
     write: Callable
-    budget_tokens: int
+    budget: TokenBudget
     max_new_tokens: int
     max_prompt_tokens: int
     eos_ids: set
@@ -206,11 +212,12 @@ def _in_batches(job: _Job, model, batch_size: int, generate):
     conversations, done = job.conversations, job.done
     used, this_run, stopped_at = 0, 0, None
     batches = [conversations[i : i + batch_size] for i in range(0, len(conversations), batch_size)]
+    t0 = time.perf_counter()
     for b, batch in enumerate(tqdm(batches, desc="regenerate", disable=not job.progress)):
         if all(c["id"] in done for c in batch):
             used += sum(done[c["id"]]["generated_tokens"] for c in batch)
             continue
-        if used >= job.budget_tokens:
+        if used >= job.budget.at(b):
             stopped_at = b
             break
         records = _regenerate_batch(
@@ -219,13 +226,16 @@ def _in_batches(job: _Job, model, batch_size: int, generate):
             batch,
             job.max_new_tokens,
             job.max_prompt_tokens,
-            job.budget_tokens - used,
+            job.budget.at(b) - used,
             job.eos_ids,
             generate,
         )
         used += sum(r["generated_tokens"] for r in records)
         new = [r for r in records if r["id"] not in done]  # a partly written batch is recomputed whole
         this_run += sum(r["generated_tokens"] for r in new)
+        if job.budget.pending:  # this run's first batch: the budget its rate fits, less one batch in flight
+            batch_tokens = sum(r["generated_tokens"] for r in records)
+            job.budget.decide(b + 1, batch_tokens, time.perf_counter() - t0, len(batch), batch_tokens)
         job.write(new, batch=b)
     return stopped_at, this_run
 
@@ -240,14 +250,26 @@ def _in_window(job: _Job, engine, window: int):
     docs/design.md §3). Returns (stopped_at, this_run)."""
     tokenizer, conversations, done = job.tokenizer, job.conversations, job.done
     lock = threading.Lock()
-    reply = engine_reply(engine, tokenizer, job.max_new_tokens, job.eos_ids, lock)
-    running, spent, this_run, stopped_at = {}, 0, 0, None
+    engine_turn = engine_reply(engine, tokenizer, job.max_new_tokens, job.eos_ids, lock)
+    running, spent, this_run, stopped_at, settled = {}, 0, 0, None, []
+    replied = [0]  # tokens of every reply back so far (the conversations in flight included): the sizing's rate
     bar = tqdm(total=len(conversations), desc="regenerate", disable=not job.progress)
+    t0 = time.perf_counter()
+
+    def reply(prompt):
+        text, n, finished = engine_turn(prompt)
+        with lock:
+            replied[0] += n
+        return text, n, finished
 
     def settle(j):  # conversation j has finished (or had, in an earlier run): record it and count it
         nonlocal spent, this_run
         if j in running:
             record = running.pop(j).result()
+            settled.append(record["generated_tokens"])
+            if job.budget.pending and len(settled) == window:  # less one window of conversations in flight
+                # from the next start on (it follows settle(i - window)); the tail: one window's conversations
+                job.budget.decide(j + window, replied[0], time.perf_counter() - t0, window, sum(settled))
             job.write([record], index=j)
             this_run += record["generated_tokens"]
         spent += done[conversations[j]["id"]]["generated_tokens"]
@@ -258,7 +280,7 @@ def _in_window(job: _Job, engine, window: int):
         for i, conv in enumerate(conversations):
             if i >= window:
                 settle(i - window)
-            if spent >= job.budget_tokens:
+            if spent >= job.budget.at(i):
                 stopped_at = i
                 break
             if conv["id"] not in done:
@@ -284,13 +306,15 @@ def regenerate_responses(
     generate=None,
     engine=None,
     backend: str = "hf",
+    max_minutes: float | None = None,
 ) -> dict:
     """Replace assistant turns by the target's greedy replies, resumably, into out_path (JSONL).
 
     See the module's notes for what is cut and when. Returns stats; read the result back with
     `read_regenerated` or `apply_regenerated`. hf (engine None): batches of batch_size through
     `generate` (model.generate here by default); engine: a running engine server with batch_size
-    conversations in flight; backend names it in the settings.
+    conversations in flight; backend names it in the settings. max_minutes cuts the budget to what fits that
+    long here (sizing.TokenBudget).
     """
     generate = generate or _generate
     out_path = Path(out_path)
@@ -308,6 +332,8 @@ def regenerate_responses(
     }
     if backend != "hf":  # hf files written before backends existed stay resumable
         settings["backend"] = backend
+    if max_minutes is not None:  # likewise files written before the time limit
+        settings["max_minutes"] = max_minutes
     out_path.parent.mkdir(parents=True, exist_ok=True)
     done = _read_done(out_path)
     for rec in done.values():
@@ -316,6 +342,7 @@ def regenerate_responses(
                 f"{out_path} was written with settings {rec.get('settings')}, now {settings}. "
                 "Delete it (or use another path) to regenerate with the new settings."
             )
+    budget = TokenBudget.from_records(budget_tokens, max_minutes, done.values())
     eos_ids = eos_token_ids(model, tokenizer)
     saved = tokenizer.padding_side, tokenizer.pad_token
     tokenizer.padding_side = "left"
@@ -327,7 +354,8 @@ def regenerate_responses(
         with open(out_path, "a", encoding="utf-8") as f:
 
             def write(records, **where):
-                f.write("".join(json.dumps({**r, **where, "settings": settings}) + "\n" for r in records))
+                lines = (json.dumps({**r, **where, "settings": settings, **budget.record()}) + "\n" for r in records)
+                f.write("".join(lines))
                 f.flush()
                 os.fsync(f.fileno())
                 done.update({r["id"]: r for r in records})
@@ -337,7 +365,7 @@ def regenerate_responses(
                 conversations,
                 done,
                 write,
-                budget_tokens,
+                budget,
                 max_new_tokens,
                 max_prompt_tokens,
                 eos_ids,
@@ -364,6 +392,7 @@ def regenerate_responses(
         "backend": backend,
         "budget_tokens": budget_tokens,
         "budget_exhausted": stopped_at is not None,
+        "sizing": budget.as_dict(),
         "note": "conversations after the budget ran out, and those with no regenerated turn, keep their original responses",
     }
 
@@ -389,6 +418,7 @@ def regenerate(
         batch_size=rg.batch_size,
         progress=progress,
         max_prompt_tokens=rg.max_prompt_tokens,
+        max_minutes=rg.max_minutes,
     )
     if rg.backend == "hf":
         return regenerate_responses(model, tokenizer, conversations, out_path, **kwargs)

@@ -50,7 +50,13 @@ def regenerate_plan_text(p, fingerprint: str) -> str:
         if rate
         else "no rate measured yet for this target and backend (this run measures it)"
     )
-    return f"regeneration plan ({backend}): up to {rg.budget_tokens:,} tokens, {when}"
+    limit = (
+        f"; at most {rg.max_minutes:g} min (data.regenerate.max_minutes): the budget is cut to what the first "
+        f"{rg.batch_size} conversations' rate fits"
+        if rg.max_minutes
+        else ""
+    )
+    return f"regeneration plan ({backend}): up to {rg.budget_tokens:,} tokens, {when}{limit}"
 
 
 def load_pool(p) -> tuple[list[dict], dict]:
@@ -147,4 +153,6 @@ def result(
         "train tokens": token_stats["train"]["tokens"],
         "regenerated tokens": regen_stats.get("tokens_generated", 0),
     }
+    if sizing := regen_stats.get("sizing"):
+        headline["regeneration (max_minutes)"] = sizing["text"]
     return {"figures": figures, "headline": headline, "artifacts": ARTIFACTS}

@@ -41,6 +41,8 @@ def test_prepare_used_the_embedded_data_and_target(ci_run):
     assert r["read"]["kept"] == 40 and r["splits"]["bench"] == 4
     assert r["tokens"]["train"]["loss_tokens"] > 0 and r["target"]["aux_layer_ids"] == [2, 15, 27]
     assert r["regenerate"]["tokens_generated"] > 0
+    sizing = r["regenerate"]["sizing"]  # data.regenerate.max_minutes, measured on its first batch
+    assert sizing["sized_tokens"] == 256 and sizing["text"].startswith("regeneration not cut: all 256 tokens fit")
 
 
 def test_extract_wrote_checksummed_shards(ci_run):

@@ -1,6 +1,7 @@
 import json
 import random
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 from eagle3lib.prepare import conversations as D
 from eagle3lib.prepare import regenerate as R
 from eagle3lib.prepare import sources as S
+from eagle3lib.prepare.sizing import TokenBudget
 
 
 def sharegpt(cid, *turns):
@@ -506,6 +508,95 @@ def test_engine_regeneration_window_budget_and_resume(tmp_path, embedded_target)
     again = R.regenerate_responses(model, tok, REGEN_CONVS, b, budget_tokens=budget, engine=server, **kw)
     assert b.read_text() == text and again["tokens_generated_this_run"] == sum(spent[1:3])
     assert server.requests == sum(json.loads(line)["turns_regenerated"] for line in text.splitlines()[1:])
+
+
+def test_the_regeneration_budget_cut_to_its_minutes():
+    """data.regenerate.max_minutes: r tokens/s for the minutes, less one window in flight, at most the asked budget,
+    from the index after the probe; recorded so that a resume starts conversations against the same budget."""
+    budget = TokenBudget(20_000, 3.0)
+    assert budget.pending and budget.at(40) == 20_000 and budget.record() == {}
+    budget.decide(32, tokens=3_000, seconds=50.0, conversations=32, tail_tokens=2_300)
+    assert budget.sized == 60 * 180 - 2_300 and not budget.pending
+    assert budget.at(31) == 20_000 and budget.at(32) == budget.at(300) == 8_500
+    assert budget.record() == {"sized_budget": {"tokens": 8_500, "from": 32}}
+    assert budget.as_dict()["text"] == (
+        "regeneration sized to 8,500 of 20,000 tokens: 60.0 tokens/s over the first 32 conversations, "
+        "3 min (data.regenerate.max_minutes)"
+    )
+    resumed = TokenBudget.from_records(20_000, 3.0, [{"id": "a"}, {"id": "b", **budget.record()}])
+    assert (resumed.at(31), resumed.at(32), resumed.pending) == (20_000, 8_500, False)
+    assert "as sized by the run it resumed" in resumed.text()
+    fast = TokenBudget(20_000, 3.0)
+    fast.decide(8, tokens=9_000, seconds=10.0, conversations=8, tail_tokens=2_000)
+    assert fast.sized == 20_000 and fast.text().startswith("regeneration not cut: all 20,000 tokens fit")
+    unlimited = TokenBudget.from_records(20_000, None, [{"sized_budget": {"tokens": 5, "from": 0}}])
+    assert not unlimited.pending and unlimited.at(99) == 20_000 and unlimited.as_dict() is None
+
+
+class SlowServer(GreedyServer):
+    """A server this many seconds slower a request: a machine too slow for the regeneration's minutes."""
+
+    def __init__(self, model, seconds: float):
+        super().__init__(model)
+        self.seconds = seconds
+
+    def generate(self, *args, **kwargs):
+        time.sleep(self.seconds)
+        return super().generate(*args, **kwargs)
+
+
+def test_a_regeneration_out_of_minutes_stops_after_its_first_window_and_resumes_with_that_budget(
+    tmp_path, embedded_target
+):
+    """Engines: the cut is decided when the first window of conversations has finished and applies from the next
+    start on; a resume reads it back instead of measuring again (a recorded budget raised by hand is obeyed)."""
+    model, tok = embedded_target
+    kw = dict(max_new_tokens=8, batch_size=2, progress=False, backend="engine:test", budget_tokens=10_000)
+    kw |= {"max_minutes": 0.001}  # 0.06 s: less than one window takes at 0.2 s a request
+    a = tmp_path / "a.jsonl"
+    stats = R.regenerate_responses(model, tok, REGEN_CONVS, a, engine=SlowServer(model, 0.2), **kw)
+    lines = [json.loads(line) for line in a.read_text().splitlines()]
+    # conversation 2 started before the cut (after conversation 0 finished), conversation 3 was the first refused
+    assert [r["id"] for r in lines] == [c["id"] for c in REGEN_CONVS[:3]]
+    assert "sized_budget" not in lines[0] and lines[1]["sized_budget"] == lines[2]["sized_budget"] == {
+        "tokens": 0,
+        "from": 3,
+    }
+    sizing = stats["sizing"]
+    assert stats["budget_exhausted"] and sizing["sized_tokens"] == 0 and sizing["probe"]["conversations"] == 2
+    assert sizing["text"].startswith("regeneration sized to 0 of 10,000 tokens") and sizing["tokens_per_s"] > 0
+
+    text = a.read_text()  # torn in the last line: the rerun writes the same file, measuring nothing
+    b = tmp_path / "b.jsonl"
+    b.write_text(text[: len("".join(text.splitlines(keepends=True)[:2])) + 20])
+    server = SlowServer(model, 0.2)
+    again = R.regenerate_responses(model, tok, REGEN_CONVS, b, engine=server, **kw)
+    assert b.read_text() == text and server.requests == lines[2]["turns_regenerated"]
+    assert again["sizing"]["text"] == "regeneration budget 0 of 10,000 tokens, as sized by the run it resumed"
+
+    raised = text.replace('"sized_budget": {"tokens": 0,', '"sized_budget": {"tokens": 10000,')
+    c = tmp_path / "c.jsonl"
+    c.write_text(raised)
+    more = R.regenerate_responses(model, tok, REGEN_CONVS, c, engine=SlowServer(model, 0.2), **kw)
+    assert not more["budget_exhausted"] and len(c.read_text().splitlines()) == len(REGEN_CONVS)
+
+
+def test_hf_regeneration_out_of_minutes_stops_after_its_first_batch(tmp_path, embedded_target):
+    model, tok = embedded_target
+
+    def slow(*args):
+        time.sleep(0.3)
+        return R._generate(*args)
+
+    kw = dict(budget_tokens=10_000, max_new_tokens=8, batch_size=2, progress=False, max_minutes=0.001)
+    stats = R.regenerate_responses(model, tok, REGEN_CONVS, tmp_path / "a.jsonl", generate=slow, **kw)
+    lines = [json.loads(line) for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    assert [r["id"] for r in lines] == [c["id"] for c in REGEN_CONVS[:2]]
+    assert all(r["sized_budget"] == {"tokens": 0, "from": 1} for r in lines) and stats["budget_exhausted"]
+    unlimited = R.regenerate_responses(
+        model, tok, REGEN_CONVS, tmp_path / "b.jsonl", generate=slow, **kw | {"max_minutes": None}
+    )
+    assert unlimited["sizing"] is None and len((tmp_path / "b.jsonl").read_text().splitlines()) == len(REGEN_CONVS)
 
 
 def test_bench_prompts_round_trip(tmp_path):
