@@ -139,6 +139,27 @@ class ExtractParams(Section):
         description="batches timed with the plain forward (hf) or the "
         "engine's plain prefill, for the capture overhead ratio",
     )
+    max_minutes: float | None = Field(
+        None, gt=0, description="the extraction's share of the run's time: the val split first, then the train "
+        "split cut to its first sequences that fit the rest at val's rate, recorded in sizing.json so a rerun keeps "
+        "it (None: every sequence)"
+    )  # fmt: skip
+
+    @model_validator(mode="after")
+    def _sized_from_val(self):
+        if self.max_minutes is None or not self.splits:  # no splits: online training captures its own states
+            return self
+        if "val" not in self.splits:
+            raise ValueError(
+                f"extract.max_minutes times the val split to cut the train split, and extract.splits is {self.splits}: "
+                "add 'val' to extract.splits, or set extract.max_minutes: null"
+            )
+        if self.backend == "sglang_inprocess":
+            raise ValueError(
+                "extract.max_minutes cuts the train split in this process, and extract.backend sglang_inprocess "
+                "extracts in SGLang's interpreter: use hf, vllm or sglang, or set extract.max_minutes: null"
+            )
+        return self
 
     @field_validator("backend")
     @classmethod

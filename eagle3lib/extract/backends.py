@@ -35,8 +35,9 @@ class Backend(Protocol):
 
     name: str
 
-    def extract_splits(self, splits: dict[str, tuple[Path, Path]]) -> dict[str, dict]:
-        """{split: (tokens file, out dir)} -> {split: extract_with's result}; the target loads once for all."""
+    def extract_splits(self, splits: dict[str, tuple[Path, Path]], budget=None) -> dict[str, dict]:
+        """{split: (tokens file, out dir)} -> {split: extract_with's result}; the target loads once for all.
+        budget: a sizing.ExtractBudget (extract.max_minutes), which orders the splits and cuts their tokens."""
 
     def plain_prefill_tokens_per_s(self, tokens, result: dict | None, log_dir=None) -> float | None:
         """What the capture rate is compared with, on the first batches of `tokens` (result: the extraction's of
@@ -73,11 +74,13 @@ class ExtractHere:
     def __init__(self, capture: shards.Capture, settings: ExtractSettings):
         self.capture, self.settings, self.name = capture, settings, capture.name
 
-    def extract_splits(self, splits: dict[str, tuple[Path, Path]]) -> dict[str, dict]:
+    def extract_splits(self, splits: dict[str, tuple[Path, Path]], budget=None) -> dict[str, dict]:
         st, results = self.settings, {}
         with self.capture:
-            for split, (tokens_file, out_dir) in splits.items():
+            for split in budget.order(list(splits)) if budget else splits:
+                tokens_file, out_dir = splits[split]
                 tokens = conversations.load_tokens(tokens_file)
+                tokens = budget.cut(split, tokens, results) if budget else tokens
                 results[split] = shards.extract_with(self.capture, tokens, st.aux_ids, out_dir, st.contract, st.layout)
         return results
 

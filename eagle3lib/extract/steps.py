@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle3lib import run_folder, target
-from eagle3lib.extract import backends, shards
+from eagle3lib.extract import backends, shards, sizing
 from eagle3lib.prepare import conversations
 
 
@@ -23,8 +23,22 @@ def check_tokens_match(contract: dict, prep_dir: Path) -> None:
 
 def extract_splits(p, setup: dict, capture: backends.Backend, prep_dir: Path, out: Path) -> dict:
     """extract.splits' tokens (prep_dir/<split>.safetensors) through `capture` (make_capture's, which holds what it
-    needs of `setup`) into out/<split>/ shards, one after the other, the target loaded once; {split: result}."""
-    return capture.extract_splits({s: (Path(prep_dir) / f"{s}.safetensors", Path(out) / s) for s in p.extract.splits})
+    needs of `setup`) into out/<split>/ shards, one after the other, the target loaded once; {split: result}.
+    With extract.max_minutes the validation split goes first and the training split is cut to what fits the rest
+    (sizing.py); results["sizing"] then says what it was cut to and why."""
+    splits = {s: (Path(prep_dir) / f"{s}.safetensors", Path(out) / s) for s in p.extract.splits}
+    if p.extract.max_minutes is None:
+        return capture.extract_splits(splits)
+    budget = sizing.ExtractBudget(Path(out), p.extract.max_minutes)
+    results = capture.extract_splits(splits, budget)
+    if budget.decision:
+        print(budget.decision["text"])
+    return results
+
+
+def sizing_record(p, out: Path) -> dict | None:
+    """What extract.max_minutes cut the training split to (sizing.json), None without the limit."""
+    return sizing.ExtractBudget(Path(out), p.extract.max_minutes).recorded() if p.extract.max_minutes else None
 
 
 def capture_over_plain_prefill(p, setup: dict, capture: backends.Backend, prep_dir: Path, results: dict, log_dir=None):
@@ -77,15 +91,28 @@ def plan_text(p, contract: dict, tokens: int, free_bytes: int | None = None) -> 
         f"{contract['hidden_size']} in {p.extract.store_dtype}{scales}) = {need / 1e9:,.3f} GB on disk, "
         f"{free / 1e9:,.1f} GB free; {when}"
     )
+    if p.extract.max_minutes:
+        text += (
+            f"; at most {p.extract.max_minutes:g} min (extract.max_minutes): the val split first, then the train "
+            "split's leading sequences that fit the rest at val's rate"
+        )
     if need > free:
         text += f"\nNOT ENOUGH DISK: {need - free:,} bytes short; free space or set run.output_root elsewhere"
     return text
 
 
 def result(
-    results: dict, plain_tokens_per_s, ratio, aux_ids: list[int], store_dtype: str, backend=None, fingerprint=None
+    results: dict,
+    plain_tokens_per_s,
+    ratio,
+    aux_ids: list[int],
+    store_dtype: str,
+    backend=None,
+    fingerprint=None,
+    sized: dict | None = None,
 ) -> dict:
-    """The stage's result for Stage.save: figures, the index's headline, the artifacts that must exist."""
+    """The stage's result for Stage.save: figures, the index's headline, the artifacts that must exist. sized:
+    sizing_record's cut of the training split, if any."""
     train = results.get("train", {})
     total = {
         "sequences": sum(r["total_sequences"] for r in results.values()),
@@ -103,6 +130,7 @@ def result(
         "tokens_per_s": train.get("tokens_per_s"),
         "backend": backend,  # with the fingerprint, what a later run's plan looks its rate up by
         "target_fingerprint": fingerprint,
+        "sizing": sized,
     }
     headline = {
         "tokens": total["tokens"],
@@ -110,4 +138,6 @@ def result(
         "vs forward": None if ratio is None else round(ratio, 2),
         "MB": round(total["bytes"] / 1e6, 1),
     }
+    if sized and sized["sequences"] < sized["total_sequences"]:
+        headline["train split (max_minutes)"] = f"{sized['sequences']:,} of {sized['total_sequences']:,} sequences"
     return {"figures": figures, "headline": headline, "artifacts": [f"{s}/manifest.json" for s in results]}

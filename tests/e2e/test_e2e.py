@@ -57,6 +57,9 @@ def test_extract_wrote_checksummed_shards(ci_run):
         shard_set.contract["aux_layer_ids"] == [2, 15, 27]
         and shard_set.num_tokens == r["splits"]["train"]["total_tokens"]
     )
+    sized = r["sizing"]  # extract.max_minutes: val timed first, every train sequence fits
+    assert sized["sequences"] == sized["total_sequences"] == r["splits"]["train"]["total_sequences"]
+    assert sized["text"].startswith("train split not cut") and (run_dir / "01_extract" / "sizing.json").is_file()
 
 
 def test_training_beats_the_untrained_drafter(ci_run):

@@ -4,6 +4,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -16,12 +17,21 @@ import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from eagle3lib.extract.hf import capture_hidden_states, extract, iter_batches, make_batch, measure_forward_tokens_per_s
+from eagle3lib.extract.backends import ExtractSettings, HFBackend
+from eagle3lib.extract.hf import (
+    HFCapture,
+    capture_hidden_states,
+    extract,
+    iter_batches,
+    make_batch,
+    measure_forward_tokens_per_s,
+)
 from eagle3lib.extract.shards import (
     FORMAT,
     FP8,
     FP8_SCALING,
     ShardError,
+    ShardLayout,
     ShardSet,
     bytes_per_token,
     dequantize,
@@ -32,6 +42,9 @@ from eagle3lib.extract.shards import (
     read_shard,
     verify_and_repair,
 )
+from eagle3lib.extract.sizing import SIZING_FILE, ExtractBudget, fitting, prefix
+from eagle3lib.extract.sizing import text as sizing_text
+from eagle3lib.prepare.conversations import save_tokens
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 AUX = [2, 3, 3]  # [2, L//2, L-3] for L=6
@@ -561,3 +574,51 @@ def test_quantize_keeps_zero_rows_and_outliers():
     y = dequantize(q, scale, torch.float32)
     assert torch.equal(y[0], x[0]) and y[2, 8] == 1e4
     torch.testing.assert_close(y, x, rtol=2**-4, atol=0)
+
+
+# --------------------------------------------------------------------------- sized to its minutes
+
+
+def test_the_train_split_cut_keeps_whole_leading_sequences():
+    tok = random_tokens(5, seed=3) | {"ids": list("abcde"), "stats": {}}
+    ends = tok["seq_starts"][1:].tolist()
+    assert fitting(tok["seq_starts"], ends[2]) == 3 and fitting(tok["seq_starts"], ends[2] - 1) == 2
+    assert fitting(tok["seq_starts"], -5.0) == 1  # never empty
+    cut = prefix(tok, 2)
+    assert cut["ids"] == ["a", "b"] and cut["seq_starts"].tolist() == tok["seq_starts"][:3].tolist()
+    assert torch.equal(cut["input_ids"], tok["input_ids"][: ends[1]]) and len(cut["loss_mask"]) == ends[1]
+
+
+def test_extraction_out_of_minutes_times_val_cuts_train_and_a_rerun_keeps_the_cut(model, tmp_path):
+    """extract.max_minutes: val is extracted first and timed; train keeps the leading sequences that fit what is
+    left (none of the minutes here: one sequence); sizing.json records it before train starts, and a rerun takes
+    it back instead of timing again (a cut raised by hand is obeyed); with minutes to spare nothing is cut."""
+    prep = tmp_path / "prep"
+    for name, n, seed in (("train", 40, 1), ("val", 10, 2)):
+        save_tokens(prep / f"{name}.safetensors", random_tokens(n, seed) | {"ids": [f"{name}{i}" for i in range(n)]})
+    settings = ExtractSettings(AUX, CONTRACT, ShardLayout(torch.float32, 150, 256), 0)
+    backend = HFBackend(HFCapture(model, AUX, 256), settings)
+
+    def run(out, minutes):
+        budget = ExtractBudget(out, minutes)
+        files = {s: (prep / f"{s}.safetensors", out / s) for s in ("train", "val")}
+        return backend.extract_splits(files, budget), budget
+
+    out = tmp_path / "short"
+    results, budget = run(out, 1e-5)
+    assert list(results) == ["val", "train"] and results["train"]["total_sequences"] == 1
+    assert results["val"]["total_sequences"] == 10 and ShardSet(out / "train").num_tokens == results["train"]["tokens"]
+    rec = json.loads((out / SIZING_FILE).read_text())
+    assert rec == budget.decision and (rec["sequences"], rec["total_sequences"]) == (1, 40)
+    assert rec["tokens_per_s"] == round(results["val"]["tokens_per_s"], 1) and rec["seconds_left"] < 0
+    assert rec["text"].startswith("train split sized to its first 1 of 40 sequences")
+
+    rec["sequences"] = 7  # as if the first run had cut at 7: the rerun of a lost train split extracts those
+    (out / SIZING_FILE).write_text(json.dumps(rec))
+    shutil.rmtree(out / "train")
+    results, budget = run(out, 1e-5)
+    assert results["train"]["total_sequences"] == 7 and results["val"]["tokens"] == 0 and budget.decision["resumed"]
+    assert sizing_text(budget.decision) == "train split: the first 7 of 40 sequences, as sized before"
+
+    results, budget = run(tmp_path / "long", 60.0)
+    assert results["train"]["total_sequences"] == 40 and budget.decision["text"].startswith("train split not cut")
