@@ -1,0 +1,102 @@
+"""vLLM's CPU build with one or all cores for its worker: the baseline and one speculative depth on the same prompts.
+
+    python benchmarks/vllm_cpu_threads.py outputs/tiny --depth 3 --reserved 1 0
+
+vLLM keeps VLLM_CPU_NUM_OF_RESERVED_CPU cores (default 1, so one of two on a 2-core machine) for its API server and
+scheduler and binds its worker's OpenMP threads to the rest. For each --reserved value this starts the run's engine
+compiled (engine.extra_args, no quick-start flags) without a drafter and with the run's vLLM export at --depth,
+measures the run's benchmark prompts (held-out, MT-Bench, HumanEval; no long contexts) at each concurrency, and
+prints tokens/s, acceptance length and the speedup over that value's own baseline, then writes the rows as JSON.
+"""
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+from eagle3lib import engines, target
+from eagle3lib.bench import measurement, prompt_sets
+from eagle3lib.bench.steps import bench_prompts
+from eagle3lib.params import cache_dir, load_params
+from eagle3lib.prepare import conversations
+
+
+def measure(p, target_dir, drafter, depth, env, prompts, args, log_dir) -> list[dict]:
+    engine = p.engine.model_copy(update={"env": {**p.engine.env, **env}})
+    server = engines.make(engine, target_dir, drafter if depth else None, depth, log_dir, args.dtype)
+    rows = []
+    with server:
+        measurement.run_requests(server, prompts[:2], 16, 1)  # warm-up: the first requests compile more
+        for c in args.concurrency:
+            before = server.stats()
+            outputs, wall = measurement.run_requests(server, prompts, args.max_tokens, c)
+            spec = engines.vllm.stats_diff(before, server.stats())
+            tokens = sum(o["completion_tokens"] for o in outputs)
+            rows.append(
+                {
+                    "reserved": env["VLLM_CPU_NUM_OF_RESERVED_CPU"],
+                    "depth": depth or 0,
+                    "concurrency": c,
+                    "tokens_per_s": round(tokens / wall, 2),
+                    "accept_len": spec.get("accept_len"),
+                    "ready_s": round(server.ready_s, 1),
+                    "token_ids": [o["token_ids"] for o in outputs],
+                }
+            )
+    return rows
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("run_dir", help="a finished run (its params, bench prompts and 03_convert/vllm)")
+    ap.add_argument("--params", default=None, help="default: the run's params file (run.json)")
+    ap.add_argument("--depth", type=int, default=3)
+    ap.add_argument("--reserved", nargs="+", default=["1", "0"], help="VLLM_CPU_NUM_OF_RESERVED_CPU values")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--prompts", type=int, default=6, help="per set")
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--dtype", default=None, help="engine --dtype (default: the engine's, bf16 for SmolLM2)")
+    ap.add_argument("--out", default=None, help="JSON file of the rows")
+    args = ap.parse_args()
+
+    run_dir = Path(args.run_dir)
+    params_file = args.params or json.loads((run_dir / "run.json").read_text())["params_file"]
+    p = load_params(params_file, {"bench.num_prompts": args.prompts, "bench.context_lengths": []})
+    _, tokenizer = target.load_target_info(p.target.name, cache_dir(p))
+    held_out = conversations.load_bench_prompts(run_dir / "00_prepare" / "bench.jsonl")
+    prompts = [q for q in bench_prompts(p, tokenizer, held_out) if q["set"] != prompt_sets.CONTEXT]
+    prompts = [q for q in prompts if q["prompt_ids"]]  # first turns: a later turn needs the baseline's reply
+    target_dir = target.resolve_target(p.target.name, cache_dir(p))
+    drafter = run_dir / "03_convert" / "vllm"
+    log_dir = Path(args.out).parent if args.out else run_dir / "threads"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    print(f"{len(prompts)} prompts, {args.max_tokens} tokens each, depth {args.depth}, drafter {drafter}")
+    rows = []
+    for reserved in args.reserved:
+        env = {"VLLM_CPU_NUM_OF_RESERVED_CPU": reserved}
+        for depth in (None, args.depth):
+            t0 = time.perf_counter()
+            got = measure(p, target_dir, drafter, depth, env, prompts, args, log_dir)
+            rows += got
+            for r in got:
+                base = next(
+                    b
+                    for b in rows
+                    if b["reserved"] == reserved and not b["depth"] and b["concurrency"] == r["concurrency"]
+                )
+                same = sum(a == b for a, b in zip(r["token_ids"], base["token_ids"]))
+                print(
+                    f"reserved {reserved} depth {r['depth']} c={r['concurrency']}: {r['tokens_per_s']:.1f} tokens/s, "
+                    f"speedup {r['tokens_per_s'] / base['tokens_per_s']:.3f}, AL {r['accept_len']}, "
+                    f"ready {r['ready_s']} s, {same}/{len(prompts)} replies equal the baseline's "
+                    f"({time.perf_counter() - t0:.0f} s)",
+                    flush=True,
+                )
+    if args.out:
+        Path(args.out).write_text(
+            json.dumps([{k: v for k, v in r.items() if k != "token_ids"} for r in rows], indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()
