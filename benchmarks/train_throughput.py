@@ -36,9 +36,11 @@ from eagle3lib.train.speedups import compile_decoder_layer, convert_to_float8
 from eagle3lib.train.ttt_step import ttt_loss_sums, with_host_layout
 
 try:
-    from benchmarks.drafter_shapes import LLAMA_8B, SMALL
+    from benchmarks.drafter_shapes import LLAMA_8B, SHAPES, SMALL
 except ImportError:  # run as a script from benchmarks/
-    from drafter_shapes import LLAMA_8B, SMALL
+    from drafter_shapes import LLAMA_8B, SHAPES, SMALL
+
+LABELS = {"llama-8b": "llama-3.1-8b", "kimi-gqa": "kimi-k2.5 gqa", "kimi-mla": "kimi-k2.5 mla"}  # summaries' "config"
 
 
 def synthetic_batch(cfg: DrafterConfig, seq: int, device, dtype, seed: int = 0):
@@ -322,7 +324,13 @@ def measure_or_oom(
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--small", action="store_true", help="a small config, for a CPU dry run")
+    ap.add_argument("--small", action="store_true", help="a small config of the shape, for a CPU dry run")
+    ap.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="llama-8b",
+        help="the drafter: Llama-3.1-8B's, or Kimi-K2.5's with GQA or MLA in the draft layer (drafter_shapes.py)",
+    )
     ap.add_argument("--seqs", default="8192,16384,32768,65536,131072")
     ap.add_argument("--ttt", type=int, default=5)
     ap.add_argument("--steps", type=int, default=10)
@@ -385,7 +393,10 @@ def main():
         if args.device.startswith("cuda"):
             args.device = f"cuda:{rank}"
             torch.cuda.set_device(args.device)
-    cfg = DrafterConfig(**(SMALL if args.small else LLAMA_8B))
+    if args.impl != "ours" and args.shape != "llama-8b":
+        ap.error("--impl speculators/both measures speculators' Llama-shaped step on --shape llama-8b only")
+    full, small = SHAPES[args.shape]
+    cfg = DrafterConfig(**(small if args.small else full))
 
     def rows_of(seq: int) -> list[dict] | None:
         return packed_rows(args.docs, seq, args.steps, seed=rank) if args.docs else None
@@ -452,7 +463,10 @@ def main():
             print(json.dumps({"impl": "ours", **r} if args.impl == "both" else r), flush=True)
     if rank == 0:
         summary = {
-            "config": "small" if args.small else "llama-3.1-8b",
+            "config": " ".join(
+                (["small"] if args.small else [])
+                + ([] if args.shape == "llama-8b" and args.small else [LABELS[args.shape]])
+            ),
             "ttt_steps": args.ttt,
             "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
         }

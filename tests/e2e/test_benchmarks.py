@@ -41,6 +41,19 @@ def test_train_throughput_dry_run_prints_figures():
     assert any(name == "aten::mm" for name, ms, calls in profile["top"])
 
 
+def test_train_throughput_measures_kimis_mla_draft_layer():
+    """--shape kimi-mla: the MLA draft layer's training step (issue 41's throughput on the H200), dry run on the CPU
+    at the small shape; speculators has no MLA step to compare with, and says so."""
+    cmd = [sys.executable, "benchmarks/train_throughput.py", "--small", "--device", "cpu", "--seqs", "96"]
+    cmd += ["--steps", "1", "--warmup", "1", "--shape", "kimi-mla"]
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["config"] == "small kimi-k2.5 mla" and summary["results"][0]["tokens_per_s"] > 0
+    refused = subprocess.run(cmd + ["--impl", "both"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2 and "on --shape llama-8b only" in refused.stderr
+
+
 def test_train_levers_dry_run_prints_figures():
     out = subprocess.run(
         [sys.executable, "benchmarks/train_levers.py", "--small", "--device", "cpu", "--seq", "128", "--iters", "1"],
