@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -103,6 +104,50 @@ def test_online_run_killed_resumes_where_it_stood_and_ends_as_an_uninterrupted_o
     a, b = state(ref_dir / "02_train" / "drafter"), state(run_dir / "02_train" / "drafter")
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def capture_process_of(run_dir) -> int | None:
+    """The pid of the stage's capture process (its launcher marked it in its environment; not its guard)."""
+    from eagle3lib.train.sources.capture_link import CAPTURE, ROLE_ENV
+
+    for pid in processes_naming(str(run_dir)):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            marked = f"{ROLE_ENV}={CAPTURE}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marked and b"guard.py" not in cmdline:
+            return pid
+    return None
+
+
+def test_a_capture_process_killed_ends_the_stage_at_once_naming_it(tmp_path, small_target):
+    """kill -9 of the capture process alone, mid-run: the trainer does not wait for batches that never come, the
+    stage fails at once saying the capture process died, and nothing of the stage is left running."""
+    slow = {"source": "online", "batch_rows": 4, "max_seq_len": 256, "max_tokens": 1024 * 8, "checkpoint_every": 3}
+    run_dir = make_run(tmp_path, *small_target, slow | {"eval_every": 100, "online_placement": "process"})
+    p, failed = load_params(params_file(tmp_path)), []
+
+    def run():
+        try:
+            launch.launch(p, str(run_dir))
+        except Exception as e:
+            failed.append(e)
+
+    stage = threading.Thread(target=run)
+    stage.start()
+    deadline = time.time() + 120
+    step = run_dir / "02_train" / "checkpoints" / "step_0000003" / STATE_FILE
+    while not step.exists() and stage.is_alive() and time.time() < deadline:
+        time.sleep(0.01)
+    capture = capture_process_of(run_dir)
+    assert capture is not None and step.exists(), "the stage ended before its capture process could be killed"
+    os.kill(capture, signal.SIGKILL)
+    stage.join(60)
+    assert not stage.is_alive() and failed, "the stage did not end when its capture process died"
+    assert isinstance(failed[0], TrainingError) and "the capture process exited -9" in str(failed[0])
+    assert not (run_dir / "02_train" / "drafter").exists()
+    assert wait_until_gone(str(run_dir)) == []
 
 
 def test_torchrun_two_processes_equal_one_with_the_same_global_batch(tmp_path, small_target):
