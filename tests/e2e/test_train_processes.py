@@ -211,7 +211,7 @@ def thread_reference(root, small_target, train_params: dict):
 def test_online_capture_process_links_by_groups_of_its_own_and_trains_what_the_thread_does(tmp_path, small_target):
     """online_placement: process: the capture process sends micro-batches through gloo groups made for the link to
     the trainers, which train the drafter the capture thread trains, and a resume continues from the checkpoint's
-    position. The trainers' default group is theirs alone: none for one trainer, two trainers' of size 2 (the
+    position; started again once finished, it ends at once. The trainers' default group is theirs alone: none for one trainer, two trainers' of size 2 (the
     global batch of one); the capture process joins none (SGLang's ranks may own it)."""
     common = {"source": "online", "max_tokens": 128 * 2 * 3, "checkpoint_every": 3, "eval_every": 100}
     thread = thread_reference(tmp_path / "thread", small_target, common | {"grad_accum": 2})
@@ -220,6 +220,9 @@ def test_online_capture_process_links_by_groups_of_its_own_and_trains_what_the_t
     assert s["world_size"] == 1 and s["steps"] == 3 and s["default_group"] is None
     assert_capture_summary_and_drafter_as(process, s, thread)
     assert json.loads((process / "02_train" / CAPTURE_SUMMARY).read_text())["default_group"] is None
+    # started again when finished: the trainers have no step left and tell the capture process so; nothing hangs
+    s = launch.launch(load_params(params_file(tmp_path / "process")), str(process))
+    assert s["steps"] == 3 and json.loads((process / "02_train" / CAPTURE_SUMMARY).read_text())["tokens"] == 0
     more = {"train.max_tokens": 128 * 2 * 6}
     s = launch.launch(load_params(params_file(tmp_path / "process"), more), str(process))
     capture = json.loads((process / "02_train" / CAPTURE_SUMMARY).read_text())

@@ -16,7 +16,9 @@ shapes, known to both sides from the params):
 The queue is bounded by credits: a trainer grants train.online_queue_batches at its start and one more each time
 it takes a micro-batch; the capture sends only against credit, so it runs that many ahead and waits after. A
 trainer that stops sends STOP and takes what it had granted; the capture, on reading it, ends, and both sides meet
-at the link's barrier. A failed capture sends ERROR with its message, which the trainers raise.
+at the link's barrier. Trainers that read no stream (no step left: a finished run started again) send the start
+position NOTHING, and the capture captures nothing. A failed capture sends ERROR with its message, which the
+trainers raise.
 
 Beyond one host: train.online_placement: ray (sources/ray_actors.py) puts the same producer in a Ray actor and
 the states in Ray's object store.
@@ -43,6 +45,7 @@ from eagle3lib.train.sources.capture_link import CAPTURE, LINK_ENV, ROLE_ENV, Li
 
 BATCH, VAL, VAL_END, ERROR = 1, 2, 3, 4
 STOP = -1
+NOTHING = -1  # the start position's epoch when the trainers read no stream
 HEADER = 8
 ID_KEYS = ("input_ids", "loss_mask", "doc_ids", "position_ids")
 MAX_ERROR_BYTES = 8192
@@ -109,8 +112,13 @@ def serve_capture(p, run_dir: Path, link: Link) -> dict:
             sender.send(r, _header(VAL_END), [])
         epoch, index, sequence = link.recv(torch.zeros(3, dtype=torch.long), 1, control=True).tolist()
         start_sequence = None if sequence < 0 else sequence
-        # no thread: this process only captures, and the trainers' credits bound how far ahead
-        stream = micro_batches(train_data.train_sequences, p.train, epoch, index, start_sequence, depth=0)
+        # no thread: this process only captures, and the trainers' credits bound how far ahead; epoch NOTHING: the
+        # trainers have no step left to take (a finished run started again) and read no stream
+        stream = (
+            ()
+            if epoch == NOTHING
+            else micro_batches(train_data.train_sequences, p.train, epoch, index, start_sequence, depth=0)
+        )
         credits = dict.fromkeys(trainers, 0)
         for n, (epoch, index, mb) in enumerate(stream):
             for r in trainers:
@@ -162,7 +170,7 @@ class CaptureClient:
         self.dtype = target.torch_dtype(p.target.dtype)
         self.credits_in_flight = []
         self.granted = self.received = 0
-        self.broken = False
+        self.broken = self.started = False
 
     def _tensor(self, *shape, dtype) -> torch.Tensor:
         """One tensor of the wire, received on the link's data device."""
@@ -204,6 +212,7 @@ class CaptureClient:
     def stream(self, train_params, state: dict):
         """(epoch, index, micro-batch) from the state's position; the capture runs train.online_queue_batches
         ahead. Closing it stops the capture process."""
+        self.started = True
         if self.first:  # the first trainer says where the run stands (its checkpoint's position)
             sequence = state.get("sequence_in_epoch")
             start = [state["epoch"], state["micro_in_epoch"], -1 if sequence is None else sequence]
@@ -234,6 +243,12 @@ class CaptureClient:
         return {}  # the capture process writes its own (CAPTURE_SUMMARY)
 
     def close(self) -> None:
+        """The link let go; when the stream was never read (the run had no step left), the capture process is told
+        there is nothing to capture first, and both meet at the link's barrier."""
+        if not self.started and not self.broken:
+            if self.first:
+                self.link.send(torch.tensor([NOTHING, 0, -1], dtype=torch.long), 0, control=True)
+            self.link.barrier()
         self.link.close()
 
 
