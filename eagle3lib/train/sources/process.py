@@ -274,7 +274,9 @@ class CaptureProcess(OnlinePlacement):
         capture_gpus, trainer_gpus = self.split_gpus(p)
         trainers = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
         trainers = [*(trainers if n > 1 else [sys.executable]), "-m", TRAIN_ENTRY, *run.command_args()]
-        capture, capture_env = self.capture_command(run, common | capture_gpus | {ROLE_ENV: CAPTURE})
+        # the capture's log is written as it comes (a large target's load is followed there)
+        marked = {ROLE_ENV: CAPTURE, "PYTHONUNBUFFERED": "1"}
+        capture, capture_env = self.capture_command(run, common | capture_gpus | marked)
         trainer_env = _without_torchrun({**os.environ, **common, **trainer_gpus})
         log = run_folder.stage_dir(run.run_dir, "02_train") / CAPTURE_LOG
         log.parent.mkdir(parents=True, exist_ok=True)
