@@ -583,8 +583,8 @@ def test_sglang_inprocess_online_in_a_capture_process_takes_its_tp_gpus_first_an
     tmp_path, monkeypatch
 ):
     """extract.backend sglang_inprocess online with online_placement: process: the capture process (SGLang's
-    interpreter) takes the first --tp GPUs, the trainers one each after them, and too few GPUs are refused at the
-    launch, saying how many; the hf capture takes one. The link's data group is NCCL only where both torch builds
+    interpreter) takes the first --tp GPUs, the trainers one each after them (each side sees its own first), and
+    too few GPUs are refused at the launch, saying how many; the hf capture takes one. The link's data group is NCCL only where both torch builds
     carry the same NCCL (else gloo, through host memory)."""
     from eagle3lib.engines.sglang import tp_size
     from eagle3lib.train import sources
@@ -599,13 +599,15 @@ def test_sglang_inprocess_online_in_a_capture_process_takes_its_tp_gpus_first_an
     placement = sources.for_params(p)
     assert isinstance(placement, InEngineProcess)
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
-    assert placement.split_gpus(p) == ({"CUDA_VISIBLE_DEVICES": "4,5"}, {"CUDA_VISIBLE_DEVICES": "6,7"})
+    # each side's own GPUs first, the other's after them (visible: NCCL reaches them peer to peer)
+    assert placement.split_gpus(p) == ({"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, {"CUDA_VISIBLE_DEVICES": "6,7,4,5"})
     assert "on cuda:0..1, 2 trainer(s) on cuda:2..3" in placement.device_split(p)[0]
     with pytest.raises(TrainingError, match="5 GPUs, and 4 are visible"):
         placement.split_gpus(load_params(params, online_gpus | sglang | {"train.nproc_per_node": 3}))
     hf = load_params(params, online_gpus | {"train.nproc_per_node": 3})
     assert type(sources.for_params(hf)) is CaptureProcess
-    assert sources.for_params(hf).split_gpus(hf) == ({"CUDA_VISIBLE_DEVICES": "4"}, {"CUDA_VISIBLE_DEVICES": "5,6,7"})
+    split = sources.for_params(hf).split_gpus(hf)
+    assert split == ({"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, {"CUDA_VISIBLE_DEVICES": "5,6,7,4"})
     flags = ([], ["--tp-size=8"], ["--tensor-parallel-size", "2", "--tp", "4"], ["--tp"])
     assert [tp_size(f) for f in flags] == [1, 8, 4, 1]  # the last one wins, as argparse reads them
     assert data_backend("cuda:1", {"nccl": "2.27.3"}, {"nccl": "2.27.3"}) == "nccl"

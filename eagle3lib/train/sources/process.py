@@ -100,7 +100,9 @@ class CaptureProcess(OnlinePlacement):
         return 1
 
     def split_gpus(self, p) -> tuple[dict, dict]:
-        """(CUDA_VISIBLE_DEVICES of the capture process, of the trainers), {} each on the CPU."""
+        """(CUDA_VISIBLE_DEVICES of the capture process, of the trainers), {} each on the CPU: each side's own GPUs
+        first (the capture's cuda:0.., trainer t's cuda:t), the other side's after them, visible so that NCCL can
+        reach them peer to peer."""
         if not p.target.device.startswith("cuda"):
             return {}, {}
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -112,7 +114,10 @@ class CaptureProcess(OnlinePlacement):
                 f"one of its own: {k + n} GPUs, and {len(gpus)} are visible; lower train.nproc_per_node, or set "
                 "train.online_placement: thread (the capture and the trainer then share a GPU)"
             )
-        return {"CUDA_VISIBLE_DEVICES": ",".join(gpus[:k])}, {"CUDA_VISIBLE_DEVICES": ",".join(gpus[k : k + n])}
+        capture, trainers = gpus[:k], gpus[k : k + n]
+        return {"CUDA_VISIBLE_DEVICES": ",".join(capture + trainers)}, {
+            "CUDA_VISIBLE_DEVICES": ",".join(trainers + capture)
+        }
 
     def check_started(self, proc: StageProcess) -> None:
         if LINK_ENV not in os.environ:
