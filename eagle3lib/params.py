@@ -197,8 +197,9 @@ class TrainParams(Section):
     online_placement: Literal["thread", "process", "ray"] = Field(
         "thread",
         description="online: thread = the capture in a thread of each training process; process = one capture "
-        "process (rank 0) sending to the nproc_per_node trainer ranks through torch.distributed (gloo on the CPU, "
-        "NCCL on GPUs); ray = a capture actor and nproc_per_node trainer actors placed by Ray, on this host or a "
+        "process sending to the nproc_per_node trainers through process groups of their own, not the default group "
+        "(gloo on the CPU, NCCL on GPUs; with extract.backend sglang_inprocess the capture process runs in SGLang's "
+        "interpreter); ray = a capture actor and nproc_per_node trainer actors placed by Ray, on this host or a "
         "cluster's hosts, the states through Ray's object store (needs ray installed)",
     )
     ray_address: str | None = Field(
@@ -489,12 +490,19 @@ class Params(Section):
                 f"sglang_inprocess (SGLang's model runner in the trainer's process, on GPUs); {backend!r} serves "
                 "states over HTTP and is not wired to online training: set one of those, or train.source: shards"
             )
-        if backend == "sglang_inprocess" and (train.online_placement != "thread" or train.nproc_per_node > 1):
+        if backend == "sglang_inprocess" and train.online_placement == "ray":
             raise ValueError(
-                "train.source: online with extract.backend sglang_inprocess runs SGLang's model runner in a thread "
-                "of one trainer process (its tensor-parallel ranks on the engine's GPUs, the trainer on the first): "
-                f"set train.online_placement: thread (not {train.online_placement!r}) and train.nproc_per_node: 1 "
-                f"(not {train.nproc_per_node}), or use extract.backend: hf for the other placements"
+                "train.source: online with extract.backend sglang_inprocess runs SGLang's model runner in a thread of "
+                "one trainer process (train.online_placement: thread) or in a capture process beside "
+                "train.nproc_per_node trainers (train.online_placement: process), not in Ray's actors: set one of "
+                "those, or use extract.backend: hf with train.online_placement: ray"
+            )
+        if backend == "sglang_inprocess" and train.online_placement == "thread" and train.nproc_per_node > 1:
+            raise ValueError(
+                "train.source: online with extract.backend sglang_inprocess in a thread runs SGLang's model runner in "
+                "one trainer process (its tensor-parallel ranks on the engine's GPUs, the trainer on the first): set "
+                f"train.nproc_per_node: 1 (not {train.nproc_per_node}), or train.online_placement: process for "
+                "several trainers beside one capture process"
             )
         return self
 
@@ -558,8 +566,8 @@ STAGE_SECTIONS: dict[str, dict[str, Read]] = {
         # train/online.py load_states, capture_setup (backend, batch_tokens, shard_max_tokens, store_dtype) and
         # train/sources/__init__.py online_placement (backend)
         "extract": Read("train.source is online", lambda p: p.train.source == "online"),
-        # train/sources/thread.py InEngineThread.launch and train/online.py load_states: extract/backends.py
-        # engine_settings for SGLang's interpreter and flags
+        # train/sources/thread.py InEngineThread.launch, train/sources/process.py InEngineProcess and
+        # train/online.py load_states: extract/backends.py engine_settings for SGLang's interpreter and flags
         "engine": Read(
             "train.source is online with extract.backend sglang_inprocess",
             lambda p: p.train.source == "online" and p.extract.backend == "sglang_inprocess",

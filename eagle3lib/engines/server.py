@@ -310,6 +310,27 @@ def run_guarded(cmd: list[str], grace_s: float = 20, **popen) -> None:
         raise subprocess.CalledProcessError(code, cmd)
 
 
+def run_guarded_together(commands: list[tuple[list[str], dict]], grace_s: float = 20) -> list[int]:
+    """Run several (cmd, Popen keywords) at once, each under guard.py as run_guarded runs one; when one exits
+    non-zero the others' groups are ended (SIGTERM, then SIGKILL after grace_s), as they are on an exception here.
+    Returns the exit statuses, in order (a command ended for another's failure: the status it ended with)."""
+    procs = []
+    try:
+        for cmd, popen in commands:
+            guarded = [sys.executable, str(GUARD), str(os.getpid()), *cmd]
+            procs.append(subprocess.Popen(guarded, start_new_session=True, **popen))
+        while any(p.poll() is None for p in procs) and not any(p.poll() for p in procs):
+            time.sleep(0.2)
+    except BaseException:
+        for p in procs:
+            stop_group(p, grace_s)
+        raise
+    for p in procs:
+        if p.poll() is None:
+            stop_group(p, grace_s)
+    return [p.returncode for p in procs]
+
+
 def alive_in_group(group: int) -> list[int]:
     """Pids of the group's processes that still run (zombies wait for their reaper and hold nothing)."""
     alive = []

@@ -73,6 +73,17 @@ def check_sglang_args(args: list[str]) -> list[str]:
     return problems
 
 
+def tp_size(flags) -> int:
+    """The tensor-parallel size launch flags ask SGLang for (--tp-size, --tensor-parallel-size or --tp, the value
+    after a space or `=`; the last one wins, as argparse reads them), 1 when none does."""
+    flags, size = [str(f) for f in flags], 1
+    for i, flag in enumerate(flags):
+        name, eq, value = flag.partition("=")
+        if name in ("--tp", "--tp-size", "--tensor-parallel-size") and (eq or i + 1 < len(flags)):
+            size = int(value if eq else flags[i + 1])
+    return size
+
+
 def server_flags(target_dir, draft_dir=None, depth: int | None = None, extra_args=()) -> list[str]:
     """Launch flags without --host/--port (Server adds them): the target, the drafter's top-k 1 chain of
     `depth` tokens (None: no speculation), then extra_args."""

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from eagle3lib.train import sources
-from eagle3lib.train.distributed import init_process_group, rank_and_world, trainers_joined
+from eagle3lib.train.distributed import default_group, init_process_group, rank_and_world, trainers_joined
 from eagle3lib.train.loop import train
 from eagle3lib.train.setup import setup_for
 from eagle3lib.train.sources.base import SUMMARY
@@ -56,6 +56,7 @@ def run_stage(p, run_dir, handed=None) -> dict:
     summary.update(
         vocab=vocab_stats,
         world_size=world,
+        default_group=default_group(),  # the trainers' own (torchrun's): a capture process is never in it
         drafter_params=sum(x.numel() for x in setup.drafter.parameters()),
         # with the source, what a later run's online plan looks this run's training rate up by (train/steps.py)
         target_fingerprint=setup.contract["target_fingerprint"],
@@ -63,7 +64,7 @@ def run_stage(p, run_dir, handed=None) -> dict:
     )
     if rank == 0:
         (setup.out_dir / SUMMARY).write_text(json.dumps(summary, indent=2) + "\n")
-    if trainers_joined():  # the trainers and, with online_placement: process, the capture process
+    if trainers_joined():  # the trainers (a capture process talks to them over a link of its own)
         dist.barrier()
         dist.destroy_process_group()
     return summary

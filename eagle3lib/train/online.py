@@ -9,7 +9,8 @@ The capture runs in a thread of the trainer's process (online_placement: thread,
 or in a process of its own that sends the micro-batches (online_placement: process, train/sources/process.py), or in a
 Ray actor whose micro-batches go through Ray's object store (online_placement: ray, train/sources/ray_actors.py). Every
 way the producer is a StateSource: HFStates (`hf`, any placement, the CPU too), or EngineStates (`sglang_inprocess`,
-GPU hosts: SGLang's model runner in a thread of the one trainer process, extract/sglang_inprocess.py).
+GPU hosts: SGLang's model runner in a thread of the one trainer process or in the capture process, in SGLang's
+interpreter, extract/sglang_inprocess.py).
 """
 
 from __future__ import annotations
@@ -243,10 +244,10 @@ def load_states(p) -> tuple[StateSource, dict]:
 
         if importlib.util.find_spec("sglang") is None:
             raise ModuleNotFoundError(
-                "train.source: online with extract.backend sglang_inprocess captures with SGLang in the trainer's "
-                f"process, and this interpreter ({sys.executable}) has no sglang: start the stage with "
-                "launch.launch (the 02_train notebook and `python -m eagle3lib run` do: it runs the trainer in "
-                "engine.python), or set extract.backend: hf"
+                "train.source: online with extract.backend sglang_inprocess captures with SGLang in this process "
+                f"(the trainer's, or the capture process), and this interpreter ({sys.executable}) has no sglang: "
+                "start the stage with launch.launch (the 02_train notebook and `python -m eagle3lib run` do: it "
+                "runs the capture in engine.python), or set extract.backend: hf"
             )
         target_dir = target.resolve_target(p.target.name, cache_dir(p))
         info, tokenizer = target.load_target_info(

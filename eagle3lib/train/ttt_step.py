@@ -19,7 +19,7 @@ from eagle3lib import hardware
 from eagle3lib.drafter import Drafter
 from eagle3lib.drafter.ttt_attention import row_layout
 from eagle3lib.train.batches import batch_states, batch_to
-from eagle3lib.train.distributed import all_reduce_grads, training_group
+from eagle3lib.train.distributed import all_reduce_grads
 from eagle3lib.train.loss import LOSS_TARGETS, compute_dtype, linear_soft_ce, target_probs
 
 
@@ -163,7 +163,7 @@ class TrainStep:
             step_loss += loss.detach()
         all_reduce_grads(self.trainable, self.world)
         if self.world > 1:
-            dist.all_reduce(step_loss, group=training_group())
+            dist.all_reduce(step_loss)
         if not torch.isfinite(step_loss):
             return step_loss, None
         grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, train_params.grad_clip)

@@ -1,13 +1,16 @@
 """Training in processes of its own, on the small random Llama target of test_train: kill -9 then resume ends as an
-uninterrupted run (shards and online), torchrun's two processes equal one with the same global batch, a capture
-process over gloo trains what the capture thread does, and the stage in an engine's interpreter fails with its log."""
+uninterrupted run (shards, online, online with a capture process), torchrun's two processes equal one with the same
+global batch, a capture process linked to the trainers by groups of its own trains what the capture thread does, and
+the stage (or its capture process) in an engine's interpreter fails with its log."""
 
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,11 +26,18 @@ from eagle3lib.train import TrainingError, launch
 from eagle3lib.train.checkpoint import STATE_FILE, latest_checkpoint
 from eagle3lib.train.sources.base import CAPTURE_SUMMARY
 
+# The stage as the 02_train notebook starts it (its placement's processes), in a process that can be killed
+LAUNCH = (
+    "import sys; from eagle3lib.params import load_params; from eagle3lib.train import launch; "
+    "launch.launch(load_params(sys.argv[1]), sys.argv[2])"
+)
 
-def kill_after_checkpoint(params: str, run_dir, step_dir: str):
-    """Train in a subprocess and SIGKILL it once checkpoints/<step_dir> is written; returns the checkpoints folder."""
+
+def kill_after_checkpoint(params: str, run_dir, step_dir: str, entry=("-m", "eagle3lib.train.launch")):
+    """Train in a subprocess (`python *entry params run_dir`) and SIGKILL it once checkpoints/<step_dir> is written;
+    returns the checkpoints folder."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "eagle3lib.train.launch", params, str(run_dir)],
+        [sys.executable, *entry, params, str(run_dir)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -39,6 +49,26 @@ def kill_after_checkpoint(params: str, run_dir, step_dir: str):
     proc.wait()
     assert proc.returncode == -signal.SIGKILL, "training finished before it could be killed"
     return ckpt
+
+
+def processes_naming(text: str) -> list[int]:
+    """Pids of the running processes whose command line holds text (a zombie's is empty)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and text.encode() in (d / "cmdline").read_bytes():
+                pids.append(int(d.name))
+        except OSError:
+            continue
+    return pids
+
+
+def wait_until_gone(text: str, timeout_s: float = 40) -> list[int]:
+    """Waits for the processes naming text to end; returns those still running after timeout_s."""
+    deadline = time.time() + timeout_s
+    while processes_naming(text) and time.time() < deadline:
+        time.sleep(0.2)
+    return processes_naming(text)
 
 
 def test_resume_after_kill_ends_where_an_uninterrupted_run_does(tmp_path, small_target):
@@ -74,6 +104,50 @@ def test_online_run_killed_resumes_where_it_stood_and_ends_as_an_uninterrupted_o
     a, b = state(ref_dir / "02_train" / "drafter"), state(run_dir / "02_train" / "drafter")
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def capture_process_of(run_dir) -> int | None:
+    """The pid of the stage's capture process (its launcher marked it in its environment; not its guard)."""
+    from eagle3lib.train.sources.capture_link import CAPTURE, ROLE_ENV
+
+    for pid in processes_naming(str(run_dir)):
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            marked = f"{ROLE_ENV}={CAPTURE}".encode() in Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if marked and b"guard.py" not in cmdline:
+            return pid
+    return None
+
+
+def test_a_capture_process_killed_ends_the_stage_at_once_naming_it(tmp_path, small_target):
+    """kill -9 of the capture process alone, mid-run: the trainer does not wait for batches that never come, the
+    stage fails at once saying the capture process died, and nothing of the stage is left running."""
+    slow = {"source": "online", "batch_rows": 4, "max_seq_len": 256, "max_tokens": 1024 * 8, "checkpoint_every": 3}
+    run_dir = make_run(tmp_path, *small_target, slow | {"eval_every": 100, "online_placement": "process"})
+    p, failed = load_params(params_file(tmp_path)), []
+
+    def run():
+        try:
+            launch.launch(p, str(run_dir))
+        except Exception as e:
+            failed.append(e)
+
+    stage = threading.Thread(target=run)
+    stage.start()
+    deadline = time.time() + 120
+    step = run_dir / "02_train" / "checkpoints" / "step_0000003" / STATE_FILE
+    while not step.exists() and stage.is_alive() and time.time() < deadline:
+        time.sleep(0.01)
+    capture = capture_process_of(run_dir)
+    assert capture is not None and step.exists(), "the stage ended before its capture process could be killed"
+    os.kill(capture, signal.SIGKILL)
+    stage.join(60)
+    assert not stage.is_alive() and failed, "the stage did not end when its capture process died"
+    assert isinstance(failed[0], TrainingError) and "the capture process exited -9" in str(failed[0])
+    assert not (run_dir / "02_train" / "drafter").exists()
+    assert wait_until_gone(str(run_dir)) == []
 
 
 def test_torchrun_two_processes_equal_one_with_the_same_global_batch(tmp_path, small_target):
@@ -121,22 +195,34 @@ def test_torchrun_two_processes_equal_one_with_the_same_global_batch(tmp_path, s
         assert torch.allclose(a[k].float(), b[k].float(), atol=1e-5, rtol=0), k
 
 
-def test_online_capture_process_over_gloo_trains_what_the_thread_does(tmp_path, small_target):
-    """online_placement: process: rank 0 captures and sends micro-batches through gloo to the trainer ranks, which
-    train the drafter the capture thread trains (each process one thread, so the sums run in the same order), and
-    a resume continues from the checkpoint's position. With two trainers, the global batch of one."""
-    common = {"source": "online", "max_tokens": 128 * 2 * 3, "checkpoint_every": 3, "eval_every": 100}
-    thread = make_run(tmp_path / "thread", *small_target, common | {"grad_accum": 2})
+def thread_reference(root, small_target, train_params: dict):
+    """The capture thread's run, in a process with one thread (as each process of the process placement has, so
+    the float sums run in the same order); returns its run folder."""
+    run = make_run(root, *small_target, train_params)
     subprocess.run(
-        [sys.executable, "-m", "eagle3lib.train.launch", params_file(tmp_path / "thread"), str(thread)],
+        [sys.executable, "-m", "eagle3lib.train.launch", params_file(root), str(run)],
         env=os.environ | {"OMP_NUM_THREADS": "1"},
         check=True,
         capture_output=True,
     )
+    return run
+
+
+def test_online_capture_process_links_by_groups_of_its_own_and_trains_what_the_thread_does(tmp_path, small_target):
+    """online_placement: process: the capture process sends micro-batches through gloo groups made for the link to
+    the trainers, which train the drafter the capture thread trains, and a resume continues from the checkpoint's
+    position; started again once finished, it ends at once. The trainers' default group is theirs alone: none for one trainer, two trainers' of size 2 (the
+    global batch of one); the capture process joins none (SGLang's ranks may own it)."""
+    common = {"source": "online", "max_tokens": 128 * 2 * 3, "checkpoint_every": 3, "eval_every": 100}
+    thread = thread_reference(tmp_path / "thread", small_target, common | {"grad_accum": 2})
     process = make_run(tmp_path / "process", *small_target, common | {"grad_accum": 2, "online_placement": "process"})
     s = launch.launch(load_params(params_file(tmp_path / "process")), str(process))
-    assert s["world_size"] == 1 and s["steps"] == 3
+    assert s["world_size"] == 1 and s["steps"] == 3 and s["default_group"] is None
     assert_capture_summary_and_drafter_as(process, s, thread)
+    assert json.loads((process / "02_train" / CAPTURE_SUMMARY).read_text())["default_group"] is None
+    # started again when finished: the trainers have no step left and tell the capture process so; nothing hangs
+    s = launch.launch(load_params(params_file(tmp_path / "process")), str(process))
+    assert s["steps"] == 3 and json.loads((process / "02_train" / CAPTURE_SUMMARY).read_text())["tokens"] == 0
     more = {"train.max_tokens": 128 * 2 * 6}
     s = launch.launch(load_params(params_file(tmp_path / "process"), more), str(process))
     capture = json.loads((process / "02_train" / CAPTURE_SUMMARY).read_text())
@@ -146,10 +232,33 @@ def test_online_capture_process_over_gloo_trains_what_the_thread_does(tmp_path, 
     two = make_run(tmp_path / "two", *small_target, common | {"online_placement": "process"})
     s = launch.launch(load_params(params_file(tmp_path / "two"), {"train.nproc_per_node": 2}), str(two))
     assert s["world_size"] == 2 and len(set(s["rank_weight_digests"])) == 1 and s["steps"] == 3
+    assert s["default_group"] == {"backend": "gloo", "size": 2}  # the two trainers, not the capture process
+    assert json.loads((two / "02_train" / CAPTURE_SUMMARY).read_text())["default_group"] is None
     b = state(two / "02_train" / "drafter")
     a = state(thread / "02_train" / "checkpoints" / "step_0000003")
     for k in a:
         assert torch.allclose(a[k].float(), b[k].float(), atol=1e-5, rtol=0), k
+
+
+def test_online_capture_process_run_killed_resumes_and_ends_as_an_uninterrupted_one(tmp_path, small_target):
+    """kill -9 of a run with a capture process (the stage's launcher, as a dead kernel leaves it): the guards end
+    the capture process and the trainer, a rerun resumes from the last checkpoint, captures from its position on and
+    ends with the uninterrupted thread run's drafter, byte for byte."""
+    slow = {"source": "online", "batch_rows": 4, "max_seq_len": 256, "max_tokens": 1024 * 8, "checkpoint_every": 3}
+    slow |= {"eval_every": 100}
+    ref = thread_reference(tmp_path / "ref", small_target, slow)
+    run_dir = make_run(tmp_path / "killed", *small_target, slow | {"online_placement": "process"})
+    ckpt = kill_after_checkpoint(params_file(tmp_path / "killed"), run_dir, "step_0000003", entry=("-c", LAUNCH))
+    assert wait_until_gone(str(run_dir)) == [], "a process of the killed stage outlived it"
+    at = json.loads((latest_checkpoint(ckpt) / STATE_FILE).read_text())
+    assert not (run_dir / "02_train" / "drafter").exists() and at["step"] in (3, 6)
+    s = launch.launch(load_params(params_file(tmp_path / "killed")), str(run_dir))
+    capture = json.loads((run_dir / "02_train" / CAPTURE_SUMMARY).read_text())
+    assert s["steps"] == 8 and capture["started_at"] == {"epoch": at["epoch"], "sequence": at["sequence_in_epoch"]}
+    assert s["default_group"] is None and capture["default_group"] is None
+    a, b = state(ref / "02_train" / "drafter"), state(run_dir / "02_train" / "drafter")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
 
 
 def test_online_sglang_inprocess_trains_in_sglangs_interpreter_and_fails_with_its_log(tmp_path, small_target):
@@ -163,5 +272,22 @@ def test_online_sglang_inprocess_trains_in_sglangs_interpreter_and_fails_with_it
     assert "ModuleNotFoundError" in (run_dir / "02_train" / "sglang-online.log").read_text()
     with pytest.raises(ParamsError, match="'vllm' serves states over HTTP and is not wired to online training"):
         load_params(params_file(tmp_path), {"extract.backend": "vllm"})
-    with pytest.raises(ParamsError, match=r"set train.online_placement: thread \(not 'process'\)"):
-        load_params(params_file(tmp_path), {"extract.backend": "sglang_inprocess", "train.online_placement": "process"})
+    with pytest.raises(ParamsError, match=r"not in Ray's actors: set one of those"):
+        load_params(params_file(tmp_path), {"extract.backend": "sglang_inprocess", "train.online_placement": "ray"})
+    with pytest.raises(ParamsError, match=r"set train.nproc_per_node: 1 \(not 2\), or train.online_placement: process"):
+        load_params(params_file(tmp_path), {"extract.backend": "sglang_inprocess", "train.nproc_per_node": 2})
+
+
+def test_online_sglang_inprocess_capture_process_runs_in_sglangs_interpreter_and_fails_with_its_log(
+    tmp_path, small_target
+):
+    """online_placement: process with sglang_inprocess: the capture process is started in engine.python beside two
+    trainers in this interpreter; one without sglang fails there, its error reaches the trainers and the stage's
+    error brings the capture process's log. (SGLang's capture itself runs on GPU hosts only.)"""
+    run_dir = make_run(tmp_path, *small_target, {"source": "online", "online_placement": "process"})
+    over = {"extract.backend": "sglang_inprocess", "engine.name": "sglang", "engine.python": sys.executable}
+    p = load_params(params_file(tmp_path), over | {"train.nproc_per_node": 2})
+    with pytest.raises(TrainingError, match=r"(?s)capture process exited 1.*has no sglang: start the stage"):
+        launch.launch(p, str(run_dir))
+    assert "ModuleNotFoundError" in (run_dir / "02_train" / "capture.log").read_text()
+    assert wait_until_gone(str(run_dir)) == []

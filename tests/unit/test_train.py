@@ -577,3 +577,39 @@ def test_muon_trains_the_matrices_and_its_state_resumes(tmp_path, small_target):
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
     with pytest.raises(ValueError, match="expected a Muon\\+AdamW optimizer state"):
         opt_b.load_state_dict(torch.optim.AdamW(a.parameters()).state_dict())
+
+
+def test_sglang_inprocess_online_in_a_capture_process_takes_its_tp_gpus_first_and_the_trainers_the_next(
+    tmp_path, monkeypatch
+):
+    """extract.backend sglang_inprocess online with online_placement: process: the capture process (SGLang's
+    interpreter) takes the first --tp GPUs, the trainers one each after them (each side sees its own first), and
+    too few GPUs are refused at the launch, saying how many; the hf capture takes one. The link's data group is NCCL only where both torch builds
+    carry the same NCCL (else gloo, through host memory)."""
+    from eagle3lib.engines.sglang import tp_size
+    from eagle3lib.train import sources
+    from eagle3lib.train.sources.capture_link import data_backend
+    from eagle3lib.train.sources.process import CaptureProcess, InEngineProcess
+
+    params = tmp_path / "p.yaml"
+    params.write_text("run: {name: t}\n")
+    online_gpus = {"train.source": "online", "train.online_placement": "process", "target.device": "cuda"}
+    sglang = {"extract.backend": "sglang_inprocess", "engine.name": "sglang", "engine.extra_args": ["--tp", "2"]}
+    p = load_params(params, online_gpus | sglang | {"train.nproc_per_node": 2})
+    placement = sources.for_params(p)
+    assert isinstance(placement, InEngineProcess)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    # each side's own GPUs first, the other's after them (visible: NCCL reaches them peer to peer)
+    assert placement.split_gpus(p) == ({"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, {"CUDA_VISIBLE_DEVICES": "6,7,4,5"})
+    assert "on cuda:0..1, 2 trainer(s) on cuda:2..3" in placement.device_split(p)[0]
+    with pytest.raises(TrainingError, match="5 GPUs, and 4 are visible"):
+        placement.split_gpus(load_params(params, online_gpus | sglang | {"train.nproc_per_node": 3}))
+    hf = load_params(params, online_gpus | {"train.nproc_per_node": 3})
+    assert type(sources.for_params(hf)) is CaptureProcess
+    split = sources.for_params(hf).split_gpus(hf)
+    assert split == ({"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, {"CUDA_VISIBLE_DEVICES": "5,6,7,4"})
+    flags = ([], ["--tp-size=8"], ["--tensor-parallel-size", "2", "--tp", "4"], ["--tp"])
+    assert [tp_size(f) for f in flags] == [1, 8, 4, 1]  # the last one wins, as argparse reads them
+    assert data_backend("cuda:1", {"nccl": "2.27.3"}, {"nccl": "2.27.3"}) == "nccl"
+    assert data_backend("cuda", {"nccl": "2.27.3"}, {"nccl": "2.28.9"}) == "gloo"
+    assert data_backend("cpu", {"nccl": None}, {"nccl": None}) == "gloo"

@@ -82,11 +82,10 @@ class Placement(ABC):
     train.nproc_per_node of them."""
 
     name = ""
-    capture_ranks = 0  # torchrun ranks before the trainers' that only capture (the process placement's rank 0)
 
     def launch(self, run: StageRun) -> dict:
         """Run the stage; returns the first trainer's summary."""
-        nproc = run.p.train.nproc_per_node + self.capture_ranks
+        nproc = run.p.train.nproc_per_node
         if nproc <= 1:
             return run.run_stage(run.p, run.run_dir)
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]

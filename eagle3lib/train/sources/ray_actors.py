@@ -3,9 +3,10 @@ otherwise) and train.nproc_per_node trainer actors (a GPU each on CUDA), on this
 cluster (RAY_ADDRESS or train.ray_address); the micro-batches go through Ray's object store: shared memory on one
 node, Ray's object transfer between nodes (docs/design.md §8, online mode).
 
-The capture actor makes the micro-batches the process placement's serve_capture makes (online.capture_setup's producer,
-micro_batches from the first trainer's checkpoint position, the same order) and hands micro-batch n to every
-trainer, its states only to the one that trains it (n % trainers, as TrainStep shares a step's group). The queue
+The capture actor makes the micro-batches the process placement's serve_capture (sources/capture_link.py) makes
+(online.capture_setup's producer, micro_batches from the first trainer's checkpoint position, the same order) and
+hands micro-batch n to every trainer, its states only to the one that trains it (n % trainers, as TrainStep
+shares a step's group). The queue
 is a number of object refs: a trainer keeps train.online_queue_batches calls of `next_item` outstanding and adds
 one each time it takes a micro-batch; the actor runs its calls in turn, so the capture runs that many ahead and
 then waits, as the process placement's credits. A trainer that stops waits for its outstanding calls (what it had
