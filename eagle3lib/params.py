@@ -229,6 +229,10 @@ class TrainParams(Section):
     draft_vocab_size: int = Field(32000, gt=0)
     max_tokens: int = Field(1_000_000, gt=0, description="training budget in tokens")
     max_minutes: float | None = Field(None, gt=0)
+    keep_best_at: int | None = Field(
+        None, ge=1, le=16, description="the drafter 02_train writes: the evaluated state (the one it started from "
+        "included) with the highest estimated acceptance length at this depth on the validation rows (None: the last)"
+    )  # fmt: skip
     batch_rows: int = Field(1, gt=0)
     grad_accum: int = Field(1, gt=0)
     lr: float = Field(1e-4, gt=0)

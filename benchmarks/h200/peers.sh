@@ -166,6 +166,7 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
       ttt3) X=(--set train.ttt_steps=3) ;; seq2048) X=(--set train.max_seq_len=2048) ;; lr2e-3) X=(--set train.lr=2e-3) ;;
       vocab32k) X=(--set train.draft_vocab_size=32000) ;; decay1) X=(--set train.step_weight_decay=1.0) ;;
       top1) X=(--set train.loss_target=top_token) ;;
+      best3) X=(--set train.keep_best_at=3) ;;  # the evaluated state with the best est. AL@3, not the last
       seq1024) X=(--set train.max_seq_len=1024) ;; rows4096) X=(--set train.max_seq_len=4096) ;;
       s2k-norms) X=(--set train.max_seq_len=2048 --set "train.eagle31_norms=[norm_before_fc,norm_output]") ;;
       s2k-scratch) X=(--set train.max_seq_len=2048 "${S0[@]}") ;;

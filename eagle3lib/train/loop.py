@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +22,14 @@ import torch
 from eagle3lib.drafter import Drafter
 from eagle3lib.train import TrainingError
 from eagle3lib.train.batches import batch_to
-from eagle3lib.train.checkpoint import CHECKPOINTS, latest_checkpoint, resume, save_checkpoint, save_drafter
+from eagle3lib.train.checkpoint import (
+    CHECKPOINTS,
+    latest_checkpoint,
+    load_drafter,
+    resume,
+    save_checkpoint,
+    save_drafter,
+)
 from eagle3lib.train.distributed import check_same_weights, rank_and_world
 from eagle3lib.train.metrics import AcceptanceCounter
 from eagle3lib.train.optimizer import lr_at, make_optimizer
@@ -111,6 +119,9 @@ class Loop:
         self.state = resume(
             self.drafter, self.opt, self.ckpt_root, self.log_path, device, key, tp.resume, self.rank, log
         )
+        self.best = BestKept(
+            setup.out_dir / BEST, tp.keep_best_at, self.total_steps, self.state["step"], self.rank, log
+        )
 
     def checkpoint(self):
         if self.rank != 0:
@@ -126,6 +137,7 @@ class Loop:
         result = evaluate(self.setup, self.tp.ttt_steps, self.max_depth, self.device)
         result["at_step"] = self.state["step"]
         self.write_log({"step": self.state["step"], "eval": result})
+        self.best.consider(result, self.drafter, self.setup.contract)
         return result
 
     def run(self) -> dict:
@@ -134,6 +146,7 @@ class Loop:
         if state["step"] == 0:  # the untrained drafter, for "did training help" comparisons
             state["initial_eval"] = evaluate(self.setup, tp.ttt_steps, self.max_depth, self.device)
             self.write_log({"step": 0, "eval": state["initial_eval"]})
+            self.best.consider(state["initial_eval"] | {"at_step": 0}, self.drafter, self.setup.contract)
         budget_s = (tp.max_minutes or 0) * 60  # 0: no time budget
         stream = self.setup.source.stream(tp, state)
         started = time.time()
@@ -199,8 +212,10 @@ class Loop:
         digests = check_same_weights(self.drafter, self.world)
         final = self.checkpoint()
         if self.rank == 0:
-            save_drafter(self.drafter, self.setup.out_dir / "drafter", self.setup.contract)
+            save_drafter(self.best.kept(self.drafter, last_eval), self.setup.out_dir / "drafter", self.setup.contract)
         return {
+            "kept": self.best.record(last_eval),
+            "last_eval": last_eval,
             "initial_eval": state.get("initial_eval"),
             "rank_weight_digests": digests,
             "steps": state["step"],
@@ -210,8 +225,65 @@ class Loop:
             "train_tokens_per_s": round(state["tokens"] / max(state["train_seconds"], 1e-9), 1),
             "data_wait_s": round(state.get("data_wait_s", 0.0), 1),  # of train_seconds, spent waiting for batches
             "final_checkpoint": str(final) if final else None,
-            "eval": last_eval,
+            "eval": self.best.kept_eval(last_eval),  # the written drafter's (with keep_best_at, the best state's)
             **self.setup.source.summary(),
+        }
+
+
+BEST = "best"  # the best evaluated state so far, under train.keep_best_at (a drafter folder with best.json)
+
+
+class BestKept:
+    """train.keep_best_at: the evaluated state with the highest est. AL at that depth, the starting one included,
+    kept on disk (rank 0 writes BEST after each new best; a resume reads it back, a fresh run or another schedule's
+    length drops it) and written as the stage's drafter instead of the last state. Off (depth None): the last."""
+
+    def __init__(self, folder: Path, depth: int | None, total_steps: int, step: int, rank: int, log):
+        self.folder, self.depth, self.total_steps, self.rank, self.log = folder, depth, total_steps, rank, log
+        self.step, self.eval = None, None
+        record = folder / "best.json"
+        if depth is not None and step > 0 and record.is_file():
+            saved = json.loads(record.read_text())
+            if (saved["depth"], saved["total_steps"]) == (depth, total_steps):
+                self.step, self.eval = saved["step"], saved["eval"]
+            else:
+                log(f"{folder} was kept for another depth or schedule: the best is looked for again from here")
+        elif rank == 0 and folder.exists():  # a fresh run does not mix with an earlier run's best
+            shutil.rmtree(folder)
+
+    def value(self, result: dict) -> float:
+        return result["est_accept_len"][str(self.depth)]
+
+    def consider(self, result: dict, drafter: Drafter, contract: dict) -> None:
+        if self.depth is None or (self.eval is not None and self.value(result) <= self.value(self.eval)):
+            return
+        self.step, self.eval = result["at_step"], result
+        if self.rank == 0:
+            record = {"depth": self.depth, "step": self.step, "total_steps": self.total_steps, "eval": result}
+            save_drafter(drafter, self.folder, contract, extra={"best.json": record})
+
+    def is_last(self, last_eval: dict) -> bool:
+        return self.depth is None or self.eval is None or self.step == last_eval.get("at_step")
+
+    def kept_eval(self, last_eval: dict) -> dict:
+        """The evaluation of the drafter written: the last state's, or the best one's."""
+        return last_eval if self.is_last(last_eval) else self.eval
+
+    def kept(self, drafter: Drafter, last_eval: dict) -> Drafter:
+        """The drafter to write (rank 0): the last state, or the best one, read back from its folder."""
+        return drafter if self.is_last(last_eval) else load_drafter(self.folder)
+
+    def record(self, last_eval: dict) -> dict:
+        """What the summary says of the drafter written."""
+        if self.depth is None:
+            return {"rule": "last", "step": last_eval.get("at_step")}
+        kept = self.eval if self.eval is not None else last_eval
+        return {
+            "rule": f"best est. AL@{self.depth}",
+            "step": kept.get("at_step"),
+            "est_accept_len": self.value(kept),
+            "last_step": last_eval.get("at_step"),
+            "last_est_accept_len": self.value(last_eval),
         }
 
 

@@ -37,9 +37,23 @@ def fine_tune_text(summary: dict) -> str:
     pairs = ", ".join(f"@{d} {before['est_accept_len'][d]:.2f} -> {after['est_accept_len'][d]:.2f}" for d in depths)
     start = f"started from {warm['init_from']}" if warm else "started untrained"
     text = f"{start}; estimated acceptance length on this run's validation, before -> after training: {pairs}"
+    if (kept := kept_text(summary)) is not None:
+        text += f"\n{kept}"
     if warm and (verdict := fine_tune_verdict(before, after, summary["tokens"])):
         text += f"\n{verdict}"
     return text
+
+
+def kept_text(summary: dict) -> str | None:
+    """With train.keep_best_at: which evaluated state the drafter written is, and the last one's figure."""
+    kept = summary.get("kept") or {}
+    if kept.get("rule", "last") == "last":
+        return None
+    start = " (the drafter it started from)" if kept["step"] == 0 else ""
+    return (
+        f"drafter kept: step {kept['step']}{start}, the {kept['rule']} ({kept['est_accept_len']:.3f}); the last "
+        f"state, step {kept['last_step']}, had {kept['last_est_accept_len']:.3f} (train.keep_best_at)"
+    )
 
 
 DEMONSTRATION_GAIN = 0.01  # a fine-tune that moves est. AL@5 by less than 1% shows the stage, not a better drafter
@@ -70,6 +84,9 @@ def result(summary: dict) -> dict:
         "train tokens/s": summary["train_tokens_per_s"],
         "tokens": summary["tokens"],
     }
+    kept = summary.get("kept") or {}
+    if kept.get("rule", "last") != "last":
+        headline["drafter kept"] = f"step {kept['step']} of {kept['last_step']} ({kept['rule']})"
     if (summary.get("vocab") or {}).get("warm_start") and summary.get("initial_eval"):
         headline["est. accept len @5 before"] = summary["initial_eval"]["est_accept_len"].get("5")
         if fine_tune_verdict(summary["initial_eval"], ev, summary["tokens"]):

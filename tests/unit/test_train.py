@@ -16,6 +16,7 @@ from eagle3lib.extract.shards import states, store_states
 from eagle3lib.params import ParamsError, load_params
 from eagle3lib.prepare import conversations
 from eagle3lib.train import TrainingError, launch, loop, online
+from eagle3lib.train import steps as train_steps
 from eagle3lib.train.batches import Sequence, batch_states, in_background, make_batch, pack_rows
 from eagle3lib.train.checkpoint import latest_checkpoint, load_drafter
 from eagle3lib.train.setup import build_setup
@@ -613,3 +614,39 @@ def test_sglang_inprocess_online_in_a_capture_process_takes_its_tp_gpus_first_an
     assert data_backend("cuda:1", {"nccl": "2.27.3"}, {"nccl": "2.27.3"}) == "nccl"
     assert data_backend("cuda", {"nccl": "2.27.3"}, {"nccl": "2.28.9"}) == "gloo"
     assert data_backend("cpu", {"nccl": None}, {"nccl": None}) == "gloo"
+
+
+def test_keep_best_writes_the_best_evaluated_state_and_a_spoiling_fine_tune_keeps_its_start(tmp_path, small_target):
+    """train.keep_best_at: the drafter written is the evaluated state with the highest est. AL at that depth, the
+    one training started from included: a fine-tune at a learning rate that spoils a trained drafter writes the
+    drafter it started from (and its evaluation), where the last state would be written without the option."""
+    run_dir = make_run(tmp_path, *small_target, {"max_tokens": 128 * 40, "eval_every": 40})
+    p = load_params(params_file(tmp_path))
+    trained, _ = build_setup(p, run_dir)
+    loop.train(trained, p.train, log=lambda *a: None)
+    start = run_dir / "trained-drafter"
+    shutil.copytree(run_dir / "02_train" / "drafter", start)
+
+    spoil = {"train.init_from": str(start), "train.lr": 0.2, "train.warmup_steps": 0, "train.max_tokens": 128 * 4}
+    spoil |= {"train.eval_every": 2, "train.checkpoint_every": 2}
+    for keep, expect_start in ((3, True), (None, False)):
+        shutil.rmtree(run_dir / "02_train")
+        p = load_params(params_file(tmp_path), spoil | {"train.keep_best_at": keep})
+        setup, _ = build_setup(p, run_dir)
+        summary = loop.train(setup, p.train, log=lambda *a: None)
+        last = summary["last_eval"]["est_accept_len"]["3"]
+        assert last < summary["initial_eval"]["est_accept_len"]["3"]  # the learning rate spoils it
+        written = state(run_dir / "02_train" / "drafter")
+        assert all(torch.equal(written[k], v) for k, v in state(start).items()) == expect_start
+        if keep:
+            assert summary["kept"] == {
+                "rule": "best est. AL@3",
+                "step": 0,
+                "est_accept_len": summary["initial_eval"]["est_accept_len"]["3"],
+                "last_step": 4,
+                "last_est_accept_len": last,
+            }
+            assert summary["eval"]["est_accept_len"] == summary["initial_eval"]["est_accept_len"]
+            assert "drafter kept" in train_steps.result(summary)["headline"]
+        else:
+            assert summary["kept"] == {"rule": "last", "step": 4} and summary["eval"] == summary["last_eval"]
