@@ -55,9 +55,10 @@ def test_the_fewest_cover_every_set():
 
 def test_the_configurations_a_sweep_expects():
     bench = BenchParams(depths=[16, 10, 5], concurrency=[1, 8], asked_depths="predict", neighbours=False)
-    assert plan.expected_configurations(bench, cost_model=True) == 3  # the baseline, the first pick, the c=8 pick
-    assert plan.expected_configurations(bench.model_copy(update={"neighbours": True}), True) == 5
-    assert plan.expected_configurations(bench.model_copy(update={"asked_depths": "quick"}), True) == 6
+    # the baseline, the first pick, the calibrated picks at c=1 and c=8 (a run measured depth 3, then 4 and 2)
+    assert plan.expected_configurations(bench, cost_model=True) == 4
+    assert plan.expected_configurations(bench.model_copy(update={"neighbours": True}), True) == 6
+    assert plan.expected_configurations(bench.model_copy(update={"asked_depths": "quick"}), True) == 7
     assert plan.expected_configurations(bench, cost_model=False) == 4
 
 
