@@ -100,6 +100,8 @@ def regenerate_splits(p, model, tokenizer, splits: dict, out: Path) -> tuple[dic
         target_dir=target.resolve_target(p.target.name, cache_dir(p)),
         dtype=p.target.dtype,
     )
+    if stats.get("sizing"):  # data.regenerate.max_minutes: what the budget was cut to, and why
+        print(stats["sizing"]["text"])
     regenerated = regenerate.read_regenerated(path)
     kept = {
         name: [regenerated.get(c["id"], c) for c in splits[name] if c["id"] in regenerated or not rg.only_regenerated]

@@ -158,6 +158,7 @@ def test_notebook_handle_runs_the_module_and_fails_with_the_log(tmp_path, embedd
         {
             "run.cache_dir": str(embedded_cache[0]),
             "extract.backend": "sglang_inprocess",
+            "extract.max_minutes": None,  # tiny.yaml's cut of the train split is made in this process, not SGLang's
             "engine.name": "sglang",
             "engine.python": sys.executable,  # no sglang here: the module's own error must come back
             "engine.extra_args": ["--tp", "2"],
