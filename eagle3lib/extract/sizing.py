@@ -69,6 +69,7 @@ class ExtractBudget:
         rec = self.recorded()
         if rec is not None and (rec["total_sequences"], rec["total_tokens"]) == (total, int(tokens["seq_starts"][-1])):
             self.decision = rec | {"resumed": True}
+            self.decision["text"] = text(self.decision)  # the console says it was taken back, not timed now
             return prefix(tokens, rec["sequences"])
         rate = (results.get(FIRST) or {}).get("tokens_per_s")
         if not rate:  # no validation split extracted in this run to time: everything, and say so

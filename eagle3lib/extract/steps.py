@@ -25,7 +25,7 @@ def extract_splits(p, setup: dict, capture: backends.Backend, prep_dir: Path, ou
     """extract.splits' tokens (prep_dir/<split>.safetensors) through `capture` (make_capture's, which holds what it
     needs of `setup`) into out/<split>/ shards, one after the other, the target loaded once; {split: result}.
     With extract.max_minutes the validation split goes first and the training split is cut to what fits the rest
-    (sizing.py); results["sizing"] then says what it was cut to and why."""
+    (sizing.py), which prints what it was cut to and why (sizing_record reads it back for the result)."""
     splits = {s: (Path(prep_dir) / f"{s}.safetensors", Path(out) / s) for s in p.extract.splits}
     if p.extract.max_minutes is None:
         return capture.extract_splits(splits)
