@@ -25,8 +25,9 @@
 #                                          archive: a call brings back 8 files)
 #   Configurations: ours: defaults (params/tiny-h200.yaml), rows4-scratch (the defaults before issue 31), rows2-scratch,
 #   rows1-scratch (the levers: optimizer steps, the early-exit start), muon, muon-ttt3 (speculators' optimizer and
-#   TTT length); speculators: defaults, sglang (its defaults less norm_before_residual, which SGLang 0.5.17
-#   ignores), our-hparams; specforge: defaults, our-hparams (our lr, TTT length, warmup, tokens a step).
+#   TTT length), best3 (the best validation state at depth 3), gputime (equal GPU time: speculators' minutes alone);
+#   speculators: defaults, sglang (its defaults less norm_before_residual, which SGLang 0.5.17 ignores),
+#   our-hparams; specforge: defaults, our-hparams (our lr, TTT length, warmup, tokens a step).
 #   (SpecForge's batch of 1 makes ~11 steps/s alone: 4 epochs of 1,317 take ~480 s.)
 #   PICK="CFG ..." bash benchmarks/h200/peers.sh pick   prints which of ours' configurations has the best mean
 #                                          validation est. AL@3 over its seeds (a choice no served set informs)
@@ -157,6 +158,7 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     exit 0 ;;
   ours)
     ours_env; TOK=$(train_tokens) || exit 6; CFG=${2:-defaults}; SEED=${3:-}; NAME=$CFG${SEED:+-s$SEED}; R=$W/ours-$NAME
+    SCALE=1; BUDGET=tokens  # the tokens: EPOCHS epochs x SCALE; BUDGET goes into the record (served_al.py's rows)
     # defaults: params/tiny-h200.yaml (1 row of 2,048 a step, the early-exit start); the others are the levers
     # that chose it (rows4096: its rows before issue 40), from the pilot's defaults (4 rows a step, from scratch)
     S0=(--set train.init_layer_from_target=false)
@@ -167,6 +169,10 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
       vocab32k) X=(--set train.draft_vocab_size=32000) ;; decay1) X=(--set train.step_weight_decay=1.0) ;;
       top1) X=(--set train.loss_target=top_token) ;;
       best3) X=(--set train.keep_best_at=3) ;;  # the evaluated state with the best est. AL@3, not the last
+      # issue 40 item 3, equal GPU time: ours given the H200 seconds speculators' 4 epochs take alone (201.2 s, the
+      # pilot), less its own fixed part alone (notebook, load, evaluations: 76.5 of 181.6 s in the second run), at
+      # its training rate alone (105.1 s for 4 epochs): (201.2 - 76.5) / 105.1 = 1.187x the tokens
+      gputime) X=(); SCALE=${GPU_SCALE:-1.187}; BUDGET=gpu_minutes ;;
       seq1024) X=(--set train.max_seq_len=1024) ;; rows4096) X=(--set train.max_seq_len=4096) ;;
       s2k-norms) X=(--set train.max_seq_len=2048 --set "train.eagle31_norms=[norm_before_fc,norm_output]") ;;
       s2k-scratch) X=(--set train.max_seq_len=2048 "${S0[@]}") ;;
@@ -180,8 +186,10 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     # run.seed: the drafter's initialisation and the data order (00_prepare and 01_extract are the shared run's)
     python3 benchmarks/peers.py measure "$OUT/train_ours-$NAME.json" -- python3 -m eagle3lib run params/tiny-h200.yaml \
       --only train "${RUN_SET[@]}" --set run.name=ours-$NAME --set run.seed="${SEED:-0}" \
-      --set train.max_tokens=$((EPOCHS * TOK)) --set train.max_minutes=60 --set train.draft_vocab_size="$DRAFT_VOCAB" \
+      --set train.max_tokens="$(python3 -c "print(round($EPOCHS * $TOK * $SCALE))")" --set train.max_minutes=60 --set train.draft_vocab_size="$DRAFT_VOCAB" \
       "${X[@]}" > "$OUT/train_ours-$NAME.log" 2>&1; rc=$?; tail -n 8 "$OUT/train_ours-$NAME.log"
+    python3 -c "import json, sys; f = sys.argv[1]; r = json.load(open(f)); r.update(budget=sys.argv[2], token_scale=float(sys.argv[3]))
+json.dump(r, open(f, 'w'), indent=1)" "$OUT/train_ours-$NAME.json" "$BUDGET" "$SCALE"
     cp "$R"/02_train/result.json "$OUT/02_train_result-$NAME.json" 2>/dev/null; exit $rc ;;
   specforge)
     ours_env; T=$(target_dir); export PYTHONPATH=/tmp/peer-site:/tmp/arrow-site:$PYTHONPATH HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
