@@ -6,7 +6,10 @@
     online thread        the same training, the capture in a thread of the trainer, through the same loaded target
     offline (shards)     training from 01_extract's shards (left out with --no-shards, or when there are none), and
                          the shard reader alone: read, packed, moved to the device, nothing trained
-    online gloo processes, online ray actors   (extract.backend hf; left out with --no-process, added with --ray)
+    online processes     the capture in a process of its own beside one trainer process (train.online_placement:
+                         process; on one GPU the two share it, the states through host memory); left out with
+                         --no-process
+    online ray actors    (extract.backend hf; added with --ray)
 and the take-turns bound 1 / (1/capture + 1/train alone): what the two parts allow when they take turns.
 
     python -m eagle3lib run params/ci.yaml --to extract --set run.output_root=/tmp/bench-online
@@ -147,9 +150,7 @@ def main():
     ap.add_argument("--params", required=True, help="that run's params file")
     ap.add_argument("--tokens", type=int, default=8000, help="train.max_tokens of each mode")
     ap.add_argument("--out", default=None, help="JSONL file for the rows (appended)")
-    ap.add_argument(
-        "--no-process", action="store_true", help="leave out the capture-process mode (one GPU: its two ranks need two)"
-    )
+    ap.add_argument("--no-process", action="store_true", help="leave out the capture-process mode")
     ap.add_argument(
         "--ray",
         action="store_true",
@@ -177,9 +178,9 @@ def main():
     modes = []
     if not args.no_shards and (run_dir / "01_extract" / "train").is_dir():
         modes.append(("offline (shards)", common))
+    if not args.no_process:
+        modes.append(("online processes", online_mode | {"train.online_placement": "process"}))
     if p.extract.backend == "hf":
-        if not args.no_process:
-            modes.append(("online gloo processes", online_mode | {"train.online_placement": "process"}))
         if args.ray:
             ray_site = ROOT / ".ray-site"  # where the tests read Ray from, outside the workbook's environment
             if ray_site.is_dir() and str(ray_site) not in sys.path:

@@ -11,7 +11,8 @@
 #                                           SGLang's dummy weights; random embeddings, head and norm written for the
 #                                           trainer), SmolLM2's tokenizer: prepare, then the sglang_inprocess modes
 # Every step runs in SGLang's interpreter (its bundle's transformers 5.12.1): the target's fingerprint in 00_prepare's
-# contract is then the one the trainer computes. (The capture-process mode needs a GPU per rank: left out here.)
+# contract is then the one the trainer computes. The capture-process mode (issue 44) shares the one GPU with its
+# trainer process, the states through host memory.
 set -uo pipefail
 W=/tmp/online; OUT=${OUT:-$PWD/h200-out}; mkdir -p "$OUT" $W
 export PYTHONPATH=$PWD:/tmp/e3site:/tmp/pm-site:/tmp/extra-site JUPYTER_PATH=/tmp/pm-site/share/jupyter \
@@ -40,7 +41,7 @@ yaml.safe_dump(p, open('$W/$NAME.yaml', 'w'))" || exit 3
 modes() {  # BACKEND [ARGS...]: the modes, one JSON line each into $OUT/modes.jsonl
   local backend=$1; shift
   $SGL benchmarks/online_throughput.py --run-dir $W/$NAME --params $W/$NAME.yaml --tokens "${TOKENS:-600000}" \
-    --backend "$backend" --no-process --set "engine.extra_args=$FLAGS" --out "$OUT/modes-$MODE-$backend.jsonl" "$@" \
+    --backend "$backend" --set "engine.extra_args=$FLAGS" --out "$OUT/modes-$MODE-$backend.jsonl" "$@" \
     > "$OUT/$MODE-$backend.log" 2>&1; local rc=$?
   grep -v "Warning\|Loading\|it/s\]" "$OUT/$MODE-$backend.log" | tail -n 9; [ $rc = 0 ] || tail -n 30 "$OUT/$MODE-$backend.log"
 }

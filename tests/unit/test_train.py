@@ -585,8 +585,10 @@ def test_sglang_inprocess_online_in_a_capture_process_takes_its_tp_gpus_first_an
 ):
     """extract.backend sglang_inprocess online with online_placement: process: the capture process (SGLang's
     interpreter) takes the first --tp GPUs, the trainers one each after them (each side sees its own first), and
-    too few GPUs are refused at the launch, saying how many; the hf capture takes one. The link's data group is NCCL only where both torch builds
-    carry the same NCCL (else gloo, through host memory)."""
+    fewer GPUs than both sides need make them share the first ones (the states through host memory: NCCL makes no
+    communicator of two processes on one GPU), and fewer than either side needs are refused at the launch, saying
+    how many; the hf capture takes one. The link's data group is NCCL only where both torch builds carry the same
+    NCCL and the sides have GPUs of their own (else gloo, through host memory)."""
     from eagle3lib.engines.sglang import tp_size
     from eagle3lib.train import sources
     from eagle3lib.train.sources.capture_link import data_backend
@@ -603,8 +605,13 @@ def test_sglang_inprocess_online_in_a_capture_process_takes_its_tp_gpus_first_an
     # each side's own GPUs first, the other's after them (visible: NCCL reaches them peer to peer)
     assert placement.split_gpus(p) == ({"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, {"CUDA_VISIBLE_DEVICES": "6,7,4,5"})
     assert "on cuda:0..1, 2 trainer(s) on cuda:2..3" in placement.device_split(p)[0]
+    assert not placement.gpu_layout(p).shared
+    three = load_params(params, online_gpus | sglang | {"train.nproc_per_node": 3})  # 2 + 3 on 4 GPUs: shared
+    assert placement.split_gpus(three) == ({"CUDA_VISIBLE_DEVICES": "4,5,6,7"},) * 2
+    assert placement.gpu_layout(three).shared and placement.device_split(three)[1]
+    assert "trainer(s) on cuda:0..2, sharing them (states through host memory)" in placement.device_split(three)[0]
     with pytest.raises(TrainingError, match="5 GPUs, and 4 are visible"):
-        placement.split_gpus(load_params(params, online_gpus | sglang | {"train.nproc_per_node": 3}))
+        placement.split_gpus(load_params(params, online_gpus | sglang | {"train.nproc_per_node": 5}))
     hf = load_params(params, online_gpus | {"train.nproc_per_node": 3})
     assert type(sources.for_params(hf)) is CaptureProcess
     split = sources.for_params(hf).split_gpus(hf)
@@ -614,6 +621,15 @@ def test_sglang_inprocess_online_in_a_capture_process_takes_its_tp_gpus_first_an
     assert data_backend("cuda:1", {"nccl": "2.27.3"}, {"nccl": "2.27.3"}) == "nccl"
     assert data_backend("cuda", {"nccl": "2.27.3"}, {"nccl": "2.28.9"}) == "gloo"
     assert data_backend("cpu", {"nccl": None}, {"nccl": None}) == "gloo"
+    assert data_backend("cuda:0", {"nccl": "2.27.3"}, {"nccl": "2.27.3"}, through_host=True) == "gloo"
+    # one GPU (the H200 of issue 44's item 4): the hf capture process and one trainer share it, through the host
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    one = load_params(params, online_gpus)
+    assert sources.for_params(one).split_gpus(one) == ({"CUDA_VISIBLE_DEVICES": "3"},) * 2
+    assert sources.for_params(one).device_split(one) == (
+        "the capture process and 1 trainer(s) share cuda:0 (states through host memory)",
+        True,
+    )
 
 
 def test_keep_best_writes_the_best_evaluated_state_and_a_spoiling_fine_tune_keeps_its_start(tmp_path, small_target):

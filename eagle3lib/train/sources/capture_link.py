@@ -9,8 +9,9 @@ tensor-parallel ranks to own (docs/design.md §8, online mode).
     link.isend(t, dst, control=True); link.recv(t, src); link.barrier(); link.close()
 
 Two groups over the same store: `control` (gloo, small CPU tensors: headers and credits) and `data` (the batches'
-tensors): NCCL on GPUs when both sides' torch carries the same NCCL (the capture may run in an engine's interpreter,
-another torch build), gloo through host memory otherwise and on the CPU. Each side writes its versions to the store
+tensors): NCCL on GPUs of their own when both sides' torch carries the same NCCL (the capture may run in an engine's
+interpreter, another torch build), gloo through host memory otherwise (the capture and a trainer on one GPU among
+them) and on the CPU. Each side writes its versions to the store
 before either group is made, so both pick the same.
 
 What goes over it, per micro-batch n and trainer r (link rank r: the capture is 0, trainer t is t + 1; tensors of
@@ -44,6 +45,7 @@ from eagle3lib.train.batches import micro_batches, pack_val_rows
 from eagle3lib.train.sources.base import CAPTURE_SUMMARY
 
 LINK_ENV = "EAGLE3_CAPTURE_LINK"  # host:port of the link's store, and the link's size: "HOST:PORT:SIZE"
+THROUGH_HOST_ENV = "EAGLE3_CAPTURE_LINK_THROUGH_HOST"  # "1": the data group is gloo (the sides share a GPU)
 ROLE_ENV = "EAGLE3_CAPTURE_ROLE"  # "capture" in the capture process (rank 0 of the link); unset in the trainers
 CAPTURE = "capture"
 HOST = "127.0.0.1"  # one host: the capture process and the trainers are the launcher's children
@@ -64,9 +66,11 @@ def open_store() -> dist.TCPStore:
     return dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False, timeout=TIMEOUT)
 
 
-def link_env(store: dist.TCPStore, trainers: int) -> dict:
-    """The environment a process of the stage finds the link by (the capture adds ROLE_ENV)."""
-    return {LINK_ENV: f"{HOST}:{store.port}:{trainers + 1}"}
+def link_env(store: dist.TCPStore, trainers: int, through_host: bool = False) -> dict:
+    """The environment a process of the stage finds the link by (the capture adds ROLE_ENV); through_host: the
+    states go through host memory whatever NCCL says (the capture and a trainer on one GPU, where NCCL cannot
+    make a communicator)."""
+    return {LINK_ENV: f"{HOST}:{store.port}:{trainers + 1}", THROUGH_HOST_ENV: "1" if through_host else "0"}
 
 
 def is_capture() -> bool:
@@ -82,12 +86,12 @@ def versions() -> dict:
     return {"torch": torch.__version__, "nccl": nccl}
 
 
-def data_backend(device: str, capture: dict, trainer: dict) -> str:
-    """nccl when the states are on GPUs and both sides carry the same NCCL (one communicator needs one version),
-    else gloo (on a GPU host the states then go through host memory)."""
-    if str(device).startswith("cuda") and capture["nccl"] and capture["nccl"] == trainer["nccl"]:
-        return "nccl"
-    return "gloo"
+def data_backend(device: str, capture: dict, trainer: dict, through_host: bool = False) -> str:
+    """nccl when the states are on GPUs of their own and both sides carry the same NCCL (one communicator needs one
+    version), else gloo (on a GPU host the states then go through host memory)."""
+    if through_host or not str(device).startswith("cuda"):
+        return "gloo"
+    return "nccl" if capture["nccl"] and capture["nccl"] == trainer["nccl"] else "gloo"
 
 
 class Link:
@@ -97,7 +101,7 @@ class Link:
         self.rank, self.size = rank, size
         store.set(f"versions/{rank}", json.dumps(versions()))
         capture, trainer = (json.loads(store.get(f"versions/{r}")) for r in (0, 1))
-        self.backend = data_backend(device, capture, trainer)
+        self.backend = data_backend(device, capture, trainer, os.environ.get(THROUGH_HOST_ENV) == "1")
         self.data_device = torch.device("cpu")
         self.control = dist.ProcessGroupGloo(dist.PrefixStore("control/", store), rank, size, TIMEOUT)
         if self.backend == "nccl":

@@ -9,7 +9,8 @@ in this one).
 The launcher holds the link's store and starts the capture process and the trainers together, each under a guard:
 a kill -9 of the launcher ends them all, and when one fails the other is ended and the stage's error brings the
 capture's log (02_train/capture.log). On GPUs the capture takes the first (SGLang's --tp ones), each trainer one
-after them (CUDA_VISIBLE_DEVICES).
+after them (CUDA_VISIBLE_DEVICES); on a host with fewer GPUs the two share them, the states through host
+memory.
 
 Beyond one host: train.online_placement: ray (sources/ray_actors.py) puts the same producer in a Ray actor and
 the states in Ray's object store.
@@ -21,6 +22,7 @@ import os
 import subprocess
 import sys
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -66,8 +68,9 @@ class CaptureProcess(OnlinePlacement):
         fails the other is ended); the link's store is held here. Returns the first trainer's summary."""
         p, n = run.p, run.p.train.nproc_per_node
         store = open_store()
-        common = link_env(store, n) | {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # as torchrun's
         capture_gpus, trainer_gpus = self.split_gpus(p)
+        through_host = p.target.device.startswith("cuda") and self.gpu_layout(p).shared
+        common = link_env(store, n, through_host) | {"OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
         trainers = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}"]
         trainers = [*(trainers if n > 1 else [sys.executable]), "-m", TRAIN_ENTRY, *run.command_args()]
         # the capture's log is written as it comes (a large target's load is followed there)
@@ -99,22 +102,32 @@ class CaptureProcess(OnlinePlacement):
         """GPUs the capture process takes (the first ones; the trainers take the next)."""
         return 1
 
-    def split_gpus(self, p) -> tuple[dict, dict]:
-        """(CUDA_VISIBLE_DEVICES of the capture process, of the trainers), {} each on the CPU: each side's own GPUs
-        first (the capture's cuda:0.., trainer t's cuda:t), the other side's after them, visible so that NCCL can
-        reach them peer to peer."""
-        if not p.target.device.startswith("cuda"):
-            return {}, {}
+    def gpu_layout(self, p) -> GpuLayout:
+        """Where the two sides run on this host's visible GPUs: each its own where there are enough (the capture's k
+        first, one per trainer after them); where there are fewer, the capture on the first k and trainer t on the
+        t-th, sharing them, and the states through host memory (NCCL makes no communicator of two processes on one
+        GPU). Fewer GPUs than either side needs is refused."""
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         gpus = visible.split(",") if visible else [str(i) for i in range(torch.cuda.device_count())]
         k, n = self.capture_gpus(p), p.train.nproc_per_node
-        if len(gpus) < k + n:
+        if len(gpus) < max(k, n):
             raise TrainingError(
-                f"train.online_placement: {self.name} gives the capture {k} GPU(s) and each of the {n} trainer(s) "
-                f"one of its own: {k + n} GPUs, and {len(gpus)} are visible; lower train.nproc_per_node, or set "
-                "train.online_placement: thread (the capture and the trainer then share a GPU)"
+                f"train.online_placement: {self.name} puts the capture on {k} GPU(s) and each of the {n} trainer(s) "
+                f"on one, shared with the capture at most: {max(k, n)} GPUs, and {len(gpus)} are visible; lower "
+                "train.nproc_per_node (or SGLang's --tp), or make more GPUs visible"
             )
-        capture, trainers = gpus[:k], gpus[k : k + n]
+        return GpuLayout(gpus, k, n, shared=len(gpus) < k + n)
+
+    def split_gpus(self, p) -> tuple[dict, dict]:
+        """(CUDA_VISIBLE_DEVICES of the capture process, of the trainers), {} each on the CPU: each side's own GPUs
+        first (the capture's cuda:0.., trainer t's cuda:t), the other side's after them, visible so that NCCL can
+        reach them peer to peer; on shared GPUs both see them in one order."""
+        if not p.target.device.startswith("cuda"):
+            return {}, {}
+        layout = self.gpu_layout(p)
+        if layout.shared:
+            return ({"CUDA_VISIBLE_DEVICES": ",".join(layout.gpus)},) * 2
+        capture, trainers = layout.gpus[: layout.k], layout.gpus[layout.k : layout.k + layout.n]
         return {"CUDA_VISIBLE_DEVICES": ",".join(capture + trainers)}, {
             "CUDA_VISIBLE_DEVICES": ",".join(trainers + capture)
         }
@@ -143,9 +156,28 @@ class CaptureProcess(OnlinePlacement):
 
     def device_split(self, p) -> tuple[str, bool]:
         trainers = p.train.nproc_per_node
-        if p.target.device.startswith("cuda"):
-            return f"the capture process on cuda:0, {trainers} trainer(s) on cuda:1..{trainers} (NCCL)", False
-        return f"the capture process and {trainers} trainer(s) share this CPU's cores (gloo)", True
+        if not p.target.device.startswith("cuda"):
+            return f"the capture process and {trainers} trainer(s) share this CPU's cores (gloo)", True
+        if self.shares_gpus(p):
+            return f"the capture process and {trainers} trainer(s) share cuda:0 (states through host memory)", True
+        return f"the capture process on cuda:0, {trainers} trainer(s) on cuda:1..{trainers} (NCCL)", False
+
+    def shares_gpus(self, p) -> bool:
+        """For the plan: whether the two sides share GPUs here (a host whose GPUs are not visible yet: own ones)."""
+        try:
+            return self.gpu_layout(p).shared
+        except TrainingError:
+            return False
+
+
+@dataclass(frozen=True)
+class GpuLayout:
+    """The visible GPUs, the capture's count k, the trainers' n, and whether they share the first ones."""
+
+    gpus: list[str]
+    k: int
+    n: int
+    shared: bool
 
 
 def _without_torchrun(env: dict) -> dict:
@@ -180,6 +212,12 @@ class InEngineProcess(CaptureProcess):
 
     def device_split(self, p) -> tuple[str, bool]:
         k, n = self.capture_gpus(p), p.train.nproc_per_node
+        if self.shares_gpus(p):
+            return (
+                f"SGLang's model runner in a capture process (SGLang's interpreter) on cuda:0..{k - 1}, {n} trainer(s) "
+                f"on cuda:0..{n - 1}, sharing them (states through host memory)",
+                True,
+            )
         return (
             f"SGLang's model runner in a capture process (SGLang's interpreter) on cuda:0..{k - 1}, {n} trainer(s) "
             f"on cuda:{k}..{k + n - 1} (NCCL, or gloo through host memory when the two torch builds' NCCL differ)",
