@@ -8,7 +8,7 @@ The token budget: hf runs fixed batches and checks it before each wave of a batc
 engines run the conversations in order, batch_size in flight, and check it before starting
 a conversation (see _in_window). Conversations not started keep their original responses.
 
-The time limit (data.regenerate.max_minutes): after the first batch (hf), or from half the minutes (engines), the
+The time limit (data.regenerate.max_minutes): after the first batch (hf) or window of conversations (engines) the
 token budget is cut to what the measured tokens/s fits in the minutes, less the conversations still in flight when
 it runs out (see sizing.TokenBudget). The cut is decided once and recorded in every later line, so a resume keeps it and the
 replies stay a rule of the budget, not of timing.
@@ -267,8 +267,9 @@ def _in_window(job: _Job, engine, window: int):
         if j in running:
             record = running.pop(j).result()
             settled.append(record["generated_tokens"])
-            # the cut, once, from the next start on (it follows settle(i - window))
-            job.budget.observe(j + window, time.perf_counter() - t0, replied[0], settled, window)
+            if job.budget.pending and len(settled) == window:  # less one window of conversations in flight
+                # from the next start on (it follows settle(i - window)); the tail: one window's conversations
+                job.budget.decide(j + window, replied[0], time.perf_counter() - t0, window, sum(settled))
             job.write([record], index=j)
             this_run += record["generated_tokens"]
         spent += done[conversations[j]["id"]]["generated_tokens"]

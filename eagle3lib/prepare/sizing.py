@@ -1,5 +1,5 @@
 """The regeneration sized to its minutes here (data.regenerate.max_minutes; issue 43): the token budget cut to what
-the rate measured over this run's first batch (hf) or its conversations back by half the minutes (engines) fits, decided once and recorded in the
+the rate measured over this run's first batch or window of conversations fits, decided once and recorded in the
 regenerated file so that a resume keeps it (prepare/regenerate.py writes and reads it)."""
 
 from __future__ import annotations
@@ -10,8 +10,7 @@ from dataclasses import dataclass
 @dataclass
 class TokenBudget:
     """The budget each conversation (engines) or batch (hf) is started against: `asked` (data.regenerate.budget_tokens)
-    and, with max_minutes, from the index after the decision on (the first batch, or the conversation back at half
-    the minutes), the budget the measured rate fits.
+    and, with max_minutes, from the index after the first window or batch of this run on, the budget its rate fits.
 
     decide() runs once: at r tokens/s, the budget is r * seconds less the tokens of one window or batch, the tail
     still in flight when it runs out (they start only while under it, and finish after). The budget and the index
@@ -24,7 +23,6 @@ class TokenBudget:
     from_index: int | None = None  # the first conversation (engines) or batch (hf) started against `sized`
     tokens_per_s: float | None = None
     probe: dict | None = None
-    ramp: tuple[float, int] | None = None  # engines: (seconds, tokens replied) when the first window was back
 
     @classmethod
     def from_records(cls, asked: int, max_minutes: float | None, records) -> TokenBudget:
@@ -42,25 +40,8 @@ class TokenBudget:
         """The budget conversation or batch `index` starts against."""
         return self.asked if self.sized is None or index < self.from_index else self.sized
 
-    def observe(self, from_index: int, seconds: float, replied: int, settled: list[int], window: int) -> None:
-        """Engines, at each conversation back while the cut is pending (seconds since the start, tokens of every
-        reply back, each settled conversation's tokens). Until the first window is back every conversation started
-        at once and a reply counts only when it is whole, so the rate from the start is low (85.5 against 112.5
-        tokens/s over a whole 2-minute run on 2 cores): the cut is decided at the first conversation back from half
-        the minutes on, at the rate between the first window's return and now (from the start if that was after
-        half the minutes), less one window in flight; it applies from `from_index` on."""
-        if not self.pending or len(settled) < window:
-            return
-        if self.ramp is None:
-            self.ramp = (seconds, replied)
-        if seconds < self.max_minutes * 30:
-            return
-        since_s, since_tokens = self.ramp if seconds > self.ramp[0] else (0.0, 0)
-        self.decide(from_index, replied - since_tokens, seconds - since_s, len(settled), sum(settled[-window:]))
-        self.probe["after_s"] = round(since_s, 2)
-
     def decide(self, from_index: int, tokens: int, seconds: float, conversations: int, tail_tokens: float) -> None:
-        """The cut, from `tokens` generated in `seconds` with `conversations` of this run back, tail_tokens what one
+        """The cut, from this run's first `conversations`: `tokens` generated in `seconds`, tail_tokens what one
         window or batch of them generated; it applies from `from_index` on."""
         self.tokens_per_s = tokens / max(seconds, 1e-9)
         fits = self.tokens_per_s * self.max_minutes * 60 - tail_tokens
@@ -84,14 +65,11 @@ class TokenBudget:
         """The console's and the report's line: what the regeneration was sized to, and why."""
         asked, minutes = f"{self.asked:,}", f"{self.max_minutes:g} min (data.regenerate.max_minutes)"
         if self.sized is None:
-            return f"regeneration not sized: it ended before the rate was measured ({asked} tokens asked)"
+            return f"regeneration not sized: it ended before its first window of conversations ({asked} tokens asked)"
         if self.tokens_per_s is None:
             return f"regeneration budget {self.sized:,} of {asked} tokens, as sized by the run it resumed"
-        after = self.probe.get("after_s")
-        when = f"from {after:g} s" if after else "from the start"
         rate = (
-            f"{self.tokens_per_s:,.1f} tokens/s over {self.probe['seconds']:g} s {when} "
-            f"({self.probe['conversations']} conversations back), {minutes}"
+            f"{self.tokens_per_s:,.1f} tokens/s over the first {self.probe['conversations']} conversations, {minutes}"
         )
         if self.sized < self.asked:
             return f"regeneration sized to {self.sized:,} of {asked} tokens: {rate}"

@@ -520,8 +520,8 @@ def test_the_regeneration_budget_cut_to_its_minutes():
     assert budget.at(31) == 20_000 and budget.at(32) == budget.at(300) == 8_500
     assert budget.record() == {"sized_budget": {"tokens": 8_500, "from": 32}}
     assert budget.as_dict()["text"] == (
-        "regeneration sized to 8,500 of 20,000 tokens: 60.0 tokens/s over 50 s from the start (32 conversations "
-        "back), 3 min (data.regenerate.max_minutes)"
+        "regeneration sized to 8,500 of 20,000 tokens: 60.0 tokens/s over the first 32 conversations, "
+        "3 min (data.regenerate.max_minutes)"
     )
     resumed = TokenBudget.from_records(20_000, 3.0, [{"id": "a"}, {"id": "b", **budget.record()}])
     assert (resumed.at(31), resumed.at(32), resumed.pending) == (20_000, 8_500, False)
@@ -531,31 +531,6 @@ def test_the_regeneration_budget_cut_to_its_minutes():
     assert fast.sized == 20_000 and fast.text().startswith("regeneration not cut: all 20,000 tokens fit")
     unlimited = TokenBudget.from_records(20_000, None, [{"sized_budget": {"tokens": 5, "from": 0}}])
     assert not unlimited.pending and unlimited.at(99) == 20_000 and unlimited.as_dict() is None
-
-
-def test_an_engine_regeneration_is_sized_at_half_its_minutes_by_the_rate_after_its_first_window():
-    """Engines: the first window's rate is low (every conversation starts at once; a reply counts when it is whole),
-    so the cut waits for half the minutes and takes the rate since the first window came back, less the last window
-    in flight; a first window back after half the minutes decides at once, at the rate from the start."""
-    budget, window = TokenBudget(40_000, 2.0), 4
-    budget.observe(4, seconds=30.0, replied=1_000, settled=[250] * 3, window=window)
-    assert budget.pending and budget.ramp is None  # the first window is not back yet
-    budget.observe(5, seconds=40.0, replied=3_500, settled=[250] * 3 + [400], window=window)
-    assert budget.pending and budget.ramp == (40.0, 3_500)  # back before half of 120 s: measured from here
-    budget.observe(9, seconds=70.0, replied=9_500, settled=[250] * 3 + [400] * 5, window=window)
-    assert budget.tokens_per_s == (9_500 - 3_500) / 30 and budget.from_index == 9
-    assert budget.sized == 200 * 120 - 4 * 400 and budget.probe == {
-        "conversations": 8,
-        "tokens": 6_000,
-        "seconds": 30.0,
-        "after_s": 40.0,
-    }
-    assert "200.0 tokens/s over 30 s from 40 s (8 conversations back)" in budget.text()
-    budget.observe(10, seconds=80.0, replied=99_999, settled=[1] * 9, window=window)
-    assert budget.sized == 22_400  # decided once
-    late = TokenBudget(40_000, 2.0)
-    late.observe(4, seconds=90.0, replied=9_000, settled=[2_000] * 4, window=window)
-    assert late.tokens_per_s == 100.0 and late.sized == 100 * 120 - 8_000 and "from the start" in late.text()
 
 
 class SlowServer(GreedyServer):
