@@ -445,11 +445,12 @@ class GreedyServer:
     test_engines.py (vLLM CPU: the same records as hf)."""
 
     def __init__(self, model):
-        self.model, self.lock, self.requests = model, threading.Lock(), 0
+        self.model, self.lock, self.requests, self.prompts = model, threading.Lock(), 0, set()
 
     def generate(self, prompt_ids, max_tokens, ignore_eos=True, stop_token_ids=None):
         with self.lock, torch.no_grad():
             self.requests += 1
+            self.prompts.add(tuple(prompt_ids))
             out = self.model.generate(
                 torch.tensor([prompt_ids]),
                 max_new_tokens=max_tokens,
@@ -500,14 +501,52 @@ def test_engine_regeneration_window_budget_and_resume(tmp_path, embedded_target)
     )
     assert stats["budget_exhausted"] and stats["tokens_generated"] == sum(spent[:3])
 
-    # torn after one line and a half: the rerun writes the same file, asking only for what is missing
+    # torn after one line and a half: the rerun writes the same file, asking only for what is missing (conversation
+    # 3 may start on a free slot before conversation 1 is back, and is dropped unwritten once the rule refuses it)
     b = tmp_path / "b.jsonl"
     text = a.read_text()
     b.write_text(text[: len(text.splitlines(keepends=True)[0]) + 30])
     server = GreedyServer(model)
     again = R.regenerate_responses(model, tok, REGEN_CONVS, b, budget_tokens=budget, engine=server, **kw)
     assert b.read_text() == text and again["tokens_generated_this_run"] == sum(spent[1:3])
-    assert server.requests == sum(json.loads(line)["turns_regenerated"] for line in text.splitlines()[1:])
+    first = GreedyServer(model)
+    R.regenerate_responses(model, tok, REGEN_CONVS[:1], tmp_path / "0.jsonl", budget_tokens=budget, engine=first, **kw)
+    assert first.prompts and server.prompts.isdisjoint(first.prompts)  # the written conversation is not asked again
+    assert server.requests >= sum(json.loads(line)["turns_regenerated"] for line in text.splitlines()[1:])
+
+
+def test_an_engine_regeneration_fills_a_slot_freed_behind_a_long_conversation(tmp_path, embedded_target):
+    """Engines: a conversation starts as soon as a slot is free, not once the conversation a window before it has
+    finished (a long one held the other slot idle: 60 of 256 in flight on average over ShareGPT); the records are
+    still written in input order, the same as one at a time."""
+    model, tok = embedded_target
+    long = {"id": "long", "messages": [{**m, "content": "Zebra. " + m["content"]} for m in REGEN_CONVS[0]["messages"]]}
+    convs = [long] + [{**c, "id": f"{c['id']}-{i}"} for i, c in enumerate(REGEN_CONVS[1:] * 2)]
+    events, lock = [], threading.Lock()
+
+    class Timed(GreedyServer):  # the long conversation's two turns take 2 s each, the others' none added
+        def generate(self, prompt_ids, max_tokens, ignore_eos=True, stop_token_ids=None):
+            kind = "long" if "Zebra" in tok.decode(prompt_ids) else "short"
+            with lock:
+                events.append(("start", kind))
+            time.sleep(2.0 if kind == "long" else 0.0)
+            out = super().generate(prompt_ids, max_tokens, ignore_eos, stop_token_ids)
+            with lock:
+                events.append(("end", kind))
+            return out
+
+    kw = dict(max_new_tokens=8, batch_size=2, progress=False, backend="engine:test", budget_tokens=10_000)
+    R.regenerate_responses(model, tok, convs, tmp_path / "a.jsonl", engine=Timed(model), **kw)
+    ids = [json.loads(line)["id"] for line in (tmp_path / "a.jsonl").read_text().splitlines()]
+    assert ids == [c["id"] for c in convs]
+    long_done = max(i for i, e in enumerate(events) if e == ("end", "long"))
+    shorts_meanwhile = sum(e == ("start", "short") for e in events[:long_done])
+    # in-order starts run conversation 1 alone beside it (1 request) and conversation 2 only after it
+    assert shorts_meanwhile >= 2
+    R.regenerate_responses(
+        model, tok, convs, tmp_path / "b.jsonl", engine=GreedyServer(model), **kw | {"batch_size": 1}
+    )
+    assert R.read_regenerated(tmp_path / "b.jsonl") == R.read_regenerated(tmp_path / "a.jsonl")
 
 
 def test_the_regeneration_budget_cut_to_its_minutes():
