@@ -94,6 +94,9 @@ def _vllm_config(draft, target, depth):
         max_model_len=512,
         enforce_eager=True,
         speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": depth},
+        # MLA on a CPU with AMX would get AMX_MLA, which packs its weights for bf16 only and refuses fp32 ("expect
+        # weight to be bfloat16, ..."); vLLM's reference CPU MLA takes fp32. Other attention ignores it.
+        attention_backend="CPU_MLA",
     )
     vllm_config = args.create_engine_config()
     return vllm_config, vllm_config.speculative_config.draft_model_config

@@ -36,13 +36,26 @@ def say(obj):
     sys.stdout.flush()
 
 
+def fp32_mla_flags(target, dtype):
+    """An MLA target (DeepSeek-V3's shape) in float32: vLLM's CPU build picks AMX_MLA on a CPU with AMX, which packs
+    its weights for bf16 only and refuses fp32 at load ("expect weight to be bfloat16, ..."); its reference CPU MLA
+    backend takes fp32."""
+    if dtype != "float32":
+        return []
+    with open(os.path.join(target, "config.json")) as f:
+        config = json.load(f)
+    return ["--attention-backend", "CPU_MLA"] if "kv_lora_rank" in config.get("text_config", config) else []
+
+
 def engine_kwargs(target, dtype, flags):
     """vllm.LLM keyword arguments from vLLM's own CLI parser (the flags `vllm serve` takes)."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     parser = EngineArgs.add_cli_args(FlexibleArgumentParser())
-    ns = parser.parse_args(["--model", target] + (["--dtype", dtype] if dtype else []) + list(flags))
+    ns = parser.parse_args(
+        ["--model", target] + (["--dtype", dtype] if dtype else []) + fp32_mla_flags(target, dtype) + list(flags)
+    )
     args = EngineArgs.from_cli_args(ns)
     defaults = EngineArgs(model=target)
     # Only what the flags changed: LLM() fills the rest with its own defaults.
