@@ -9,6 +9,8 @@
 #                ../shared/fixtures/kimi-k2.5 and the run's SGLang export into the git-ignored outputs/k18gpu)
 #   the H200:    bash benchmarks/h200/kimi_tiny_sglang.sh     carry outputs/k18gpu benchmarks/h200/.cache/.gpu/sglang-bundle
 #   afterwards:  rm -rf outputs/k18gpu
+#   DTYPE=float32: target and drafter in fp32, where bf16's decode and verify kernels no longer round near-ties apart
+#   (the losslessness check; in bf16 4 of 5 replies parted at near-ties of the random weights)
 set -uo pipefail
 G=outputs/k18gpu; B=benchmarks/h200/.cache/.gpu/sglang-bundle
 if [ "${1:-}" = prep ]; then
@@ -37,7 +39,7 @@ T=$(python3 -c "from eagle3lib.target import tiny; print(tiny.build('$G/kimi', '
 echo "tiny target: $T"; sha256sum "$T"/*.safetensors  # the same weights as the CPU's copy the drafter trained on?
 [ -f $G/target.sha256 ] && echo "the CPU's copy: $(cat $G/target.sha256)"
 python3 -c "import json;c=json.load(open('$T/config.json'));print({k:c[k] for k in ('architectures','hidden_size','num_hidden_layers','kv_lora_rank','qk_rope_head_dim','n_routed_experts','vocab_size')})"
-COMMON="--model-path $T --host 127.0.0.1 --port 30000 --attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.3 --context-length 2048 --disable-cuda-graph --skip-tokenizer-init --dtype bfloat16"
+COMMON="--model-path $T --host 127.0.0.1 --port 30000 --attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.3 --context-length 2048 --disable-cuda-graph --skip-tokenizer-init --dtype ${DTYPE:-bfloat16}"
 for mode in base spec; do
   ARGS="$COMMON"; [ $mode = spec ] && ARGS="$ARGS --speculative-algorithm EAGLE3 --speculative-draft-model-path $G/draft --speculative-num-steps 3 --speculative-eagle-topk 1 --speculative-num-draft-tokens 4"
   t0=$(date +%s); python3 -m sglang.launch_server $ARGS > $OUT/sglang-$mode.log 2>&1 & PID=$!

