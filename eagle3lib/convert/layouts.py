@@ -44,6 +44,7 @@ from eagle3lib.target import (
     make_contract,
     resolve_target,
     target_fingerprint,
+    text_config,
 )
 
 ENGINES = ("sglang", "vllm", "speculators")
@@ -71,6 +72,19 @@ REQUIRED = {
         "q_lora_rank": f"SGLang {SGLANG_VERSION}'s Eagle3MLADecoderLayer refuses an MLA layer without compressed "
         "queries ('Eagle3 MLA layer requires q_lora_rank in the draft config'); vLLM serves it",
     },
+}
+
+# What an engine's model of a draft layer kind needs of the target: {(engine, kind name): (test of the target's
+# language-model config, why)}.
+TARGET_REQUIRED = {
+    ("vllm", "mla"): (
+        lambda target_config: bool(getattr(target_config, "kv_lora_rank", None)),
+        "vLLM 0.32 serves an MLA draft layer only beside an MLA target: its MLA attention metadata takes the head size "
+        "from the target's config (MLACommonMetadataBuilder.build: model_config.get_head_size()), and MLA supports "
+        "320, 512 or 576 only, an MLA target's latent width; over this target every request fails ('Head dimension "
+        "64 is not supported by MLA' for SmolLM2). SGLang serves it (engine.name: sglang), or train the GQA layer "
+        "(train.draft_attention: gqa)",
+    ),
 }
 
 
@@ -171,7 +185,7 @@ def export(checkpoint_dir, engine: str, out_dir, target=None, cache_dir=None, de
     if engine not in ENGINES:
         raise ValueError(f"Expected engine one of {ENGINES}, found {engine!r}.")
     config, tensors, contract = read_checkpoint(checkpoint_dir, target, cache_dir)
-    refusal = export_refusal(engine, layer_kind(config), config)
+    refusal = export_refusal(engine, layer_kind(config), config, _target_text_config(target, cache_dir))
     if refusal:
         raise ValueError(f"Refusing to export {checkpoint_dir} for {engine}: {refusal}.")
     return _write_folder(out_dir, *engine_layout(engine, config, tensors, contract, depth), contract)
@@ -246,8 +260,16 @@ def engine_layout(engine: str, config: dict, tensors: dict, contract: dict, dept
     return cfg, out
 
 
-def export_refusal(engine: str, kind: LayerKind, config: dict) -> str | None:
-    """Why `engine`'s layout cannot serve a drafter of this kind and config as trained, or None."""
+def _target_text_config(target, cache_dir=None):
+    """The language model's config of `target` (name, folder or hub id), or None when no target is given."""
+    if target is None:
+        return None
+    return text_config(load_config(resolve_target(str(target), Path(cache_dir or default_cache_dir()))))
+
+
+def export_refusal(engine: str, kind: LayerKind, config: dict, target_config=None) -> str | None:
+    """Why `engine`'s layout cannot serve a drafter of this kind and config as trained, or None. With the
+    target's language-model config, also what the engine needs of the target (TARGET_REQUIRED)."""
     if engine == "speculators" and kind.speculators_refusal:
         return f"its draft layer is {kind.name.upper()}, and {kind.speculators_refusal}"
     for flag, why in UNSERVED.get((engine, kind.name), {}).items():
@@ -260,14 +282,19 @@ def export_refusal(engine: str, kind: LayerKind, config: dict) -> str | None:
     for key, why in REQUIRED.get((engine, kind.name), {}).items():
         if not config.get(key):
             return f"its config has no {key}: {why}"
+    serves, why = TARGET_REQUIRED.get((engine, kind.name), (None, None))
+    if serves is not None and target_config is not None and not serves(target_config):
+        return f"its draft layer is {kind.name.upper()} and the target's attention is not: {why}"
     return None
 
 
-def exportable_engines(checkpoint_dir) -> dict[str, str | None]:
-    """{engine: None, or why its layout cannot serve this checkpoint}, for every engine of ENGINES."""
+def exportable_engines(checkpoint_dir, target=None, cache_dir=None) -> dict[str, str | None]:
+    """{engine: None, or why its layout cannot serve this checkpoint}, for every engine of ENGINES (with `target`,
+    also over that target)."""
     config = _layer_config(checkpoint_dir)
     kind = layer_kind(config)
-    return {engine: export_refusal(engine, kind, config) for engine in ENGINES}
+    target_config = _target_text_config(target, cache_dir)
+    return {engine: export_refusal(engine, kind, config, target_config) for engine in ENGINES}
 
 
 def _layer_config(checkpoint_dir) -> dict:

@@ -19,8 +19,17 @@ GATE = {
 
 
 def export_all(p, checkpoint: Path, out: Path) -> dict[str, Path]:
-    """The canonical drafter (02_train's drafter/) in each engine's layout that can serve it, out/<layout>/ (an MLA
-    drafter has no speculators layout: layouts.exportable_engines says why, and gate() reports it not checked)."""
+    """The canonical drafter (02_train's drafter/) in each engine's layout that can serve it over the run's target,
+    out/<layout>/ (an MLA drafter has no speculators layout: layouts.exportable_engines says why, and gate() reports
+    it not checked). Raises, before writing any, when the run's own engine cannot serve it; the drafter stays."""
+    refusals = layouts.exportable_engines(checkpoint, target=p.target.name, cache_dir=cache_dir(p))
+    if refusals[p.engine.name]:
+        raise ValueError(
+            f"The run serves with engine.name: {p.engine.name}, which cannot serve this drafter: "
+            f"{refusals[p.engine.name]}. The trained drafter is kept in {checkpoint}; change the params and run "
+            "again: a finished stage whose sections did not change is kept (02_train reads engine only to train "
+            "online beside SGLang)."
+        )
     return {
         engine: layouts.export(
             checkpoint,
@@ -30,7 +39,7 @@ def export_all(p, checkpoint: Path, out: Path) -> dict[str, Path]:
             cache_dir=cache_dir(p),
             depth=max(p.bench.depths),
         )
-        for engine, refusal in layouts.exportable_engines(checkpoint).items()
+        for engine, refusal in refusals.items()
         if refusal is None
     }
 
@@ -79,10 +88,11 @@ def refuse_failed(reports: dict) -> None:
 
 
 def launch_commands(target_dir, exports: dict, depths) -> dict[str, str]:
-    """{"<engine> depth <d>": the server command line} for both engines at each benchmark depth."""
+    """{"<engine> depth <d>": the server command line} for each engine with an export, at each benchmark depth."""
     return {
         f"{engine} depth {d}": " ".join(engines.launch_command(engine, target_dir, exports[engine], d))
         for engine in ("sglang", "vllm")
+        if engine in exports
         for d in depths
     }
 

@@ -226,6 +226,50 @@ def test_engine_refusals_of_mla_configs(canonical, tmp_path):
     assert "residual" in ex.export_refusal("sglang", MLA, {**config, "norm_before_residual": True})
 
 
+@pytest.fixture(scope="module")
+def llama_target(tmp_path_factory) -> Path:
+    """A Llama-shaped target's folder (config.json only: grouped-query attention, no latent)."""
+    folder = tmp_path_factory.mktemp("llama-target")
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": H,
+        "intermediate_size": INTER,
+        "num_hidden_layers": TARGET_LAYERS,
+        "num_attention_heads": HEADS,
+        "num_key_value_heads": 2,
+        "vocab_size": VOCAB,
+        "torch_dtype": "float32",
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_vllm_is_refused_an_mla_draft_over_a_target_without_mla(canonical, target, llama_target, tmp_path):
+    # vLLM 0.32's MLA metadata takes its head size from the target's config: over a GQA target every request fails
+    over_llama = ex.exportable_engines(canonical, target=str(llama_target))
+    assert over_llama["sglang"] is None
+    assert "target's attention is not" in over_llama["vllm"] and "engine.name: sglang" in over_llama["vllm"]
+    assert ex.exportable_engines(canonical, target=str(target))["vllm"] is None  # a DeepSeek-V3 target: served
+    assert ex.exportable_engines(canonical)["vllm"] is None  # no target given: nothing to judge it by
+
+
+def test_convert_stops_before_exporting_when_the_runs_engine_cannot_serve(canonical, llama_target, tmp_path):
+    from types import SimpleNamespace
+
+    from eagle3lib.convert import steps
+
+    p = SimpleNamespace(
+        target=SimpleNamespace(name=str(llama_target)),
+        engine=SimpleNamespace(name="vllm"),
+        run=SimpleNamespace(cache_dir=str(tmp_path / "cache")),
+        bench=SimpleNamespace(depths=[3]),
+    )
+    with pytest.raises(ValueError, match=r"engine.name: vllm, which cannot serve this drafter.*kept in"):
+        steps.export_all(p, canonical, tmp_path / "out")
+    assert not (tmp_path / "out").exists() and (canonical / "model.safetensors").is_file()
+
+
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])
 def test_round_trip_is_bit_identical(canonical, exports, engine, tmp_path):
     assert formats.detect_layout(exports[engine]) == {"sglang": "specforge", "vllm": "canonical"}[engine]
