@@ -249,6 +249,18 @@ class TrainParams(Section):
         "vocabulary (soft cross-entropy, EAGLE-3's), or its top token alone (cross-entropy on a one-hot); the "
         "validation loss is the soft one either way",
     )
+    loss_positions: Literal["assistant", "all"] = Field(
+        "assistant",
+        description="the positions training fits: those predicting an assistant token (what is served; EAGLE-3's), "
+        "or every token of the conversation (the target's distribution is a label there too: more positions from "
+        "the same states); the validation counts the assistant's either way",
+    )
+    aux_noise: float = Field(
+        0.0,
+        ge=0,
+        description="training only: Gaussian noise on the target's aux states, its std this fraction of each "
+        "state's RMS per token (a regularizer where data is scarce; EAGLE-1 trained with noise on its features)",
+    )
     checkpoint_every: int = Field(500, gt=0)
     prefetch_shards: int = Field(
         2,

@@ -172,6 +172,9 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
       ttt3) X=(--set train.ttt_steps=3) ;; seq2048) X=(--set train.max_seq_len=2048) ;; lr2e-3) X=(--set train.lr=2e-3) ;;
       vocab32k) X=(--set train.draft_vocab_size=32000) ;; decay1) X=(--set train.step_weight_decay=1.0) ;;
       top1) X=(--set train.loss_target=top_token) ;;
+      # regularizers for scarce data (issue 40): the loss on every token, noise on the aux states, weight decay
+      allpos) X=(--set train.loss_positions=all) ;; noise1) X=(--set train.aux_noise=0.1) ;;
+      noise3) X=(--set train.aux_noise=0.3) ;; wd1) X=(--set train.weight_decay=0.1) ;;
       best3) X=(--set train.keep_best_at=3) ;;  # the evaluated state with the best est. AL@3, not the last
       # issue 40 item 3, equal GPU time: ours given the H200 seconds speculators' 4 epochs take alone (201.2 s, the
       # pilot), less its own fixed part alone (notebook, load, evaluations: 76.5 of 181.6 s in the second run), at

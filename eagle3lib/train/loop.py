@@ -110,7 +110,7 @@ class Loop:
             compile_decoder_layer(self.drafter)
         tp = train_params
         self.opt = make_optimizer(self.drafter, tp.optimizer, tp.lr, tp.weight_decay, device)
-        self.step = TrainStep(setup, self.opt, tp, device, self.rank, self.world)
+        self.step = TrainStep(setup, self.opt, tp, device, self.rank, self.world, seed)
         rows_per_step = tp.batch_rows * tp.grad_accum * self.world
         self.total_steps = max(1, math.ceil(tp.max_tokens / (rows_per_step * tp.max_seq_len)))
         self.ckpt_root = setup.out_dir / CHECKPOINTS

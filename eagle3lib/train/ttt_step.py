@@ -3,7 +3,8 @@
 Per packed row and TTT step k, position t predicts the token after t+1+k: its target is the target model's
 distribution there (lm_head(final_hidden[t+1+k]) restricted to the draft vocabulary), its input the ground-truth
 token t+1+k and the drafter's own hidden state from step k-1. Loss: soft cross-entropy, step k weighted
-step_weight_decay**k, over positions whose predicted token is an assistant token of the same document.
+step_weight_decay**k, over positions whose predicted token is an assistant token of the same document (or any
+token of it: train.loss_positions), the aux states optionally with noise (train.aux_noise).
 
 Data parallel: every rank is given a step's whole group of micro-batches and computes every world-th; the loss is
 normalized by the group's count of valid positions, so the gradients summed over ranks are those of one process.
@@ -46,6 +47,23 @@ def valid_positions(batch: dict, k: int) -> torch.Tensor:
     return shift_left(label_ok, 1 + k, fill=False) & (shift_left(docs, 1 + k, fill=-2) == docs)
 
 
+def every_token(batch: dict) -> dict:
+    """The batch with every token of its documents in the loss mask (train.loss_positions: all)."""
+    return {**batch, "loss_mask": (batch["doc_ids"] >= 0).to(batch["loss_mask"].dtype)}
+
+
+# train.loss_positions: which positions a training batch fits (the validation keeps the assistant's)
+LOSS_POSITIONS = {"assistant": lambda batch: batch, "all": every_token}
+
+
+def with_aux_noise(aux: torch.Tensor, hidden_size: int, scale: float, generator: torch.Generator) -> torch.Tensor:
+    """aux [.., n·H] plus Gaussian noise whose std is `scale` times each of its n states' RMS at that token."""
+    parts = aux.unflatten(-1, (-1, hidden_size))
+    rms = parts.float().pow(2).mean(-1, keepdim=True).sqrt()
+    noise = torch.randn(parts.shape, generator=generator, device=aux.device)
+    return (parts.float() + noise * (scale * rms)).to(aux.dtype).flatten(-2)
+
+
 def with_host_layout(batch: dict, steps: int) -> dict:
     """The batch with what the step would otherwise read back from the GPU, made from its host copy before it
     moves: the rows' layout for the attention kernels (row_layout) and each TTT step's valid rows for the loss."""
@@ -65,6 +83,7 @@ def ttt_loss_sums(
     attention: str = "auto",
     only_valid_rows: bool = True,
     loss_target=target_probs,
+    aux_noise: tuple[float, torch.Generator] | None = None,
 ):
     """Run the TTT chain on a batch. Returns, per step: Σ over valid positions of the soft CE
     against the target's distribution on the draft vocab, the valid counts, and (with_metrics)
@@ -73,10 +92,13 @@ def ttt_loss_sums(
     only_valid_rows: the lm_head scores only each step's valid positions (linear_soft_ce's only_valid;
     False scores every position, the same loss for more work: an ablation).
     loss_target: the target's side of the loss (loss.LOSS_TARGETS: its distribution, or its top token one-hot).
+    aux_noise: (scale, generator): the drafter reads the aux states with noise (with_aux_noise; training only).
     A batch made with with_host_layout brings its row layout and valid rows; else they are read from the GPU."""
     ids, docs = batch["input_ids"], batch["doc_ids"]
     dtype = drafter.fc.weight.dtype
     aux, final = batch_states(batch, dtype)
+    if aux_noise:
+        aux = with_aux_noise(aux, drafter.cfg.target_hidden_size, *aux_noise)
     compute = compute_dtype(aux.device.type, dtype)
     with torch.no_grad():
         probs = loss_target(final, head_full[drafter.t2d].to(compute), compute)  # [B·T, V_draft]
@@ -122,14 +144,17 @@ class TrainStep:
     group's count of valid positions, so the gradients summed over ranks are those of one process. setup: what
     trains (its drafter) against what (the target's frozen embed and head): loop.TrainSetup."""
 
-    def __init__(self, setup, optimizer: torch.optim.Optimizer, train_params, device, rank: int, world: int):
-        self.setup, self.optimizer, self.train_params = setup, optimizer, train_params
+    def __init__(
+        self, setup, optimizer: torch.optim.Optimizer, train_params, device, rank: int, world: int, seed: int = 0
+    ):
+        self.setup, self.optimizer, self.train_params, self.seed = setup, optimizer, train_params, seed
         self.device, self.rank, self.world = device, rank, world
         self.trainable = [p for g in optimizer.param_groups for p in g["params"]]
         self.weights = torch.tensor(
             [train_params.step_weight_decay**k for k in range(train_params.ttt_steps)], device=device
         )
         self.loss_target = LOSS_TARGETS[train_params.loss_target]
+        self.loss_positions = LOSS_POSITIONS[train_params.loss_positions]
         self.device_type = torch.device(device).type
         self.bf16 = hardware.resolve(train_params.dtype, self.device_type) == "bfloat16"
 
@@ -137,6 +162,7 @@ class TrainStep:
         """(loss, gradient norm) of the step at learning rate lr; a non-finite loss leaves the weights as they
         were and comes back with no gradient norm."""
         train_params, device = self.train_params, self.device
+        group = [(epoch, micro, self.loss_positions(mb)) for epoch, micro, mb in group]
         counts = torch.zeros(train_params.ttt_steps, device=device)
         for _, _, mb in group:  # global normalizer, identical on every rank without communication
             counts += torch.stack([valid_positions(mb, k).sum() for k in range(train_params.ttt_steps)]).to(device)
@@ -144,8 +170,13 @@ class TrainStep:
             g["lr"] = lr
         self.optimizer.zero_grad(set_to_none=True)
         step_loss = torch.zeros((), device=device)
-        for _, _, mb in group[self.rank :: self.world]:
+        for epoch, micro, mb in group[self.rank :: self.world]:
             batch = batch_to(with_host_layout(mb, train_params.ttt_steps), device)
+            # the noise of a micro-batch depends on where it is in the run only, so a resumed run draws the same
+            noise = None
+            if train_params.aux_noise:
+                generator = torch.Generator(device).manual_seed(self.seed * 1_000_003 + epoch * 100_003 + micro)
+                noise = (train_params.aux_noise, generator)
             with torch.autocast(self.device_type, dtype=torch.bfloat16, enabled=self.bf16):
                 sums, _, _, _ = ttt_loss_sums(
                     self.setup.drafter,
@@ -157,6 +188,7 @@ class TrainStep:
                     checkpoint=train_params.activation_checkpointing,
                     attention=train_params.attention,
                     loss_target=self.loss_target,
+                    aux_noise=noise,
                 )
             loss = (self.weights * sums / counts.clamp(min=1)).sum()
             loss.backward()
