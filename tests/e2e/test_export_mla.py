@@ -96,10 +96,16 @@ def torchspec_tensors(config: dict) -> dict:
     return out
 
 
+def config_folder(tmp_path_factory, name: str, config: dict) -> Path:
+    """A target's folder holding its config.json only (the gates build the draft, never the target)."""
+    folder = tmp_path_factory.mktemp(name)
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder
+
+
 @pytest.fixture(scope="module")
 def target(tmp_path_factory) -> Path:
     """A DeepSeek-V3 target's folder (config.json only: MLA attention, the drafter's width and vocabulary)."""
-    folder = tmp_path_factory.mktemp("deepseek-target")
     config = {
         **MLA_KEYS,
         "architectures": ["DeepseekV3ForCausalLM"],
@@ -114,8 +120,7 @@ def target(tmp_path_factory) -> Path:
         "topk_group": 1,
         "torch_dtype": "float32",
     }
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
+    return config_folder(tmp_path_factory, "deepseek-target", config)
 
 
 def write(folder: Path, config: dict, tensors: dict) -> Path:
@@ -229,7 +234,6 @@ def test_engine_refusals_of_mla_configs(canonical, tmp_path):
 @pytest.fixture(scope="module")
 def llama_target(tmp_path_factory) -> Path:
     """A Llama-shaped target's folder (config.json only: grouped-query attention, no latent)."""
-    folder = tmp_path_factory.mktemp("llama-target")
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -241,8 +245,7 @@ def llama_target(tmp_path_factory) -> Path:
         "vocab_size": VOCAB,
         "torch_dtype": "float32",
     }
-    (folder / "config.json").write_text(json.dumps(config))
-    return folder
+    return config_folder(tmp_path_factory, "llama-target", config)
 
 
 def test_vllm_is_refused_an_mla_draft_over_a_target_without_mla(canonical, target, llama_target, tmp_path):
