@@ -26,7 +26,9 @@
 #                                          archive: a call brings back 8 files)
 #   Configurations: ours: defaults (params/tiny-h200.yaml), rows4-scratch (the defaults before issue 31), rows2-scratch,
 #   rows1-scratch (the levers: optimizer steps, the early-exit start), muon, muon-ttt3 (speculators' optimizer and
-#   TTT length), best3 (the best validation state at depth 3), gputime (equal GPU time: speculators' minutes alone);
+#   TTT length), best3 (the best validation state at depth 3), gputime (equal GPU time: speculators' minutes alone),
+#   allpos, noise1, noise3, wd1 (the loss on every token, noise on the aux states, weight decay); joined with "+"
+#   (ours:allpos+noise3:0) a configuration takes each lever's overrides;
 #   speculators: defaults, sglang (its defaults less norm_before_residual, which SGLang 0.5.17 ignores),
 #   our-hparams; specforge: defaults, our-hparams (our lr, TTT length, warmup, tokens a step).
 #   (SpecForge's batch of 1 makes ~11 steps/s alone: 4 epochs of 1,317 take ~480 s.)
@@ -165,30 +167,33 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     SCALE=1; BUDGET=tokens  # the tokens: EPOCHS epochs x SCALE; BUDGET goes into the record (served_al.py's rows)
     # defaults: params/tiny-h200.yaml (1 row of 2,048 a step, the early-exit start); the others are the levers
     # that chose it (rows4096: its rows before issue 40), from the pilot's defaults (4 rows a step, from scratch)
-    S0=(--set train.init_layer_from_target=false)
-    case $CFG in defaults) X=() ;; rows4-scratch) X=(--set train.batch_rows=4 "${S0[@]}") ;;
-      rows2-scratch) X=(--set train.batch_rows=2 "${S0[@]}") ;; rows1-scratch) X=(--set train.batch_rows=1 "${S0[@]}") ;;
-      muon) X=(--set train.optimizer=muon) ;; muon-ttt3) X=(--set train.optimizer=muon --set train.ttt_steps=3) ;;
-      ttt3) X=(--set train.ttt_steps=3) ;; seq2048) X=(--set train.max_seq_len=2048) ;; lr2e-3) X=(--set train.lr=2e-3) ;;
-      vocab32k) X=(--set train.draft_vocab_size=32000) ;; decay1) X=(--set train.step_weight_decay=1.0) ;;
-      top1) X=(--set train.loss_target=top_token) ;;
+    # CONFIG joins levers with "+" (allpos+noise3: both); each adds its overrides
+    S0=(--set train.init_layer_from_target=false); X=()
+    for LEVER in ${CFG//+/ }; do
+    case $LEVER in defaults) L=() ;; rows4-scratch) L=(--set train.batch_rows=4 "${S0[@]}") ;;
+      rows2-scratch) L=(--set train.batch_rows=2 "${S0[@]}") ;; rows1-scratch) L=(--set train.batch_rows=1 "${S0[@]}") ;;
+      muon) L=(--set train.optimizer=muon) ;; muon-ttt3) L=(--set train.optimizer=muon --set train.ttt_steps=3) ;;
+      ttt3) L=(--set train.ttt_steps=3) ;; seq2048) L=(--set train.max_seq_len=2048) ;; lr2e-3) L=(--set train.lr=2e-3) ;;
+      vocab32k) L=(--set train.draft_vocab_size=32000) ;; decay1) L=(--set train.step_weight_decay=1.0) ;;
+      top1) L=(--set train.loss_target=top_token) ;;
       # regularizers for scarce data (issue 40): the loss on every token, noise on the aux states, weight decay
-      allpos) X=(--set train.loss_positions=all) ;; noise1) X=(--set train.aux_noise=0.1) ;;
-      noise3) X=(--set train.aux_noise=0.3) ;; wd1) X=(--set train.weight_decay=0.1) ;;
-      best3) X=(--set train.keep_best_at=3) ;;  # the evaluated state with the best est. AL@3, not the last
+      allpos) L=(--set train.loss_positions=all) ;; noise1) L=(--set train.aux_noise=0.1) ;;
+      noise3) L=(--set train.aux_noise=0.3) ;; wd1) L=(--set train.weight_decay=0.1) ;;
+      best3) L=(--set train.keep_best_at=3) ;;  # the evaluated state with the best est. AL@3, not the last
       # issue 40 item 3, equal GPU time: ours given the H200 seconds speculators' 4 epochs take alone (201.2 s, the
       # pilot), less its own fixed part alone (notebook, load, evaluations: 76.5 of 181.6 s in the second run), at
       # its training rate alone (105.1 s for 4 epochs): (201.2 - 76.5) / 105.1 = 1.187x the tokens
-      gputime) X=(); SCALE=${GPU_SCALE:-1.187}; BUDGET=gpu_minutes ;;
-      seq1024) X=(--set train.max_seq_len=1024) ;; rows4096) X=(--set train.max_seq_len=4096) ;;
-      s2k-norms) X=(--set train.max_seq_len=2048 --set "train.eagle31_norms=[norm_before_fc,norm_output]") ;;
-      s2k-scratch) X=(--set train.max_seq_len=2048 "${S0[@]}") ;;
+      gputime) L=(); SCALE=${GPU_SCALE:-1.187}; BUDGET=gpu_minutes ;;
+      seq1024) L=(--set train.max_seq_len=1024) ;; rows4096) L=(--set train.max_seq_len=4096) ;;
+      s2k-norms) L=(--set train.max_seq_len=2048 --set "train.eagle31_norms=[norm_before_fc,norm_output]") ;;
+      s2k-scratch) L=(--set train.max_seq_len=2048 "${S0[@]}") ;;
       # issue 41: MLA attention in the draft layer over the Llama target (no MLA dims of its own: Kimi-K2.5's
       # latent and head widths, its q rank halved), from scratch (the early exit needs a DeepSeek-shaped layer)
-      mla) X=(--set train.max_seq_len=2048 "${S0[@]}" --set train.draft_attention=mla --set train.mla.q_lora_rank=768
+      mla) L=(--set train.max_seq_len=2048 "${S0[@]}" --set train.draft_attention=mla --set train.mla.q_lora_rank=768
               --set train.mla.kv_lora_rank=512 --set train.mla.qk_nope_head_dim=128 --set train.mla.qk_rope_head_dim=64
               --set train.mla.v_head_dim=128) ;;
-      *) echo "ours: unknown configuration $CFG"; exit 2 ;; esac
+      *) echo "ours: unknown configuration $LEVER (in $CFG)"; exit 2 ;; esac
+    X+=("${L[@]}"); done
     rm -rf "$R" && mkdir -p "$R" && ln -s $W/run/00_prepare $W/run/01_extract "$R"/ || exit 6
     # run.seed: the drafter's initialisation and the data order (00_prepare and 01_extract are the shared run's)
     python3 benchmarks/peers.py measure "$OUT/train_ours-$NAME.json" -- python3 -m eagle3lib run params/tiny-h200.yaml \
