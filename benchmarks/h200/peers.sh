@@ -170,30 +170,31 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     # CONFIG joins levers with "+" (allpos+noise3: both); each adds its overrides
     S0=(--set train.init_layer_from_target=false); X=()
     for LEVER in ${CFG//+/ }; do
-    case $LEVER in defaults) L=() ;; rows4-scratch) L=(--set train.batch_rows=4 "${S0[@]}") ;;
-      rows2-scratch) L=(--set train.batch_rows=2 "${S0[@]}") ;; rows1-scratch) L=(--set train.batch_rows=1 "${S0[@]}") ;;
-      muon) L=(--set train.optimizer=muon) ;; muon-ttt3) L=(--set train.optimizer=muon --set train.ttt_steps=3) ;;
-      ttt3) L=(--set train.ttt_steps=3) ;; seq2048) L=(--set train.max_seq_len=2048) ;; lr2e-3) L=(--set train.lr=2e-3) ;;
-      vocab32k) L=(--set train.draft_vocab_size=32000) ;; decay1) L=(--set train.step_weight_decay=1.0) ;;
-      top1) L=(--set train.loss_target=top_token) ;;
-      # regularizers for scarce data (issue 40): the loss on every token, noise on the aux states, weight decay
-      allpos) L=(--set train.loss_positions=all) ;; noise1) L=(--set train.aux_noise=0.1) ;;
-      noise3) L=(--set train.aux_noise=0.3) ;; wd1) L=(--set train.weight_decay=0.1) ;;
-      best3) L=(--set train.keep_best_at=3) ;;  # the evaluated state with the best est. AL@3, not the last
-      # issue 40 item 3, equal GPU time: ours given the H200 seconds speculators' 4 epochs take alone (201.2 s, the
-      # pilot), less its own fixed part alone (notebook, load, evaluations: 76.5 of 181.6 s in the second run), at
-      # its training rate alone (105.1 s for 4 epochs): (201.2 - 76.5) / 105.1 = 1.187x the tokens
-      gputime) L=(); SCALE=${GPU_SCALE:-1.187}; BUDGET=gpu_minutes ;;
-      seq1024) L=(--set train.max_seq_len=1024) ;; rows4096) L=(--set train.max_seq_len=4096) ;;
-      s2k-norms) L=(--set train.max_seq_len=2048 --set "train.eagle31_norms=[norm_before_fc,norm_output]") ;;
-      s2k-scratch) L=(--set train.max_seq_len=2048 "${S0[@]}") ;;
-      # issue 41: MLA attention in the draft layer over the Llama target (no MLA dims of its own: Kimi-K2.5's
-      # latent and head widths, its q rank halved), from scratch (the early exit needs a DeepSeek-shaped layer)
-      mla) L=(--set train.max_seq_len=2048 "${S0[@]}" --set train.draft_attention=mla --set train.mla.q_lora_rank=768
-              --set train.mla.kv_lora_rank=512 --set train.mla.qk_nope_head_dim=128 --set train.mla.qk_rope_head_dim=64
-              --set train.mla.v_head_dim=128) ;;
-      *) echo "ours: unknown configuration $LEVER (in $CFG)"; exit 2 ;; esac
-    X+=("${L[@]}"); done
+      case $LEVER in defaults) L=() ;; rows4-scratch) L=(--set train.batch_rows=4 "${S0[@]}") ;;
+        rows2-scratch) L=(--set train.batch_rows=2 "${S0[@]}") ;; rows1-scratch) L=(--set train.batch_rows=1 "${S0[@]}") ;;
+        muon) L=(--set train.optimizer=muon) ;; muon-ttt3) L=(--set train.optimizer=muon --set train.ttt_steps=3) ;;
+        ttt3) L=(--set train.ttt_steps=3) ;; seq2048) L=(--set train.max_seq_len=2048) ;; lr2e-3) L=(--set train.lr=2e-3) ;;
+        vocab32k) L=(--set train.draft_vocab_size=32000) ;; decay1) L=(--set train.step_weight_decay=1.0) ;;
+        top1) L=(--set train.loss_target=top_token) ;;
+        # regularizers for scarce data (issue 40): the loss on every token, noise on the aux states, weight decay
+        allpos) L=(--set train.loss_positions=all) ;; noise1) L=(--set train.aux_noise=0.1) ;;
+        noise3) L=(--set train.aux_noise=0.3) ;; wd1) L=(--set train.weight_decay=0.1) ;;
+        best3) L=(--set train.keep_best_at=3) ;;  # the evaluated state with the best est. AL@3, not the last
+        # issue 40 item 3, equal GPU time: ours given the H200 seconds speculators' 4 epochs take alone (201.2 s, the
+        # pilot), less its own fixed part alone (notebook, load, evaluations: 76.5 of 181.6 s in the second run), at
+        # its training rate alone (105.1 s for 4 epochs): (201.2 - 76.5) / 105.1 = 1.187x the tokens
+        gputime) L=(); SCALE=${GPU_SCALE:-1.187}; BUDGET=gpu_minutes ;;
+        seq1024) L=(--set train.max_seq_len=1024) ;; rows4096) L=(--set train.max_seq_len=4096) ;;
+        s2k-norms) L=(--set train.max_seq_len=2048 --set "train.eagle31_norms=[norm_before_fc,norm_output]") ;;
+        s2k-scratch) L=(--set train.max_seq_len=2048 "${S0[@]}") ;;
+        # issue 41: MLA attention in the draft layer over the Llama target (no MLA dims of its own: Kimi-K2.5's
+        # latent and head widths, its q rank halved), from scratch (the early exit needs a DeepSeek-shaped layer)
+        mla) L=(--set train.max_seq_len=2048 "${S0[@]}" --set train.draft_attention=mla --set train.mla.q_lora_rank=768
+                --set train.mla.kv_lora_rank=512 --set train.mla.qk_nope_head_dim=128 --set train.mla.qk_rope_head_dim=64
+                --set train.mla.v_head_dim=128) ;;
+        *) echo "ours: unknown configuration $LEVER (in $CFG)"; exit 2 ;; esac
+      X+=("${L[@]}")
+    done
     rm -rf "$R" && mkdir -p "$R" && ln -s $W/run/00_prepare $W/run/01_extract "$R"/ || exit 6
     # run.seed: the drafter's initialisation and the data order (00_prepare and 01_extract are the shared run's)
     python3 benchmarks/peers.py measure "$OUT/train_ours-$NAME.json" -- python3 -m eagle3lib run params/tiny-h200.yaml \
