@@ -9,8 +9,9 @@
 #                ../shared/fixtures/kimi-k2.5 and the run's SGLang export into the git-ignored outputs/k18gpu)
 #   the H200:    bash benchmarks/h200/kimi_tiny_sglang.sh     carry outputs/k18gpu benchmarks/h200/.cache/.gpu/sglang-bundle
 #   afterwards:  rm -rf outputs/k18gpu
-#   DTYPE=float32: target and drafter in fp32, where bf16's decode and verify kernels no longer round near-ties apart
-#   (the losslessness check; in bf16 4 of 5 replies parted at near-ties of the random weights)
+#   DTYPE=float16: the losslessness check (in bf16 4 of 5 replies parted at near-ties of the random weights, in fp16 1
+#   of 5, where fp32 picks the speculative run's token: benchmarks/greedy_ties.py on the two outputs). float32 does
+#   not start: sgl_kernel's rmsnorm, which SGLang 0.5.17's DeepSeek layers call, has no fp32 kernel
 set -uo pipefail
 G=outputs/k18gpu; B=benchmarks/h200/.cache/.gpu/sglang-bundle
 if [ "${1:-}" = prep ]; then
@@ -61,6 +62,7 @@ PY
   else tail -40 $OUT/sglang-$mode.log; fi
   kill $PID; wait $PID 2>/dev/null; sleep 3
 done
+cp /tmp/k18-base.json /tmp/k18-spec.json "$OUT"/ 2>/dev/null  # both runs' ids, for benchmarks/greedy_ties.py here
 python3 - <<'PY'
 import json, os
 try:

@@ -28,7 +28,7 @@ p['run'].update(name='$NAME', output_root='$W')
 p['target'].update(device='cuda', dtype='bfloat16')
 p['data'].update(sources=['/tmp/data/sharegpt-7000.json.xz'], max_conversations=${CONV:-1500}, max_seq_len=2048, val_fraction=0.02)
 p['data']['regenerate'] = {'budget_tokens': 0}
-p['extract'].update(batch_tokens=65536, shard_max_tokens=262144)
+p['extract'].update(batch_tokens=65536, shard_max_tokens=262144, max_minutes=None)  # sglang_inprocess refuses a cut split
 p['train'].update(max_seq_len=4096, batch_rows=1, dtype='auto', online_queue_batches=4)
 p['engine'] = {'name': 'sglang', 'python': '$SGL'}
 p.pop('bench', None)
