@@ -271,8 +271,8 @@ class TrainParams(Section):
     batch_prefetch: int = Field(
         2,
         ge=0,
-        description="micro-batches packed ahead in a background thread while "
-        "the current one trains (0: in the training thread)",
+        description="micro-batches packed ahead (from shards) or received ahead (from a capture process) in a "
+        "background thread while the current one trains (0: in the training thread)",
     )
     eval_every: int = Field(200, gt=0)
     eval_max_tokens: int = Field(50_000, gt=0, description="validation tokens per evaluation")

@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from eagle3lib.train import TrainingError, online
-from eagle3lib.train.batches import micro_batches, pack_val_rows
+from eagle3lib.train.batches import in_background, micro_batches, pack_val_rows
 from eagle3lib.train.sources.base import CAPTURE_SUMMARY
 
 LINK_ENV = "EAGLE3_CAPTURE_LINK"  # host:port of the link's store, and the link's size: "HOST:PORT:SIZE"
@@ -307,7 +307,12 @@ class CaptureClient:
 
     def stream(self, train_params, state: dict):
         """(epoch, index, micro-batch) from the state's position; the capture runs train.online_queue_batches
-        ahead. Closing it stops the capture process."""
+        ahead, and a thread of this process receives train.batch_prefetch of them ahead of the step (the wire and
+        the copy to the device overlap the step, as the thread placement's queue hands over states already there).
+        Closing it stops the capture process."""
+        return in_background(self._received(train_params, state), train_params.batch_prefetch)
+
+    def _received(self, train_params, state: dict):
         self.started = True
         if self.first:  # the first trainer says where the run stands (its checkpoint's position)
             sequence = state.get("sequence_in_epoch")
