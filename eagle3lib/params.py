@@ -241,10 +241,6 @@ class TrainParams(Section):
     )
     warmup_steps: int = Field(50, ge=0)
     weight_decay: float = Field(0.0, ge=0)
-    ema_decay: float | None = Field(
-        None, gt=0, lt=1, description="an exponential moving average of the weights with this decay per optimizer "
-        "step (0.995: about the last 200 steps), evaluated and written instead of the last weights (None: the last)"
-    )  # fmt: skip
     grad_clip: float = Field(0.5, gt=0)
     step_weight_decay: float = Field(0.8, gt=0, le=1, description="loss weight of TTT step k is this**k")
     loss_target: Literal["distribution", "top_token"] = Field(

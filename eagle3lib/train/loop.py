@@ -35,7 +35,6 @@ from eagle3lib.train.metrics import AcceptanceCounter
 from eagle3lib.train.optimizer import lr_at, make_optimizer
 from eagle3lib.train.speedups import compile_decoder_layer, convert_to_float8
 from eagle3lib.train.ttt_step import TrainStep, ttt_loss_sums, with_host_layout
-from eagle3lib.train.weight_average import averaged_weights, with_weight_average
 
 
 @dataclass
@@ -110,9 +109,7 @@ class Loop:
         if train_params.compile_layer:
             compile_decoder_layer(self.drafter)
         tp = train_params
-        self.opt = with_weight_average(
-            make_optimizer(self.drafter, tp.optimizer, tp.lr, tp.weight_decay, device), self.drafter, tp.ema_decay
-        )
+        self.opt = make_optimizer(self.drafter, tp.optimizer, tp.lr, tp.weight_decay, device)
         self.step = TrainStep(setup, self.opt, tp, device, self.rank, self.world, seed)
         rows_per_step = tp.batch_rows * tp.grad_accum * self.world
         self.total_steps = max(1, math.ceil(tp.max_tokens / (rows_per_step * tp.max_seq_len)))
@@ -137,13 +134,10 @@ class Loop:
                 f.write(json.dumps(entry) + "\n")
 
     def evaluate_now(self) -> dict:
-        """The validation of the weights the stage writes (train.ema_decay: their average), logged and weighed by
-        train.keep_best_at."""
-        with averaged_weights(self.opt):
-            result = evaluate(self.setup, self.tp.ttt_steps, self.max_depth, self.device)
-            result["at_step"] = self.state["step"]
-            self.write_log({"step": self.state["step"], "eval": result})
-            self.best.consider(result, self.drafter, self.setup.contract)
+        result = evaluate(self.setup, self.tp.ttt_steps, self.max_depth, self.device)
+        result["at_step"] = self.state["step"]
+        self.write_log({"step": self.state["step"], "eval": result})
+        self.best.consider(result, self.drafter, self.setup.contract)
         return result
 
     def run(self) -> dict:
@@ -218,9 +212,7 @@ class Loop:
         digests = check_same_weights(self.drafter, self.world)
         final = self.checkpoint()
         if self.rank == 0:
-            with averaged_weights(self.opt):
-                kept = self.best.kept(self.drafter, last_eval)
-                save_drafter(kept, self.setup.out_dir / "drafter", self.setup.contract)
+            save_drafter(self.best.kept(self.drafter, last_eval), self.setup.out_dir / "drafter", self.setup.contract)
         return {
             "kept": self.best.record(last_eval),
             "last_eval": last_eval,

@@ -18,7 +18,7 @@ from eagle3lib.prepare import conversations
 from eagle3lib.train import TrainingError, launch, loop, online
 from eagle3lib.train import steps as train_steps
 from eagle3lib.train.batches import Sequence, batch_states, in_background, make_batch, pack_rows
-from eagle3lib.train.checkpoint import CHECKPOINTS, latest_checkpoint, load_drafter
+from eagle3lib.train.checkpoint import latest_checkpoint, load_drafter
 from eagle3lib.train.setup import build_setup
 from eagle3lib.train.sources.base import CAPTURE_SUMMARY
 
@@ -666,32 +666,3 @@ def test_keep_best_writes_the_best_evaluated_state_and_a_spoiling_fine_tune_keep
             assert "drafter kept" in train_steps.result(summary)["headline"]
         else:
             assert summary["kept"] == {"rule": "last", "step": 4} and summary["eval"] == summary["last_eval"]
-
-
-def test_ema_decay_writes_the_weights_average_and_a_resume_continues_it(tmp_path, small_target):
-    """train.ema_decay: the drafter written, and the evaluation of it, are the weights' moving average, not the last
-    weights (which the checkpoints keep for the optimizer); the average is in the checkpoint, so a run resumed from
-    an earlier checkpoint writes the uninterrupted run's drafter byte for byte. A decay outside (0, 1) is refused."""
-    run_dir = make_run(
-        tmp_path, *small_target, {"max_tokens": 128 * 6, "eval_every": 3, "checkpoint_every": 2, "ema_decay": 0.9}
-    )
-    p = load_params(params_file(tmp_path))
-    setup, _ = build_setup(p, run_dir)
-    summary = loop.train(setup, p.train, log=lambda *a: None)
-    out = run_dir / "02_train"
-    written, last = state(out / "drafter"), state(out / CHECKPOINTS / "step_0000006")
-    assert summary["steps"] == 6 and not all(torch.equal(written[k], last[k]) for k in written)
-    check, _ = build_setup(p, run_dir)
-    check.drafter.load_state_dict(written)
-    assert loop.evaluate(check, p.train.ttt_steps, 16, "cpu")["est_accept_len"] == summary["eval"]["est_accept_len"]
-
-    shutil.rmtree(out / CHECKPOINTS / "step_0000006")  # as a kill after step 4's checkpoint leaves it
-    shutil.rmtree(out / "drafter")
-    said = []
-    again, _ = build_setup(p, run_dir)
-    loop.train(again, p.train, log=said.append)
-    assert any("resumed from" in line and "step 4" in line for line in said), said
-    assert all(torch.equal(written[k], v) for k, v in state(out / "drafter").items())
-    for bad in (1.0, 0.0):
-        with pytest.raises(ParamsError, match="ema_decay"):
-            load_params(params_file(tmp_path), {"train.ema_decay": bad})
