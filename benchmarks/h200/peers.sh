@@ -152,8 +152,8 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     pip_target /tmp/arrow-site $A $G/arrow-b/pandas-*.whl || exit 3; exit 0 ;;
   data)
     ours_env
-    # no CUDA graphs for the regeneration server: it starts in ~50 s instead of ~150, and its batches of 256 are
-    # past the graphs' 8 anyway
+    # no CUDA graphs for the regeneration server (its batches of 256 are past the graphs' 8 anyway); it still took
+    # 120-152 s to start in the six H200 runs (00_prepare's engine_start_s), against 58-82 s of regeneration
     timeout -k 20 "${BUDGET_S:-540}" python3 -m eagle3lib run params/tiny-h200.yaml --to extract "${RUN_SET[@]}" \
       --set 'engine.extra_args=[--attention-backend,triton,--sampling-backend,pytorch,--mem-fraction-static,"0.3",--context-length,"2048",--disable-cuda-graph]' \
       > "$OUT/data.log" 2>&1; rc=$?; tail -n 20 "$OUT/data.log"; [ $rc = 0 ] || exit $rc
@@ -161,6 +161,8 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     PYTHONPATH=$PYTHONPATH:/tmp/peer-site:/tmp/arrow-site python3 benchmarks/peer_data.py specforge $W/run/01_extract $W/sf-data || exit 7
     PYTHONPATH=$PYTHONPATH:/tmp/peer-site:/tmp/arrow-site python3 benchmarks/peer_data.py speculators $W/run/01_extract $W/spec-data --target "$T" || exit 8
     cp $W/run/00_prepare/result.json "$OUT/00_prepare_result.json"; cp $W/run/01_extract/result.json "$OUT/01_extract_result.json"
+    # the regeneration server's log, to see where its start goes
+    cp $W/run/00_prepare/sglang-*.log "$OUT/" 2>/dev/null
     exit 0 ;;
   ours)
     ours_env; TOK=$(train_tokens) || exit 6; CFG=${2:-defaults}; SEED=${3:-}; NAME=$CFG${SEED:+-s$SEED}; R=$W/ours-$NAME
