@@ -313,6 +313,8 @@ class CaptureClient:
         return in_background(self._received(train_params, state), train_params.batch_prefetch)
 
     def _received(self, train_params, state: dict):
+        if self.link.data_device.type == "cuda":  # the current GPU is a thread's own: this thread's is the link's
+            torch.cuda.set_device(self.link.data_device)
         self.started = True
         if self.first:  # the first trainer says where the run stands (its checkpoint's position)
             sequence = state.get("sequence_in_epoch")
