@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -132,29 +133,38 @@ def serve_all(
     """{(name, depth): {set: measure_set's result}}, `parallel` servers at a time; ({...}, {(name, depth): error}).
     done(results, errors) after each server."""
     results, errors = {}, {}
+    # One server starts at a time; the others serve meanwhile. SGLang sizes its KV cache from the memory it sees
+    # free while it starts, and picks its NCCL port by checking it is free, then binding it later: servers started
+    # together failed for both ("Raise --mem-fraction-static above 0.202"; EADDRINUSE on that port, issue 40's fifth
+    # run), each failure a retry of a minute or more.
+    starting = threading.Lock()
 
     def one(name: str, depth: int):
+        server = None
         try:
             (work / name / "logs").mkdir(parents=True, exist_ok=True)
             export = drafters[name]["export"]
             server = engines.make(p.engine, target_dir, export, depth, work / name / "logs", dtype=dtype)
-            with server:
-                by_set = {}
-                for set_name, prompts in prompts_by_set.items():
-                    by_set[set_name] = measurement.measure_set(server, prompts, max_tokens, 1, {})
-                results[(name, depth)] = by_set
+            with starting:
+                server.start()
+            by_set = {}
+            for set_name, prompts in prompts_by_set.items():
+                by_set[set_name] = measurement.measure_set(server, prompts, max_tokens, 1, {})
+            results[(name, depth)] = by_set
             spec = {s: measurement.spec_over(p.engine.name, m["parts"]).get("accept_len") for s, m in by_set.items()}
             print(f"{name} depth {depth}: served AL {json.dumps(spec)}", flush=True)
         except Exception as e:  # one failing server must not hide the others' figures
             errors[(name, depth)] = f"{type(e).__name__}: {e}"
             print(f"{name} depth {depth}: FAILED {errors[(name, depth)][-3000:]}", flush=True)
+        finally:
+            if server is not None:
+                server.stop()
         done(results, errors)
 
     servable = [(n, d) for n in drafters if drafters[n]["export"] for d in depths]
     with ThreadPoolExecutor(max_workers=parallel) as pool:
         list(pool.map(lambda nd: one(*nd), servable))
-    # Servers started side by side can fail where one alone starts (SGLang sizes its KV cache from the memory free
-    # while the others load: "Loaded weights leave no GPU memory"): each failed one once more, alone.
+    # A server that failed beside others (memory the others took while it served) once more, alone.
     if parallel > 1:
         for name, depth in [nd for nd in servable if nd in errors]:
             print(f"{name} depth {depth}: once more, alone", flush=True)
