@@ -174,7 +174,8 @@ def serve_all(
 
 
 def predicted_per_set(p, target_dir, cache, canonical: str, measured: dict, max_depth: int) -> dict:
-    """{set: {depth: predicted AL}} of one drafter on its own served replies (the deepest depth's)."""
+    """{set: {depth: predicted AL}} of one drafter on served replies (one server's: greedy, they are the target's
+    whatever the depth and drafter)."""
     model, _ = target.load_target(target_dir, cache, dtype=p.target.dtype, device=p.target.device)
     drafter = load_drafter(Path(canonical), device=p.target.device)
     sequences = [
@@ -327,25 +328,37 @@ def main(argv=None) -> int:
             print(f"{name}: offline AL {json.dumps(offline[name]['accept_len_at'])}", flush=True)
             write()
     if not a.offline_only:
+        predicting = threading.Lock()
+
+        def predict(name: str, measured: dict):
+            predicted[name] = predicted_per_set(
+                p, target_dir, cache, prepared[name]["canonical"], measured, max(depths)
+            )
 
         def done(r, e):
-            results.update(r)
-            errors.clear()  # serve_all's own: a server that failed beside others and then served alone is no error
-            errors.update(e)
-            write()
+            # called by each server's thread when it ends
+            with predicting:
+                results.update(r)
+                errors.clear()  # serve_all's own: a server that failed beside others, then served alone, is no error
+                errors.update(e)
+                for by in results.values():
+                    for set_name, m in by.items():
+                        m["prompts"], m["engine"] = by_set[set_name], p.engine.name
+                # a drafter's prediction as soon as one of its servers has served (the greedy replies are the
+                # target's, whatever the depth), so that a call cut short keeps the predictions of those served
+                if not a.no_predict:
+                    for name, depth in sorted(results):
+                        if prepared[name]["canonical"] and name not in predicted:
+                            predict(name, results[(name, depth)])
+                write()
 
         dtype = a.dtype or p.target.dtype
         serve_all(p, target_dir, prepared, depths, by_set, max_tokens, work, a.parallel, dtype, done)
-        for by in results.values():
-            for set_name, m in by.items():
-                m["prompts"], m["engine"] = by_set[set_name], p.engine.name
         if not a.no_predict and results:
             reference = results[max(results)]  # greedy replies are the target's, whichever drafter served them
             for name, info in prepared.items():
-                if info["canonical"]:
-                    own = max((d for n, d in results if n == name), default=None)
-                    measured = results[(name, own)] if own is not None else reference
-                    predicted[name] = predicted_per_set(p, target_dir, cache, info["canonical"], measured, max(depths))
+                if info["canonical"] and name not in predicted:  # none of its servers served
+                    predict(name, reference)
                     write()
     write()
     for m in summary["means"]:
