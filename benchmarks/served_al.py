@@ -313,10 +313,14 @@ def main(argv=None) -> int:
         "drafters": prepared,
     }
     results, errors, predicted, offline = {}, {}, {}, {}
+    predict_errors = {}  # drafter: why its prediction failed (its served figures stand)
 
     def write():
         rows = rows_of(results, predicted, offline, depths, meta, p.engine.name, a.budget)
-        summary.update(errors={f"{n}@{d}": e for (n, d), e in errors.items()}, means=mean_over_sets(rows), rows=rows)
+        failed = {f"{n}@{d}": e for (n, d), e in errors.items()} | {
+            f"{n}@predict": e for n, e in predict_errors.items()
+        }
+        summary.update(errors=failed, means=mean_over_sets(rows), rows=rows)
         if a.base:
             summary["ratios"] = al_interval.ratios(rows, a.base)
         a.out.parent.mkdir(parents=True, exist_ok=True)
@@ -331,9 +335,14 @@ def main(argv=None) -> int:
         predicting = threading.Lock()
 
         def predict(name: str, measured: dict):
-            predicted[name] = predicted_per_set(
-                p, target_dir, cache, prepared[name]["canonical"], measured, max(depths)
-            )
+            # in a server's thread: a failure here must not end the other servers
+            try:
+                predicted[name] = predicted_per_set(
+                    p, target_dir, cache, prepared[name]["canonical"], measured, max(depths)
+                )
+            except Exception as e:
+                predicted[name], predict_errors[name] = {}, f"{type(e).__name__}: {e}"
+                print(f"{name}: prediction FAILED {predict_errors[name][-2000:]}", flush=True)
 
         def done(r, e):
             # called by each server's thread when it ends
@@ -365,7 +374,7 @@ def main(argv=None) -> int:
         print(json.dumps(m), flush=True)
     if a.base:
         print(al_interval.table(summary["ratios"]), flush=True)
-    return 1 if errors else 0
+    return 1 if errors or predict_errors else 0
 
 
 if __name__ == "__main__":
