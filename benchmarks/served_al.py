@@ -133,10 +133,11 @@ def serve_all(
     """{(name, depth): {set: measure_set's result}}, `parallel` servers at a time; ({...}, {(name, depth): error}).
     done(results, errors) after each server."""
     results, errors = {}, {}
-    # One server starts at a time; the others serve meanwhile. SGLang sizes its KV cache from the memory it sees
-    # free while it starts, and picks its NCCL port by checking it is free, then binding it later: servers started
-    # together failed for both ("Raise --mem-fraction-static above 0.202"; EADDRINUSE on that port, issue 40's fifth
-    # run), each failure a retry of a minute or more.
+    # One server starts at a time; the others serve meanwhile. SGLang measures the free memory before it loads and
+    # again after, and picks its NCCL port by checking it is free, then binding it later: a server that allocated
+    # its KV cache in between made the other fail ("Raise --mem-fraction-static above 0.202"; EADDRINUSE on that
+    # port; issue 40's fifth run), each failure a retry of a minute or more. Servers that start beside running
+    # ones started fine in every run.
     starting = threading.Lock()
 
     def one(name: str, depth: int):
@@ -164,7 +165,7 @@ def serve_all(
     servable = [(n, d) for n in drafters if drafters[n]["export"] for d in depths]
     with ThreadPoolExecutor(max_workers=parallel) as pool:
         list(pool.map(lambda nd: one(*nd), servable))
-    # A server that failed beside others (memory the others took while it served) once more, alone.
+    # A server that still failed beside others: once more, alone on the device.
     if parallel > 1:
         for name, depth in [nd for nd in servable if nd in errors]:
             print(f"{name} depth {depth}: once more, alone", flush=True)
