@@ -17,9 +17,11 @@ import json
 import logging
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import weakref
@@ -166,8 +168,8 @@ def _offline(page: str) -> str:
     return page
 
 
-# papermill's default (60 s) lost a stage on a host where 12 trainings started side by side: its kernel answered
-# later than that
+# papermill's default is 60 s. A stage lost that way where 12 trainings started side by side was most likely two
+# kernels bound to the same sockets (stage_kernel_manager's comment), but a loaded host's kernel also starts late
 KERNEL_START_TIMEOUT_S = 600
 
 
@@ -213,7 +215,7 @@ def execute_stage(
                 str(executed),
                 parameters={"params_file": p.file, "run_dir": str(run_dir), "overrides": overrides},
                 kernel_name="python3",
-                kernel_manager_class=_ipc_kernel_manager(),
+                kernel_manager_class=stage_kernel_manager(),
                 start_timeout=KERNEL_START_TIMEOUT_S,
                 cwd=str(notebooks_dir),
                 log_output=True,
@@ -258,18 +260,37 @@ def execute_stage(
 _KERNELS: weakref.WeakSet = weakref.WeakSet()  # the managers of the stage kernels this process started
 
 
-def _ipc_kernel_manager():
-    """The kernel manager over local sockets: over TCP, ipykernel warns on every start that its traffic is
-    unencrypted, and our kernels never leave the machine. Each instance is known to stop_on_signals."""
+def stage_kernel_manager():
+    """The stage kernels' manager: local sockets (over TCP, ipykernel warns on every start that its traffic is
+    unencrypted, and our kernels never leave the machine), each kernel's in a private folder of its own. Each
+    instance is known to stop_on_signals."""
     from jupyter_client.manager import AsyncKernelManager
     from traitlets import CaselessStrEnum
 
     class IPCKernelManager(AsyncKernelManager):
         transport = CaselessStrEnum(["tcp", "ipc"], default_value="ipc", config=True)
+        socket_dir: str | None = None  # set with the first read of ip
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             _KERNELS.add(self)
+
+        def _ip_default(self):
+            # jupyter_client's default is "kernel-ipc" in the working directory, the notebooks folder that papermill
+            # enters, so every run of a checkout shares the paths kernel-ipc-1..5: two runs whose kernels started
+            # together bound the same ones, one run's client spoke to the other's kernel (refused: "Invalid
+            # Signature") and its stage failed at the start timeout
+            if self.transport != "ipc":
+                return super()._ip_default()
+            self.socket_dir = tempfile.mkdtemp(prefix="eagle3-kernel-")  # 0700: no other user connects either
+            return os.path.join(self.socket_dir, "kernel")
+
+        async def _async_cleanup_resources(self, restart: bool = False) -> None:
+            await super()._async_cleanup_resources(restart=restart)
+            if not restart and self.socket_dir is not None:
+                shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+        cleanup_resources = _async_cleanup_resources
 
     return IPCKernelManager
 

@@ -1,0 +1,40 @@
+"""Stage kernels started at the same moment, as two runs of one checkout start them, each answer their own run."""
+
+import asyncio
+import os
+
+from eagle3lib.workbook.pipeline import stage_kernel_manager
+
+
+async def _started_together_then_asked(managers):
+    """Each manager's kernel pid and the pid that answered its client, the kernels started at the same moment."""
+    try:
+        await asyncio.gather(*(km.start_kernel() for km in managers))
+        pairs = []
+        for km in managers:
+            client = km.client()
+            client.start_channels()
+            try:
+                await client.wait_for_ready(timeout=60)
+                reply = await client.execute_interactive("import os", user_expressions={"pid": "os.getpid()"})
+                answered = int(reply["content"]["user_expressions"]["pid"]["data"]["text/plain"])
+                pairs.append((km.provisioner.pid, answered))
+            finally:
+                client.stop_channels()
+        return pairs
+    finally:
+        await asyncio.gather(*(km.shutdown_kernel(now=True) for km in managers if km.has_kernel))
+
+
+def test_kernels_started_together_answer_their_own_clients(tmp_path, monkeypatch):
+    """jupyter_client's IPC sockets are kernel-ipc-N in the working directory (papermill's: the notebooks folder,
+    shared by every run of a checkout): kernels started together bound the same paths, and of three, two clients
+    spoke to the third kernel and waited for a reply until the start timeout (issue 40's lost training)."""
+    monkeypatch.chdir(tmp_path)
+    managers = [stage_kernel_manager()(kernel_name="python3") for _ in range(3)]
+    pairs = asyncio.run(_started_together_then_asked(managers))
+    assert len(pairs) == 3 and all(own == answered for own, answered in pairs), pairs
+    assert not list(tmp_path.iterdir())  # nothing bound in the working directory
+    socket_dirs = [km.socket_dir for km in managers]
+    assert len(set(socket_dirs)) == 3
+    assert not any(os.path.exists(d) for d in socket_dirs)  # removed at shutdown
