@@ -10,7 +10,8 @@
 #   bash benchmarks/h200/release.sh wait     until it ends (WAIT_S at most; exit 9 while it runs)
 #   bash benchmarks/h200/release.sh serve    served and predicted AL per set at depths 1, 2, 3, 5 (summary.json)
 #   bash benchmarks/h200/release.sh bring    the drafter and its records, one archive, into $OUT
-# Here: python benchmarks/release_drafter.py ARCHIVE writes drafters/smollm2-135m-instruct/ (provenance.json).
+# Here: python benchmarks/release_drafter.py ARCHIVE writes drafters/smollm2-135m-instruct/ (provenance.json);
+# an archive over 15 MB comes back in parts: cat release.tgz.part-* > release.tgz first.
 #
 # The H200 reads ShareGPT from $G/data/sharegpt-7000.json.xz (the embedded set's first 7,000 records, as gather
 # writes it), so tiny.yaml is read there with that file as its source: its first 320 conversations are the
@@ -41,6 +42,9 @@ yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
     MORE_SET=""; [ "${MORE:-0}" = 1 ] && MORE_SET="--set data.max_conversations=100000 \
       --set data.regenerate.budget_tokens=4000000 --set data.regenerate.max_minutes=6 --set train.max_minutes=8 \
       --set extract.store_dtype=float8_e4m3fn"
+    # VOCAB=N: a draft vocabulary of N tokens (release-smollm2.yaml's 2,048 covers 78% of the embedded replies'
+    # tokens, 8,192 91%); params/tiny.yaml's fine-tune must then take the same
+    [ -n "${VOCAB:-}" ] && MORE_SET="$MORE_SET --set train.draft_vocab_size=$VOCAB"
     setsid -f bash -c 'python3 benchmarks/peers.py measure "$1/train.json" -- python3 -m eagle3lib run \
         params/release-smollm2.yaml --to train --set run.output_root="$1" --set "data.sources=[$2]" \
         --set "data.keep_unseen=[$1/tiny-unseen.yaml]" $3 > "$1/train.log" 2>&1 < /dev/null; echo "rc $?" > "$1/train.done"' \
@@ -79,6 +83,11 @@ print({k: len(v) for k, v in splits.items()}, stats['kept_unseen'])" || exit 3
       --exclude='*.ipynb' release-smollm2/00_prepare/result.json release-smollm2/01_extract/result.json \
       release-smollm2/02_train/result.json train.json train.log conversation_ids.json tiny-unseen.yaml \
       $( [ -f $W/summary.json ] && echo summary.json ) || exit 4
+    # a file over 16 MiB does not come back from the device: a larger draft vocabulary's archive goes in parts
+    # (here: cat release.tgz.part-* > release.tgz)
+    if [ "$(stat -c %s "$OUT/release.tgz")" -gt 15000000 ]; then
+      split -b 15000000 "$OUT/release.tgz" "$OUT/release.tgz.part-" && rm "$OUT/release.tgz" || exit 5
+    fi
     ls -la "$OUT"; exit 0 ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
