@@ -258,6 +258,8 @@ def execute_stage(
 
 
 _KERNELS: weakref.WeakSet = weakref.WeakSet()  # the managers of the stage kernels this process started
+# A socket's path ends at 107 bytes (AF_UNIX); the folder mkdtemp adds and the socket's name take 31 of them
+SOCKET_BASE_MAX = 70
 
 
 def stage_kernel_manager():
@@ -282,7 +284,10 @@ def stage_kernel_manager():
             # Signature") and its stage failed at the start timeout
             if self.transport != "ipc":
                 return super()._ip_default()
-            self.socket_dir = tempfile.mkdtemp(prefix="eagle3-kernel-")  # 0700: no other user connects either
+            base = tempfile.gettempdir()
+            if len(base) > SOCKET_BASE_MAX and os.path.isdir("/tmp"):  # a cluster job's long TMPDIR
+                base = "/tmp"
+            self.socket_dir = tempfile.mkdtemp(prefix="eagle3-kernel-", dir=base)  # 0700: no other user connects
             return os.path.join(self.socket_dir, "kernel")
 
         async def _async_cleanup_resources(self, restart: bool = False) -> None:

@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import tempfile
 
 from eagle3lib.workbook.pipeline import stage_kernel_manager
 
@@ -39,3 +40,14 @@ def test_kernels_started_together_answer_their_own_clients(tmp_path, monkeypatch
     socket_dirs = [km.socket_dir for km in managers]
     assert len(set(socket_dirs)) == 3
     assert not any(os.path.exists(d) for d in socket_dirs)  # removed at shutdown
+
+
+def test_a_long_temp_folder_still_gives_a_kernel_that_answers(tmp_path, monkeypatch):
+    """A cluster job's TMPDIR can be long; a socket's path ends at 107 bytes."""
+    long_tmp = tmp_path / ("x" * 60) / ("y" * 60)
+    long_tmp.mkdir(parents=True)
+    monkeypatch.setattr(tempfile, "tempdir", str(long_tmp))
+    km = stage_kernel_manager()(kernel_name="python3")
+    [(own, answered)] = asyncio.run(_started_together_then_asked([km]))
+    assert own == answered
+    assert len(os.path.join(km.socket_dir, "kernel-5")) < 108
