@@ -175,7 +175,7 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     # its first request waited 71 s on a fresh machine (the fifth run), where triton compiles the attention kernels:
     # the compiled kernels come back (to $G/triton here), and stage4 puts them where triton looks next session
     [ -d ~/.triton/cache ] && tar -C ~/.triton -czf "$OUT/triton-cache.tgz" cache && du -h "$OUT/triton-cache.tgz"
-    # the sixth run's `data | tail` never returned after this point: what still runs, for the next time it happens
+    # what still runs as data ends: a process left holding the call's output keeps the call from returning
     ps -eo pid,ppid,pgid,sid,etime,args | grep -E "python|sglang|ipykernel|tar" | grep -v grep > "$OUT/procs-after-data.txt"
     exit 0 ;;
   ours)

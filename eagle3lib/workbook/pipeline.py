@@ -168,8 +168,7 @@ def _offline(page: str) -> str:
     return page
 
 
-# papermill's default is 60 s. A stage lost that way where 12 trainings started side by side was most likely two
-# kernels bound to the same sockets (stage_kernel_manager's comment), but a loaded host's kernel also starts late
+# papermill's default is 60 s; a kernel on a host loaded with trainings starts later than that
 KERNEL_START_TIMEOUT_S = 600
 
 
