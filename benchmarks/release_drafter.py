@@ -4,7 +4,9 @@ tokens trained, GPU time, offline and served acceptance, each file's sha256), wh
 checks the shipped files against.
 
     python benchmarks/release_drafter.py UNPACKED --sharegpt benchmarks/h200/.cache/.gpu/data/sharegpt-7000.json.xz \
-        --out drafters/smollm2-135m-instruct
+        [benchmarks/h200/.cache/.gpu/data2/sharegpt-rest.json.xz] --out drafters/smollm2-135m-instruct
+
+(the second file where release.sh ran with MORE=1: every embedded record, as peers.sh gather cut them)
 
 UNPACKED: release.tgz unpacked (release-smollm2/{run.json,0*_*/result.json,02_train/drafter}, train.json,
 summary.json, conversation_ids.json).
@@ -30,7 +32,9 @@ def sha256(path: Path) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("unpacked", type=Path)
-    ap.add_argument("--sharegpt", type=Path, required=True, help="the ShareGPT file the H200 read")
+    ap.add_argument(
+        "--sharegpt", type=Path, nargs="+", required=True, help="the ShareGPT files the H200 read, in order"
+    )
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--git-note", default=None, help="what the H200's tree held beyond run.json's commit, if dirty")
     args = ap.parse_args()
@@ -70,8 +74,10 @@ def main() -> int:
         "versions": run_json.get("versions"),
         "machine": run_json.get("machine"),
         "data": {
-            "source": "embedded:sharegpt, its first 7,000 records as benchmarks/h200/peers.sh gather writes them",
-            "source_file_sha256": sha256(args.sharegpt),
+            "source": "embedded:sharegpt"
+            + (", its first 7,000 records" if len(args.sharegpt) == 1 else ", every record")
+            + ", as benchmarks/h200/peers.sh gather writes them",
+            "source_file_sha256": {f.name: sha256(f) for f in args.sharegpt},
             "read": {k: prepare["read"][k] for k in ("read", "kept", "skipped")},
             "kept_unseen": "params/tiny.yaml's val and bench conversations, by id and by prompt: "
             f"{sum(prepare['read']['kept_unseen'].values())} left out",

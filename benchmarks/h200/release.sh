@@ -9,6 +9,8 @@
 #                                            session, so that it outlives the call
 #   bash benchmarks/h200/release.sh wait     until it ends (WAIT_S at most; exit 9 while it runs)
 #   bash benchmarks/h200/release.sh serve    served and predicted AL per set at depths 1, 2, 3, 5 (summary.json)
+#   bash benchmarks/h200/release.sh compare  served AL at depth 3 against the shipped drafter, seven sets
+#                                            (summary-compare.json; here: benchmarks/al_interval.py)
 #   bash benchmarks/h200/release.sh bring    the drafter and its records, one archive, into $OUT
 # Here: python benchmarks/release_drafter.py ARCHIVE writes drafters/smollm2-135m-instruct/ (provenance.json);
 # an archive over 15 MB comes back in parts: cat release.tgz.part-* > release.tgz first.
@@ -61,8 +63,20 @@ yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
     ours_env
     timeout -k 20 "${BUDGET_S:-540}" python3 benchmarks/served_al.py $RUN --params params/release-smollm2.yaml \
       --drafter release=$RUN/02_train/drafter --depths 1,2,3,5 --sets "held_out,mt_bench,humaneval,$G/data/gsm8k.jsonl" \
-      --per-set "${PER_SET:-10}" --parallel 5 --mem-fraction 0.12 --engine-flag=--disable-cuda-graph \
-      --work $W/served --out "$OUT/summary.json" > "$OUT/serve.log" 2>&1; rc=$?; tail -n 25 "$OUT/serve.log"; exit $rc ;;
+      --per-set "${PER_SET:-10}" --parallel 4 --mem-fraction 0.12 --engine-flag=--disable-cuda-graph \
+      --work $W/served --out "$OUT/summary.json" > "$OUT/serve.log" 2>&1; rc=$?; tail -n 25 "$OUT/serve.log"
+    cp "$OUT/summary.json" $W/ 2>/dev/null; exit $rc ;;  # for bring, in this call or the next ($OUT is each call's)
+  compare)
+    # the drafter made here against the one the checkout ships (drafters/), on the same prompts at depth 3: the
+    # four sets and EAGLE's alpaca, sum and qa, which neither trained on (the held-out set is this run's bench, which
+    # the shipped drafter may have trained on: it saw 5,816 of the first 6,000 conversations)
+    ours_env
+    timeout -k 20 "${BUDGET_S:-540}" python3 benchmarks/served_al.py $RUN --params params/release-smollm2.yaml \
+      --drafter release=$RUN/02_train/drafter --drafter shipped=drafters/smollm2-135m-instruct --base shipped:defaults \
+      --depths "${DEPTHS:-3}" --per-set "${PER_SET:-30}" --no-offline --parallel 2 --mem-fraction 0.12 \
+      --sets "held_out,mt_bench,humaneval,/tmp/data/gsm8k.jsonl,/tmp/data/alpaca.jsonl,/tmp/data/sum.jsonl,/tmp/data/qa.jsonl" \
+      --engine-flag=--disable-cuda-graph --work $W/compared --out "$OUT/summary-compare.json" > "$OUT/compare.log" 2>&1
+    rc=$?; tail -n 25 "$OUT/compare.log"; exit $rc ;;
   bring)
     ours_env
     # the ids of each split, as 00_prepare drew them (load_pool, split_conversations): the disjointness check here
@@ -78,7 +92,6 @@ splits = conversations.split_conversations(pool, p.data.val_fraction, p.data.ben
 json.dump({k: [c['id'] for c in v] for k, v in splits.items()} | {'kept_unseen': list(stats['kept_unseen'].values())},
           open('$W/conversation_ids.json', 'w'))
 print({k: len(v) for k, v in splits.items()}, stats['kept_unseen'])" || exit 3
-    cp "$OUT/summary.json" $W/ 2>/dev/null
     tar -C $W -czf "$OUT/release.tgz" release-smollm2/02_train/drafter release-smollm2/run.json \
       --exclude='*.ipynb' release-smollm2/00_prepare/result.json release-smollm2/01_extract/result.json \
       release-smollm2/02_train/result.json train.json train.log conversation_ids.json tiny-unseen.yaml \
