@@ -63,7 +63,7 @@ yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
     ours_env
     timeout -k 20 "${BUDGET_S:-540}" python3 benchmarks/served_al.py $RUN --params params/release-smollm2.yaml \
       --drafter release=$RUN/02_train/drafter --depths 1,2,3,5 --sets "held_out,mt_bench,humaneval,$G/data/gsm8k.jsonl" \
-      --per-set "${PER_SET:-10}" --parallel 4 --mem-fraction 0.12 --engine-flag=--disable-cuda-graph \
+      --per-set "${PER_SET:-10}" --parallel "${PARALLEL:-4}" --mem-fraction 0.12 --engine-flag=--disable-cuda-graph \
       --work $W/served --out "$OUT/summary.json" > "$OUT/serve.log" 2>&1; rc=$?; tail -n 25 "$OUT/serve.log"
     cp "$OUT/summary.json" $W/ 2>/dev/null; exit $rc ;;  # for bring, in this call or the next ($OUT is each call's)
   compare)
