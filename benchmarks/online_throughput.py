@@ -9,7 +9,8 @@
     online processes     the capture in a process of its own beside one trainer process (train.online_placement:
                          process; on one GPU the two share it, the states through host memory); left out with
                          --no-process
-    online ray actors    (extract.backend hf; added with --ray)
+    online ray actors    a capture actor and one trainer actor on a local Ray cluster (added with --ray; on one GPU
+                         each takes half of it; with sglang_inprocess the capture actor runs in engine.python)
 and the take-turns bound 1 / (1/capture + 1/train alone): what the two parts allow when they take turns.
 
     python -m eagle3lib run params/ci.yaml --to extract --set run.output_root=/tmp/bench-online
@@ -180,12 +181,11 @@ def main():
         modes.append(("offline (shards)", common))
     if not args.no_process:
         modes.append(("online processes", online_mode | {"train.online_placement": "process"}))
-    if p.extract.backend == "hf":
-        if args.ray:
-            ray_site = ROOT / ".ray-site"  # where the tests read Ray from, outside the workbook's environment
-            if ray_site.is_dir() and str(ray_site) not in sys.path:
-                sys.path.append(str(ray_site))
-            modes.append(("online ray actors", online_mode | {"train.online_placement": "ray"}))
+    if args.ray:  # with sglang_inprocess the capture actor runs in engine.python, which must have this Ray too
+        ray_site = ROOT / ".ray-site"  # where the tests read Ray from, outside the workbook's environment
+        if ray_site.is_dir() and str(ray_site) not in sys.path:
+            sys.path.append(str(ray_site))
+        modes.append(("online ray actors", online_mode | {"train.online_placement": "ray"}))
     # what the pipeline pulls ahead of the last step: the queue and a micro-batch being packed
     margin = (p.train.online_queue_batches + 2) * p.train.batch_rows * p.train.max_seq_len
     rows = []

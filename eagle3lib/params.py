@@ -200,7 +200,8 @@ class TrainParams(Section):
         "process sending to the nproc_per_node trainers through process groups of their own, not the default group "
         "(gloo on the CPU, NCCL on GPUs; with extract.backend sglang_inprocess the capture process runs in SGLang's "
         "interpreter); ray = a capture actor and nproc_per_node trainer actors placed by Ray, on this host or a "
-        "cluster's hosts, the states through Ray's object store (needs ray installed)",
+        "cluster's hosts, the states through Ray's object store (needs ray installed; with extract.backend "
+        "sglang_inprocess the capture actor runs in SGLang's interpreter on its --tp GPUs, which needs the same ray)",
     )
     ray_address: str | None = Field(
         None,
@@ -505,13 +506,6 @@ class Params(Section):
                 f"train.source: online captures with extract.backend hf (the target in the trainer's process) or "
                 f"sglang_inprocess (SGLang's model runner in the trainer's process, on GPUs); {backend!r} serves "
                 "states over HTTP and is not wired to online training: set one of those, or train.source: shards"
-            )
-        if backend == "sglang_inprocess" and train.online_placement == "ray":
-            raise ValueError(
-                "train.source: online with extract.backend sglang_inprocess runs SGLang's model runner in a thread of "
-                "one trainer process (train.online_placement: thread) or in a capture process beside "
-                "train.nproc_per_node trainers (train.online_placement: process), not in Ray's actors: set one of "
-                "those, or use extract.backend: hf with train.online_placement: ray"
             )
         if backend == "sglang_inprocess" and train.online_placement == "thread" and train.nproc_per_node > 1:
             raise ValueError(

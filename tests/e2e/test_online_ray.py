@@ -15,9 +15,10 @@ from test_train import (
     params_file,
     state,
 )
+from test_train_processes import wait_until_gone
 
 from eagle3lib.params import ParamsError, load_params
-from eagle3lib.train import TrainingError, launch
+from eagle3lib.train import TrainingError, launch, sources
 from eagle3lib.train.checkpoint import STATE_FILE
 from eagle3lib.train.sources import ray_actors
 from eagle3lib.train.sources.base import CAPTURE_SUMMARY
@@ -112,3 +113,44 @@ def test_without_ray_the_placement_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed: its import fails
     with pytest.raises(TrainingError, match=r"pip install 'ray>=2.52'"):
         ray_actors.import_ray()
+
+
+def interpreter(path: Path, marker: Path, *flags: str) -> str:
+    """A stand-in for SGLang's interpreter: this Python (with flags), each start written to marker."""
+    path.write_text(f'#!/bin/sh\necho "$@" >> {marker}\nexec {sys.executable} {" ".join(flags)} "$@"\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_sglang_inprocess_capture_actor_starts_in_sglangs_interpreter_and_fails_with_its_error(
+    tmp_path,
+    small_target,
+    local_ray,
+):
+    """extract.backend sglang_inprocess with online_placement: ray: Ray starts the capture actor's worker with
+    engine.python (py_executable; engine.env and this eagle3lib on its path), the trainer actor in this
+    interpreter. One without sglang fails in the actor's load: that error reaches the driver as raised and no actor
+    is left. One that cannot import this Ray is refused before a cluster or actor starts, saying how to install it.
+    (SGLang's capture itself runs on GPU hosts only.)"""
+    run = make_run(tmp_path, *small_target, COMMON | {"online_placement": "ray"})
+    marker = tmp_path / "started.txt"
+    over = {
+        "extract.backend": "sglang_inprocess",
+        "engine.name": "sglang",
+        "engine.python": interpreter(tmp_path / "sglang-python", marker),
+        "engine.env": {"PYTHONPATH": str(RAY_SITE)},  # Ray there: here it lives outside the environment
+    }
+    p = load_params(params_file(tmp_path), over)
+    assert type(sources.for_params(p)) is ray_actors.InEngineRay
+    with pytest.raises(ModuleNotFoundError, match=r"this interpreter \(.*\) has no sglang"):
+        launch.launch(p, str(run))
+    starts = marker.read_text().splitlines()
+    assert any("default_worker.py" in line for line in starts), starts  # Ray's worker, started by engine.python
+    assert wait_until_gone("ray::CaptureActor") == [] and wait_until_gone("ray::TrainerActor") == []
+    assert not (run / "02_train" / "drafter").exists()
+
+    no_ray = over | {"engine.python": interpreter(tmp_path / "bare-python", marker, "-S"), "engine.env": {}}
+    local_ray.shutdown()
+    with pytest.raises(TrainingError, match=r"(?s)needs this Ray \(2\.\d+.*No module named 'ray'.*pip install 'ray=="):
+        launch.launch(load_params(params_file(tmp_path), no_ray), str(run))
+    assert not local_ray.is_initialized()

@@ -263,8 +263,8 @@ def test_online_capture_process_run_killed_resumes_and_ends_as_an_uninterrupted_
 
 def test_online_sglang_inprocess_trains_in_sglangs_interpreter_and_fails_with_its_log(tmp_path, small_target):
     """launch.launch starts the stage in engine.python; an interpreter without sglang fails there, and the
-    error brings the reason and the log. The backends that serve states over HTTP, and placements other than a
-    thread of one trainer, are refused when the params load."""
+    error brings the reason and the log. The backends that serve states over HTTP, and several trainers in the
+    thread placement, are refused when the params load."""
     run_dir = make_run(tmp_path, *small_target, {"source": "online"})
     over = {"extract.backend": "sglang_inprocess", "engine.name": "sglang", "engine.python": sys.executable}
     with pytest.raises(TrainingError, match=r"(?s)exited 1.*has no sglang: start the stage with launch.launch"):
@@ -272,8 +272,6 @@ def test_online_sglang_inprocess_trains_in_sglangs_interpreter_and_fails_with_it
     assert "ModuleNotFoundError" in (run_dir / "02_train" / "sglang-online.log").read_text()
     with pytest.raises(ParamsError, match="'vllm' serves states over HTTP and is not wired to online training"):
         load_params(params_file(tmp_path), {"extract.backend": "vllm"})
-    with pytest.raises(ParamsError, match=r"not in Ray's actors: set one of those"):
-        load_params(params_file(tmp_path), {"extract.backend": "sglang_inprocess", "train.online_placement": "ray"})
     with pytest.raises(ParamsError, match=r"set train.nproc_per_node: 1 \(not 2\), or train.online_placement: process"):
         load_params(params_file(tmp_path), {"extract.backend": "sglang_inprocess", "train.nproc_per_node": 2})
 

@@ -632,6 +632,44 @@ def test_sglang_inprocess_online_in_a_capture_process_takes_its_tp_gpus_first_an
     )
 
 
+def test_ray_placement_gives_the_sglang_capture_its_tp_gpus_and_shares_one_gpu_with_one_trainer(tmp_path, monkeypatch):
+    """online_placement: ray: the capture actor's bundle holds SGLang's --tp GPUs (one node's) with
+    extract.backend sglang_inprocess, one GPU with hf, and each trainer's one; on a cluster of one GPU, a one-GPU
+    capture and one trainer take half of it each (Ray's fractional GPUs), and the plan says they take turns.
+    (Ray itself is not needed to choose the bundles.)"""
+    from eagle3lib.train import sources
+    from eagle3lib.train.sources.ray_actors import InEngineRay, RayActors
+
+    params = tmp_path / "p.yaml"
+    params.write_text("run: {name: t}\n")
+    ray_gpus = {"train.source": "online", "train.online_placement": "ray", "target.device": "cuda"}
+    sglang = {"extract.backend": "sglang_inprocess", "engine.name": "sglang", "engine.extra_args": ["--tp", "8"]}
+    kimi = load_params(params, ray_gpus | sglang | {"train.nproc_per_node": 4})
+    placement = sources.for_params(kimi)
+    assert type(placement) is InEngineRay
+    node = {"CPU": 1, "GPU": 8}
+    assert placement.bundles(kimi, {"GPU": 16}) == [node] + [{"CPU": 1, "GPU": 1}] * 4
+    assert placement.bundles(kimi, {"GPU": 1}) == [node] + [{"CPU": 1, "GPU": 1}] * 4  # place() refuses it
+    one = load_params(params, ray_gpus | sglang | {"engine.extra_args": []})
+    assert sources.for_params(one).bundles(one, {"GPU": 1}) == [{"CPU": 1, "GPU": 0.5}] * 2
+    assert sources.for_params(one).bundles(one, {"GPU": 2}) == [{"CPU": 1, "GPU": 1}] * 2
+    hf = load_params(params, ray_gpus | {"train.nproc_per_node": 2})
+    assert type(sources.for_params(hf)) is RayActors
+    assert sources.for_params(hf).bundles(hf, {"GPU": 1}) == [{"CPU": 1, "GPU": 1}] * 3  # two trainers: no share
+    cpu = load_params(params, ray_gpus | {"target.device": "cpu"})
+    assert sources.for_params(cpu).bundles(cpu, {"CPU": 2}) == [{"CPU": 1}] * 2
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)  # the plan on a host of one GPU
+    assert sources.for_params(one).device_split(one) == (
+        "Ray places a capture actor and 1 trainer actor on this host's one GPU, half of it each (object store)",
+        True,
+    )
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 16)
+    split = placement.device_split(kimi)
+    assert "capture actor (SGLang's interpreter) on 8 GPU(s) of one node and 4 trainer actor(s)" in split[0]
+    assert not split[1]
+
+
 def test_keep_best_writes_the_best_evaluated_state_and_a_spoiling_fine_tune_keeps_its_start(tmp_path, small_target):
     """train.keep_best_at: the drafter written is the evaluated state with the highest est. AL at that depth, the
     one training started from included: a fine-tune at a learning rate that spoils a trained drafter writes the

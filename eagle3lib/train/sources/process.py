@@ -180,6 +180,14 @@ class GpuLayout:
     shared: bool
 
 
+def engine_tp_gpus(p) -> int:
+    """The GPUs SGLang's model runner takes as the capture: its --tp (engine.extra_args), 1 without one."""
+    from eagle3lib.engines.sglang import tp_size
+    from eagle3lib.extract.backends import engine_settings
+
+    return tp_size(engine_settings(p, "sglang")["extra_args"])
+
+
 def _without_torchrun(env: dict) -> dict:
     return {k: v for k, v in env.items() if k not in TORCHRUN_VARS}
 
@@ -205,10 +213,7 @@ class InEngineProcess(CaptureProcess):
         return command, _without_torchrun(module_env({**engine["env"], **env}))
 
     def capture_gpus(self, p) -> int:
-        from eagle3lib.engines.sglang import tp_size
-        from eagle3lib.extract.backends import engine_settings
-
-        return tp_size(engine_settings(p, "sglang")["extra_args"])
+        return engine_tp_gpus(p)
 
     def device_split(self, p) -> tuple[str, bool]:
         k, n = self.capture_gpus(p), p.train.nproc_per_node
