@@ -438,7 +438,10 @@ class RayActors(OnlinePlacement):
         trainers = p.train.nproc_per_node
         if p.target.device.startswith("cuda"):
             if self.shares_gpu(p, local_gpus(p)):
-                return "Ray places a capture actor and 1 trainer actor on this host's one GPU, half of it each (object store)", True
+                return (
+                    "Ray places a capture actor and 1 trainer actor on this host's one GPU, half of it each (object store)",
+                    True,
+                )
             split = f"Ray places a capture actor on a GPU and {trainers} trainer actor(s) on a GPU each (object store)"
             return split, False
         # as the processes: the cores of one CPU, unless a cluster has more
@@ -455,10 +458,10 @@ class InEngineRay(RayActors):
         return bundle(p.target.device.startswith("cuda"), engine_tp_gpus(p))
 
     def capture_runtime_env(self, p, ray) -> dict:
-        """Ray's py_executable: SGLang's interpreter, with this eagle3lib first on its path and engine.env; checked
+        """Ray's py_executable: SGLang's interpreter, with engine.env and this eagle3lib first on its path; checked
         here first (on this host) to import this Ray and this eagle3lib, since a worker that cannot start leaves
         Ray retrying it."""
-        from eagle3lib.engines.interpreter import REPO
+        from eagle3lib.engines.interpreter import module_env
         from eagle3lib.extract.backends import engine_settings
 
         engine = engine_settings(p, "sglang")
@@ -468,8 +471,9 @@ class InEngineRay(RayActors):
                 "train.source: online with extract.backend sglang_inprocess captures in SGLang's interpreter and none "
                 "was found: set engine.name: sglang and engine.python, or build .venv-sglang (make sglang-env)"
             )
-        env = {k: str(v) for k, v in engine["env"].items()}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+        # engine.env, and the path the process placement's capture gets: this eagle3lib first, then engine.env's
+        # PYTHONPATH or this process's (a Ray worker otherwise inherits its raylet's environment)
+        env = {k: str(v) for k, v in engine["env"].items()} | {"PYTHONPATH": module_env(engine["env"])["PYTHONPATH"]}
         check = "import ray, eagle3lib; print(ray.__version__)"
         proc = subprocess.run(
             [python, "-c", check], env={**os.environ, **env}, capture_output=True, text=True, timeout=300
