@@ -20,7 +20,7 @@ from test_train_processes import wait_until_gone
 from eagle3lib.params import ParamsError, load_params
 from eagle3lib.train import TrainingError, launch, sources
 from eagle3lib.train.checkpoint import STATE_FILE
-from eagle3lib.train.sources import ray_actors
+from eagle3lib.train.sources import ray_actors, ray_link
 from eagle3lib.train.sources.base import CAPTURE_SUMMARY
 
 # Ray goes into .ray-site, outside the workbook's environment (it is needed by this placement only).
@@ -112,7 +112,7 @@ def test_two_ray_trainers_sum_their_gradients_as_one_trainer_does(
 def test_without_ray_the_placement_says_how_to_install_it(monkeypatch):
     monkeypatch.setitem(sys.modules, "ray", None)  # as if not installed: its import fails
     with pytest.raises(TrainingError, match=r"pip install 'ray>=2.52'"):
-        ray_actors.import_ray()
+        ray_link.import_ray()
 
 
 def interpreter(path: Path, marker: Path, *flags: str) -> str:
@@ -153,4 +153,6 @@ def test_sglang_inprocess_capture_actor_starts_in_sglangs_interpreter_and_fails_
     local_ray.shutdown()
     with pytest.raises(TrainingError, match=r"(?s)needs this Ray \(2\.\d+.*No module named 'ray'.*pip install 'ray=="):
         launch.launch(load_params(params_file(tmp_path), no_ray), str(run))
+    with pytest.raises(TrainingError, match=r"(?s)interpreter \(/nowhere/python\).*FileNotFoundError"):
+        launch.launch(load_params(params_file(tmp_path), over | {"engine.python": "/nowhere/python"}), str(run))
     assert not local_ray.is_initialized()
