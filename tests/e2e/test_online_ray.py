@@ -3,8 +3,10 @@ drafter the capture thread trains, a rerun resumes from the checkpoint's positio
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,12 +17,12 @@ from test_train import (
     params_file,
     state,
 )
-from test_train_processes import wait_until_gone
+from test_train_processes import LAUNCH, wait_until_gone
 
 from eagle3lib.params import ParamsError, load_params
 from eagle3lib.train import TrainingError, launch, sources
 from eagle3lib.train.checkpoint import STATE_FILE
-from eagle3lib.train.sources import ray_actors, ray_link
+from eagle3lib.train.sources import ray_actors, ray_link, ray_reaper
 from eagle3lib.train.sources.base import CAPTURE_SUMMARY
 
 # Ray goes into .ray-site, outside the workbook's environment (it is needed by this placement only).
@@ -88,6 +90,49 @@ def test_ray_actors_train_what_the_thread_does_and_resume_from_the_checkpoint(
         launch.run_stage(load_params(params_file(tmp_path)), str(run))
     with pytest.raises(ParamsError, match="train.ray_address only applies to train.online_placement: ray"):
         load_params(params_file(tmp_path), {"train.online_placement": "thread", "train.ray_address": "h:1"})
+
+
+def test_a_killed_ray_stage_leaves_no_ray_process_and_resumes_to_the_uninterrupted_drafter(tmp_path, small_target):
+    """kill -9 of the process that runs the stage (the Ray driver, which started the local cluster) once a checkpoint
+    is written: no process of its cluster is left (Ray's agents outlived their driver before ray_reaper.py), and
+    the stage run again resumes from the checkpoint to the drafter the capture thread trains uninterrupted, byte for
+    byte."""
+    longer = COMMON | {"grad_accum": 2, "max_tokens": 128 * 2 * 6}
+    ref = make_run(tmp_path / "thread", *small_target, longer)
+    env = os.environ | {"OMP_NUM_THREADS": "1"}
+    launch_ref = [sys.executable, "-m", "eagle3lib.train.launch", params_file(tmp_path / "thread"), str(ref)]
+    subprocess.run(launch_ref, env=env, check=True, capture_output=True)
+    run = make_run(tmp_path / "ray", *small_target, longer | {"online_placement": "ray"})
+    path = os.pathsep.join(filter(None, [str(RAY_SITE), os.environ.get("PYTHONPATH")]))
+    before = set(Path("/tmp").glob("eagle3-ray-*"))  # the Ray temp dirs start_local makes, one a cluster
+    driver = subprocess.Popen(
+        [sys.executable, "-c", LAUNCH, params_file(tmp_path / "ray"), str(run)],
+        env=os.environ | {"PYTHONPATH": path},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    first = run / "02_train" / "checkpoints" / "step_0000003" / STATE_FILE
+    deadline = time.time() + 240
+    while not first.exists() and time.time() < deadline and driver.poll() is None:
+        time.sleep(0.05)
+    (folder,) = set(Path("/tmp").glob("eagle3-ray-*")) - before
+    assert len(ray_reaper.holding(folder)) >= 5, (
+        "the cluster's processes (GCS, raylet, agents, actors) hold files there"
+    )
+    driver.send_signal(signal.SIGKILL)
+    assert driver.wait() == -signal.SIGKILL, "training finished before it could be killed"
+    deadline = time.time() + 40
+    while ray_reaper.holding(folder) and time.time() < deadline:
+        time.sleep(0.2)
+    assert ray_reaper.holding(folder) == [], "a process of the killed stage's Ray cluster outlived it"
+    assert not (run / "02_train" / "drafter").exists()
+
+    s = launch.launch(load_params(params_file(tmp_path / "ray")), str(run))
+    capture = json.loads((run / "02_train" / CAPTURE_SUMMARY).read_text())
+    assert s["steps"] == 6 and capture["started_at"]["sequence"] > 0
+    a, b = state(ref / "02_train" / "drafter"), state(run / "02_train" / "drafter")
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
 
 
 def test_two_ray_trainers_sum_their_gradients_as_one_trainer_does(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -30,6 +31,7 @@ from eagle3lib.train.sources.ray_link import CaptureActor, RayCaptureClient, Tra
 PLACE_TIMEOUT_S = 120  # a cluster whose free resources fit the totals but no node takes an actor: say so, not hang
 CLOSE_TIMEOUT_S = 120  # the capture's engine stopping (its ranks' processes ending) before its actor is killed
 LOCAL_STORE_MIN = 128 * 2**20  # the local cluster's object store floor; Ray spills to disk past it (slower, same)
+REAPER = Path(__file__).resolve().parent / "ray_reaper.py"  # run, not imported: stdlib only
 
 
 # -------------------------------------------------------------------------------- the driver ----
@@ -47,22 +49,34 @@ def connect(ray, p) -> None:
         start_local(ray, store_bytes(p))
 
 
-def start_local(ray, object_store_bytes: int, num_cpus: int | None = None) -> None:
+def start_local(ray, object_store_bytes: int, num_cpus: int | None = None) -> Path:
     """A Ray cluster on this host for this process: num_cpus (default this host's cores), a small object store, no
-    dashboard."""
+    dashboard, Ray's temp dir a folder of its own (returned); its processes are ended with this one however it
+    dies (ray_reaper.py)."""
     # its processes (the agents, the actors) import the ray and eagle3lib this process imported, even from a folder
-    # only on sys.path (tests' .ray-site): they inherit this environment while ray.init starts them
+    # only on sys.path (tests' .ray-site): they inherit this environment while ray.init starts them. Under /tmp:
+    # Ray's socket paths must stay under 107 bytes.
+    folder = Path(tempfile.mkdtemp(prefix="eagle3-ray-", dir="/tmp"))
     homes = {str(Path(m.__file__).resolve().parents[1]) for m in (ray, sys.modules["eagle3lib"])}
-    before = os.environ.get("PYTHONPATH")
-    path = [*sorted(homes), *filter(None, (before or "").split(os.pathsep))]
-    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(path))
+    before = {k: os.environ.get(k) for k in ("PYTHONPATH", "RAY_TMPDIR")}
+    path = [*sorted(homes), *filter(None, (before["PYTHONPATH"] or "").split(os.pathsep))]
+    os.environ.update({"PYTHONPATH": os.pathsep.join(dict.fromkeys(path)), "RAY_TMPDIR": str(folder)})
     try:
         ray.init(num_cpus=num_cpus or os.cpu_count(), object_store_memory=object_store_bytes, include_dashboard=False)
     finally:
-        if before is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = before
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    subprocess.Popen(
+        [sys.executable, str(REAPER), str(os.getpid()), str(folder)],
+        start_new_session=True,  # not in this process's group: a Ctrl-C here does not end it first
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    return folder
 
 
 def store_bytes(p) -> int:
