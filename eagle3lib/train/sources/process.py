@@ -180,6 +180,20 @@ class GpuLayout:
     shared: bool
 
 
+def sglang_engine(p) -> dict:
+    """engine_settings for the sglang_inprocess capture, whose interpreter must exist (a capture process or actor
+    runs in it)."""
+    from eagle3lib.extract.backends import engine_settings
+
+    engine = engine_settings(p, "sglang")
+    if engine["python"] is None:
+        raise FileNotFoundError(
+            "train.source: online with extract.backend sglang_inprocess captures in SGLang's interpreter and none "
+            "was found: set engine.name: sglang and engine.python, or build .venv-sglang (make sglang-env)"
+        )
+    return engine
+
+
 def engine_tp_gpus(p) -> int:
     """The GPUs SGLang's model runner takes as the capture: its --tp (engine.extra_args), 1 without one."""
     from eagle3lib.engines.sglang import tp_size
@@ -201,14 +215,8 @@ class InEngineProcess(CaptureProcess):
 
     def capture_command(self, run: StageRun, env: dict) -> tuple[list[str], dict]:
         from eagle3lib.engines.interpreter import module_env
-        from eagle3lib.extract.backends import engine_settings
 
-        engine = engine_settings(run.p, "sglang")
-        if engine["python"] is None:
-            raise FileNotFoundError(
-                "train.source: online with extract.backend sglang_inprocess captures in SGLang's interpreter and none "
-                "was found: set engine.name: sglang and engine.python, or build .venv-sglang (make sglang-env)"
-            )
+        engine = sglang_engine(run.p)
         command = [engine["python"], "-m", TRAIN_ENTRY, *run.command_args()]
         return command, _without_torchrun(module_env({**engine["env"], **env}))
 

@@ -25,7 +25,7 @@ import torch
 
 from eagle3lib.train import TrainingError, online
 from eagle3lib.train.sources.base import OnlinePlacement, StageProcess, StageRun
-from eagle3lib.train.sources.process import engine_tp_gpus
+from eagle3lib.train.sources.process import engine_tp_gpus, sglang_engine
 from eagle3lib.train.sources.ray_link import CaptureActor, RayCaptureClient, TrainerActor, actor_overrides, import_ray
 
 PLACE_TIMEOUT_S = 120  # a cluster whose free resources fit the totals but no node takes an actor: say so, not hang
@@ -269,15 +269,9 @@ class InEngineRay(RayActors):
         here first (on this host) to import this Ray and this eagle3lib, since a worker that cannot start leaves
         Ray retrying it."""
         from eagle3lib.engines.interpreter import module_env
-        from eagle3lib.extract.backends import engine_settings
 
-        engine = engine_settings(p, "sglang")
+        engine = sglang_engine(p)
         python = engine["python"]
-        if python is None:
-            raise FileNotFoundError(
-                "train.source: online with extract.backend sglang_inprocess captures in SGLang's interpreter and none "
-                "was found: set engine.name: sglang and engine.python, or build .venv-sglang (make sglang-env)"
-            )
         # engine.env, and the path the process placement's capture gets: this eagle3lib first, then engine.env's
         # PYTHONPATH or this process's (a Ray worker otherwise inherits its raylet's environment)
         env = {k: str(v) for k, v in engine["env"].items()} | {"PYTHONPATH": module_env(engine["env"])["PYTHONPATH"]}
