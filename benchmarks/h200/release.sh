@@ -9,8 +9,12 @@
 #                                            session, so that it outlives the call
 #   bash benchmarks/h200/release.sh wait     until it ends (WAIT_S at most; exit 9 while it runs)
 #   bash benchmarks/h200/release.sh serve    served and predicted AL per set at depths 1, 2, 3, 5 (summary.json)
+#   bash benchmarks/h200/release.sh shipped  the shipped drafter's served AL at depth 3 on compare's prompts, in the
+#                                            background once train's 00_prepare has ended (the GPU has room for
+#                                            one more server beside the training)
 #   bash benchmarks/h200/release.sh compare  served AL at depth 3 against the shipped drafter, seven sets
-#                                            (summary-compare.json; here: benchmarks/al_interval.py)
+#                                            (summary-compare.json; the shipped drafter's rows from `shipped` where
+#                                            it ran, else served here too; here: benchmarks/al_interval.py)
 #   bash benchmarks/h200/release.sh bring    the drafter and its records, one archive, into $OUT
 # Here: python benchmarks/release_drafter.py ARCHIVE writes drafters/smollm2-135m-instruct/ (provenance.json);
 # an archive over 15 MB comes back in parts: cat release.tgz.part-* > release.tgz first.
@@ -27,6 +31,12 @@ ours_env() {
     HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 }
 RUN=$W/release-smollm2
+compared() {  # served AL at depth 3, 30 prompts of each of seven sets: the same prompts for every drafter
+  timeout -k 20 "${BUDGET_S:-540}" python3 benchmarks/served_al.py $RUN --params params/release-smollm2.yaml \
+    --depths "${DEPTHS:-3}" --per-set "${PER_SET:-30}" --no-offline --parallel 2 --mem-fraction 0.12 \
+    --sets "held_out,mt_bench,humaneval,/tmp/data/gsm8k.jsonl,/tmp/data/alpaca.jsonl,/tmp/data/sum.jsonl,/tmp/data/qa.jsonl" \
+    --engine-flag=--disable-cuda-graph "$@"
+}
 
 case "${1:-}" in
   train)
@@ -42,7 +52,8 @@ yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
     # in the commit that ships the drafter they make (its provenance test draws the shipped splits again)
     # fp8 shards: ~10 M tokens at 4.6 KB a token in bf16 would be 46 of the machine's 64 GB free
     MORE_SET=""; [ "${MORE:-0}" = 1 ] && MORE_SET="--set data.max_conversations=100000 \
-      --set data.regenerate.budget_tokens=4000000 --set data.regenerate.max_minutes=6 --set train.max_minutes=8 \
+      --set data.regenerate.budget_tokens=4000000 --set data.regenerate.max_minutes=${REGEN_MIN:-6} \
+      --set train.max_minutes=${TRAIN_MIN:-8} \
       --set extract.store_dtype=float8_e4m3fn"
     # VOCAB=N: a draft vocabulary of N tokens (release-smollm2.yaml's 2,048 covers 78% of the embedded replies'
     # tokens, 8,192 91%); params/tiny.yaml's fine-tune must then take the same
@@ -55,14 +66,18 @@ yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
   wait)
     t0=$(date +%s)
     until [ -f $W/train.done ]; do
-      [ $(( $(date +%s) - t0 )) -ge "${WAIT_S:-540}" ] && { echo "still running"; tail -n 5 $W/train.log; exit 9; }
+      [ $(( $(date +%s) - t0 )) -ge "${WAIT_S:-540}" ] && { echo "still running"; tail -n 5 $W/train.log
+        [ -f $W/shipped.log ] && { echo "shipped: $(cat $W/shipped.done 2>/dev/null || echo running)"; tail -n 4 $W/shipped.log; }
+        exit 9; }
       sleep 10
     done
-    cat $W/train.done; tail -n 25 $W/train.log; exit 0 ;;
+    cat $W/train.done; tail -n 25 $W/train.log
+    [ -f $W/shipped.log ] && { echo "shipped: $(cat $W/shipped.done 2>/dev/null || echo running)"; tail -n 8 $W/shipped.log; }
+    exit 0 ;;
   serve)
     ours_env
     timeout -k 20 "${BUDGET_S:-540}" python3 benchmarks/served_al.py $RUN --params params/release-smollm2.yaml \
-      --drafter release=$RUN/02_train/drafter --depths 1,2,3,5 --sets "held_out,mt_bench,humaneval,$G/data/gsm8k.jsonl" \
+      --drafter release=$RUN/02_train/drafter --depths "${DEPTHS:-1,2,3,5}" --sets "held_out,mt_bench,humaneval,$G/data/gsm8k.jsonl" \
       --per-set "${PER_SET:-10}" --parallel "${PARALLEL:-4}" --mem-fraction 0.12 --engine-flag=--disable-cuda-graph \
       --work $W/served --out "$OUT/summary.json" > "$OUT/serve.log" 2>&1; rc=$?; tail -n 25 "$OUT/serve.log"
     cp "$OUT/summary.json" $W/ 2>/dev/null; exit $rc ;;  # for bring, in this call or the next ($OUT is each call's)
@@ -71,12 +86,29 @@ yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
     # four sets and EAGLE's alpaca, sum and qa, which neither trained on (the held-out set is this run's bench, which
     # the shipped drafter may have trained on: it saw 5,816 of the first 6,000 conversations)
     ours_env
-    timeout -k 20 "${BUDGET_S:-540}" python3 benchmarks/served_al.py $RUN --params params/release-smollm2.yaml \
-      --drafter release=$RUN/02_train/drafter --drafter shipped=drafters/smollm2-135m-instruct --base shipped:defaults \
-      --depths "${DEPTHS:-3}" --per-set "${PER_SET:-30}" --no-offline --parallel 2 --mem-fraction 0.12 \
-      --sets "held_out,mt_bench,humaneval,/tmp/data/gsm8k.jsonl,/tmp/data/alpaca.jsonl,/tmp/data/sum.jsonl,/tmp/data/qa.jsonl" \
-      --engine-flag=--disable-cuda-graph --work $W/compared --out "$OUT/summary-compare.json" > "$OUT/compare.log" 2>&1
-    rc=$?; tail -n 25 "$OUT/compare.log"; exit $rc ;;
+    if [ -f $W/shipped.done ] && grep -q "rc 0" $W/shipped.done; then
+      DRAFTERS=(--drafter release=$RUN/02_train/drafter)  # the shipped one's rows: `shipped`'s
+    else
+      DRAFTERS=(--drafter release=$RUN/02_train/drafter --drafter shipped=drafters/smollm2-135m-instruct --base shipped:defaults)
+    fi
+    compared "${DRAFTERS[@]}" --work $W/compared --out "$OUT/summary-compare.json" > "$OUT/compare.log" 2>&1
+    rc=$?; tail -n 25 "$OUT/compare.log"
+    if [ ${#DRAFTERS[@]} = 2 ] && [ $rc = 0 ]; then
+      cp $W/summary-shipped.json "$OUT/" && python3 benchmarks/al_interval.py "$OUT/summary-compare.json" \
+        "$OUT/summary-shipped.json" --base shipped:defaults | tee "$OUT/compare-ratio.txt"
+    fi
+    exit $rc ;;
+  shipped)
+    # in its own session, so that it outlives the call; it waits for train's 00_prepare (the held-out prompts)
+    rm -f $W/shipped.done
+    setsid -f bash -c 'until [ -f "$1/00_prepare/result.json" ] || [ -f "$2/train.done" ]; do sleep 10; done
+      bash "$3" shipped-now > "$2/shipped.log" 2>&1 < /dev/null; echo "rc $?" > "$2/shipped.done"' \
+      _ "$RUN" "$W" "$0" > /dev/null 2>&1 < /dev/null
+    echo "shipped: waiting for $RUN/00_prepare/result.json"; exit 0 ;;
+  shipped-now)
+    ours_env
+    [ -f $RUN/00_prepare/result.json ] || { echo "no 00_prepare in $RUN"; exit 3; }
+    compared --drafter shipped=drafters/smollm2-135m-instruct --work $W/compared-shipped --out $W/summary-shipped.json ;;
   bring)
     ours_env
     # the ids of each split, as 00_prepare drew them (load_pool, split_conversations): the disjointness check here
