@@ -92,10 +92,10 @@ yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
       DRAFTERS=(--drafter release=$RUN/02_train/drafter --drafter shipped=drafters/smollm2-135m-instruct --base shipped:defaults)
     fi
     compared "${DRAFTERS[@]}" --work $W/compared --out "$OUT/summary-compare.json" > "$OUT/compare.log" 2>&1
-    rc=$?; tail -n 25 "$OUT/compare.log"
+    rc=$?; tail -n 25 "$OUT/compare.log"; cp "$OUT/summary-compare.json" $W/ 2>/dev/null  # for bring
     if [ ${#DRAFTERS[@]} = 2 ] && [ $rc = 0 ]; then
       cp $W/summary-shipped.json "$OUT/" && python3 benchmarks/al_interval.py "$OUT/summary-compare.json" \
-        "$OUT/summary-shipped.json" --base shipped:defaults | tee "$OUT/compare-ratio.txt"
+        "$OUT/summary-shipped.json" --base shipped:defaults | tee "$OUT/compare-ratio.txt"; cp "$OUT/compare-ratio.txt" $W/
     fi
     exit $rc ;;
   shipped)
@@ -127,7 +127,7 @@ print({k: len(v) for k, v in splits.items()}, stats['kept_unseen'])" || exit 3
     tar -C $W -czf "$OUT/release.tgz" release-smollm2/02_train/drafter release-smollm2/run.json \
       --exclude='*.ipynb' release-smollm2/00_prepare/result.json release-smollm2/01_extract/result.json \
       release-smollm2/02_train/result.json train.json train.log conversation_ids.json tiny-unseen.yaml \
-      $( [ -f $W/summary.json ] && echo summary.json ) || exit 4
+      $(cd $W && ls summary.json summary-compare.json summary-shipped.json compare-ratio.txt shipped.log 2>/dev/null) || exit 4
     # a file over 16 MiB does not come back from the device: a larger draft vocabulary's archive goes in parts
     # (here: cat release.tgz.part-* > release.tgz)
     if [ "$(stat -c %s "$OUT/release.tgz")" -gt 15000000 ]; then
