@@ -59,6 +59,18 @@ def main() -> int:
         json.dumps({k: ids[k] for k in ("train", "val", "bench")}, separators=(",", ":")) + "\n"
     )
 
+    # release.sh compare: this drafter and the one it replaces on the same prompts (30 a set at depth 3), with
+    # al_interval.py's ratio where it ran
+    compared = {}
+    if (src / "summary-compare.json").exists():
+        rows = json.loads((src / "summary-compare.json").read_text())["rows"]
+        if (src / "summary-shipped.json").exists():
+            rows += json.loads((src / "summary-shipped.json").read_text())["rows"]
+        for r in rows:
+            if r.get("served_al") is not None and r["set"] != "val":
+                compared.setdefault(r["trainer"], {})[r["set"]] = round(r["served_al"], 4)
+        if (src / "compare-ratio.txt").exists():
+            compared["ratio_to_shipped"] = (src / "compare-ratio.txt").read_text().strip()
     prepare, train = results["00_prepare"]["figures"], results["02_train"]["figures"]
     by_depth = {}
     for row in served["rows"]:
@@ -94,7 +106,7 @@ def main() -> int:
             "dtype": train.get("dtype_auto"),
             "drafter_params": train["drafter_params"],
             "stage_seconds": {s: results[s]["seconds"] for s in STAGES},
-            "gpu": "one NVIDIA H200",
+            "gpu": ", ".join((run_json.get("machine") or {}).get("gpus") or ["unknown"]),
             "gpu_wall_s": measured["wall_s"],
             "gpu_peak_gib": measured["gpu_peak_gib"],
         },
@@ -111,6 +123,7 @@ def main() -> int:
             "accept_len_mean": {str(m["depth"]): round(m["served_al_mean"], 4) for m in served["means"]},
             "accept_len": by_depth,
         },
+        **({"compared_with_shipped": compared} if compared else {}),
         "stored_dtype": "bfloat16",
         "files": {
             name: sha256(out / name)
