@@ -7,7 +7,10 @@
 # The H200, back to back (one device call each): peers.sh stage1, stage2, stage3 (their carries: peers.sh), then
 #   bash benchmarks/h200/release.sh train    the run (regeneration, extraction, training: ~15 min) in its own
 #                                            session, so that it outlives the call
+#                                            (TO=prepare: only the regeneration, for a session too short for all)
 #   bash benchmarks/h200/release.sh wait     until it ends (WAIT_S at most; exit 9 while it runs)
+#   bash benchmarks/h200/release.sh bring-prepared   after TO=prepare: 00_prepare into $OUT; a later session
+#                                            carries it as $G/release-prepared and its train skips the regeneration
 #   bash benchmarks/h200/release.sh serve    served and predicted AL per set at depths 1, 2, 3, 5 (summary.json)
 #   bash benchmarks/h200/release.sh shipped  the shipped drafter's served AL at depth 3 on compare's prompts, in the
 #                                            background once train's 00_prepare has ended (the GPU has room for
@@ -47,6 +50,11 @@ p = yaml.safe_load(open('params/tiny.yaml'))
 p['data']['sources'] = ['$SHAREGPT']
 yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
     rm -f $W/train.done
+    # an earlier session's 00_prepare (its `bring-prepared`), carried as $G/release-prepared: the run skips the
+    # regeneration where params and notebook are the same (the stage's hash), and prepares afresh otherwise
+    if ls $G/release-prepared/release-prepared.tgz* > /dev/null 2>&1; then
+      cat $G/release-prepared/release-prepared.tgz* | tar -C $W -xzf - && echo "train: 00_prepare restored" || exit 3
+    fi
     # MORE=1 (issue 43 item 2): every embedded conversation less tiny.yaml's val and bench, as many of their
     # replies regenerated as 6 minutes allow, 8 minutes of training; params/release-smollm2.yaml takes these values
     # in the commit that ships the drafter they make (its provenance test draws the shipped splits again)
@@ -59,9 +67,9 @@ yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
     # tokens, 8,192 91%); params/tiny.yaml's fine-tune must then take the same
     [ -n "${VOCAB:-}" ] && MORE_SET="$MORE_SET --set train.draft_vocab_size=$VOCAB"
     setsid -f bash -c 'python3 benchmarks/peers.py measure "$1/train.json" -- python3 -m eagle3lib run \
-        params/release-smollm2.yaml --to train --set run.output_root="$1" --set "data.sources=[$2]" \
+        params/release-smollm2.yaml --to "$4" --set run.output_root="$1" --set "data.sources=[$2]" \
         --set "data.keep_unseen=[$1/tiny-unseen.yaml]" $3 > "$1/train.log" 2>&1 < /dev/null; echo "rc $?" > "$1/train.done"' \
-      _ "$W" "$SOURCES" "$MORE_SET" > /dev/null 2>&1 < /dev/null  # nothing of the call's pipes held: the call returns
+      _ "$W" "$SOURCES" "$MORE_SET" "${TO:-train}" > /dev/null 2>&1 < /dev/null  # nothing of the call's pipes held: the call returns
     sleep 45; tail -n 5 $W/train.log; exit 0 ;;
   wait)
     t0=$(date +%s)
@@ -109,6 +117,15 @@ yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
     ours_env
     [ -f $RUN/00_prepare/result.json ] || { echo "no 00_prepare in $RUN"; exit 3; }
     compared --drafter shipped=drafters/smollm2-135m-instruct --work $W/compared-shipped --out $W/summary-shipped.json ;;
+  bring-prepared)
+    # the regenerated conversations (00_prepare, after `TO=prepare train` and `wait`), for a later session's train:
+    # there, carry them as $G/release-prepared (cat release-prepared.tgz.part-* > release-prepared.tgz is not needed)
+    grep -q "rc 0" $W/train.done || { echo "00_prepare has not ended well: $(cat $W/train.done 2>/dev/null)"; exit 3; }
+    tar -C $W -czf "$OUT/release-prepared.tgz" release-smollm2/00_prepare || exit 4
+    if [ "$(stat -c %s "$OUT/release-prepared.tgz")" -gt 15000000 ]; then
+      split -b 15000000 "$OUT/release-prepared.tgz" "$OUT/release-prepared.tgz.part-" && rm "$OUT/release-prepared.tgz" || exit 5
+    fi
+    cp $RUN/00_prepare/result.json "$OUT/00_prepare_result.json"; ls -la "$OUT"; exit 0 ;;
   bring)
     ours_env
     # the ids of each split, as 00_prepare drew them (load_pool, split_conversations): the disjointness check here
