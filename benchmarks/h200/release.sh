@@ -46,8 +46,11 @@ case "${1:-}" in
     ours_env
     python3 -c "
 import yaml
+import os
 p = yaml.safe_load(open('params/tiny.yaml'))
 p['data']['sources'] = ['$SHAREGPT']
+# its paths are relative to params/, and this copy lives in $W: the released drafter it starts from, by full path
+p['train']['init_from'] = os.path.abspath(os.path.join('params', p['train']['init_from']))
 yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
     rm -f $W/train.done
     # an earlier session's 00_prepare (its `bring-prepared`), carried as $G/release-prepared: the run skips the
