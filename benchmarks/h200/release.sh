@@ -19,6 +19,10 @@
 #                                            (summary-compare.json; the shipped drafter's rows from `shipped` where
 #                                            it ran, else served here too; here: benchmarks/al_interval.py)
 #   bash benchmarks/h200/release.sh bring    the drafter and its records, one archive, into $OUT
+# The remake (MORE=1) in two sessions, when one is too short: TO=prepare train, wait, bring-prepared (the
+# regenerated conversations, 16 MB in two parts: keep them as $G/release-prepared); then carry $G/release-prepared
+# with stage5's $G/data2, and MORE=1 train skips 00_prepare (its log says "unchanged, skipped"; it prepares afresh
+# if notebooks/00_prepare.ipynb or the params of its hash changed since).
 # Here: python benchmarks/release_drafter.py ARCHIVE writes drafters/smollm2-135m-instruct/ (provenance.json);
 # an archive over 15 MB comes back in parts: cat release.tgz.part-* > release.tgz first.
 #
@@ -59,11 +63,12 @@ yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
       cat $G/release-prepared/release-prepared.tgz* | tar -C $W -xzf - && echo "train: 00_prepare restored" || exit 3
     fi
     # MORE=1 (issue 43 item 2): every embedded conversation less tiny.yaml's val and bench, as many of their
-    # replies regenerated as 6 minutes allow, 8 minutes of training; params/release-smollm2.yaml takes these values
+    # replies regenerated as 4 minutes allow (the carried 00_prepare's: another REGEN_MIN prepares afresh), 8
+    # minutes of training; params/release-smollm2.yaml takes these values
     # in the commit that ships the drafter they make (its provenance test draws the shipped splits again)
     # fp8 shards: ~10 M tokens at 4.6 KB a token in bf16 would be 46 of the machine's 64 GB free
     MORE_SET=""; [ "${MORE:-0}" = 1 ] && MORE_SET="--set data.max_conversations=100000 \
-      --set data.regenerate.budget_tokens=4000000 --set data.regenerate.max_minutes=${REGEN_MIN:-6} \
+      --set data.regenerate.budget_tokens=4000000 --set data.regenerate.max_minutes=${REGEN_MIN:-4} \
       --set train.max_minutes=${TRAIN_MIN:-8} \
       --set extract.store_dtype=float8_e4m3fn"
     # VOCAB=N: a draft vocabulary of N tokens (release-smollm2.yaml's 2,048 covers 78% of the embedded replies'
