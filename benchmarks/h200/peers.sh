@@ -17,6 +17,8 @@
 #                                                [$G/triton: the triton kernels an earlier `data` brought back;
 #                                                 $G/prepared: its prepared conversations, prepared.tgz]
 #   bash benchmarks/h200/peers.sh stage5   carry $G/data2   (the release's: the rest of the embedded ShareGPT)
+#                                          [$G/triton here when stage4's carry is over 64 MiB with it: a working
+#                                           tree of 18.3 MB leaves it no room there]
 #   where stage2 says the image lacks pyarrow/pandas (their wheels are 67 MB, cut in two):
 #   bash benchmarks/h200/peers.sh arrow1   carry $G/arrow-a;   bash benchmarks/h200/peers.sh arrow2   carry $G/arrow-b
 #   for the ray placement (online.sh RAY=1): peers.sh ray1, ray2, ray3, carrying $G/ray-a, $G/ray-b, $G/ray-c
@@ -156,7 +158,10 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     # the triton kernels an earlier session compiled (its `data` brought them back), when carried: $G/triton
     [ -f $G/triton/triton-cache.tgz ] && mkdir -p ~/.triton && tar -C ~/.triton -xzf $G/triton/triton-cache.tgz
     ours_env; target_dir || exit 6; exit 0 ;;
-  stage5) mkdir -p /tmp/data && cp $G/data2/* /tmp/data/ || exit 3; exit 0 ;;  # carry $G/data2: the rest of ShareGPT
+  stage5)  # carry $G/data2: the rest of ShareGPT (and $G/triton where stage4's carry is full)
+    mkdir -p /tmp/data && cp $G/data2/* /tmp/data/ || exit 3
+    [ -f $G/triton/triton-cache.tgz ] && mkdir -p ~/.triton && tar -C ~/.triton -xzf $G/triton/triton-cache.tgz
+    exit 0 ;;
   ray1) cp $G/ray-a/ray.part-aa /tmp/ || exit 3; exit 0 ;;  # carry $G/ray-a (the ray placement's Ray, in 3 calls)
   ray2) cp $G/ray-b/ray.part-ab /tmp/ || exit 3; exit 0 ;;  # carry $G/ray-b
   ray3)  # carry $G/ray-c: Ray into /tmp/extra-site, on the path of ours and of SGLang's interpreter (sglang-python)
