@@ -38,6 +38,10 @@ ours_env() {
     HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 }
 RUN=$W/release-smollm2
+in_parts() {  # a file over 16 MiB does not come back from the device: FILE.part-aa, -ab, ... in its place
+  [ "$(stat -c %s "$1")" -gt 15000000 ] || return 0
+  split -b 15000000 "$1" "$1.part-" && rm "$1"
+}
 compared() {  # served AL at depth 3, 30 prompts of each of seven sets: the same prompts for every drafter
   timeout -k 20 "${BUDGET_S:-540}" python3 benchmarks/served_al.py $RUN --params params/release-smollm2.yaml \
     --depths "${DEPTHS:-3}" --per-set "${PER_SET:-30}" --no-offline --parallel 2 --mem-fraction 0.12 \
@@ -130,9 +134,7 @@ yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
     # there, carry them as $G/release-prepared (cat release-prepared.tgz.part-* > release-prepared.tgz is not needed)
     grep -q "rc 0" $W/train.done || { echo "00_prepare has not ended well: $(cat $W/train.done 2>/dev/null)"; exit 3; }
     tar -C $W -czf "$OUT/release-prepared.tgz" release-smollm2/00_prepare || exit 4
-    if [ "$(stat -c %s "$OUT/release-prepared.tgz")" -gt 15000000 ]; then
-      split -b 15000000 "$OUT/release-prepared.tgz" "$OUT/release-prepared.tgz.part-" && rm "$OUT/release-prepared.tgz" || exit 5
-    fi
+    in_parts "$OUT/release-prepared.tgz" || exit 5
     cp $RUN/00_prepare/result.json "$OUT/00_prepare_result.json"; ls -la "$OUT"; exit 0 ;;
   bring)
     ours_env
@@ -153,11 +155,8 @@ print({k: len(v) for k, v in splits.items()}, stats['kept_unseen'])" || exit 3
       --exclude='*.ipynb' release-smollm2/00_prepare/result.json release-smollm2/01_extract/result.json \
       release-smollm2/02_train/result.json train.json train.log conversation_ids.json tiny-unseen.yaml \
       $(cd $W && ls summary.json summary-compare.json summary-shipped.json compare-ratio.txt shipped.log 2>/dev/null) || exit 4
-    # a file over 16 MiB does not come back from the device: a larger draft vocabulary's archive goes in parts
-    # (here: cat release.tgz.part-* > release.tgz)
-    if [ "$(stat -c %s "$OUT/release.tgz")" -gt 15000000 ]; then
-      split -b 15000000 "$OUT/release.tgz" "$OUT/release.tgz.part-" && rm "$OUT/release.tgz" || exit 5
-    fi
+    # a larger draft vocabulary's archive goes in parts (here: cat release.tgz.part-* > release.tgz)
+    in_parts "$OUT/release.tgz" || exit 5
     ls -la "$OUT"; exit 0 ;;
   *) sed -n '2,/^set -uo/p' "$0" | sed '$d'; exit 2 ;;
 esac
