@@ -38,6 +38,10 @@ ours_env() {
     HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 }
 RUN=$W/release-smollm2
+shipped_status() {  # N: what `shipped` has done so far, its log's last N lines
+  [ -f $W/shipped.log ] || return 0
+  echo "shipped: $(cat $W/shipped.done 2>/dev/null || echo running)"; tail -n "$1" $W/shipped.log
+}
 in_parts() {  # a file over 16 MiB does not come back from the device: FILE.part-aa, -ab, ... in its place
   [ "$(stat -c %s "$1")" -gt 15000000 ] || return 0
   split -b 15000000 "$1" "$1.part-" && rm "$1"
@@ -87,12 +91,12 @@ yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
     t0=$(date +%s)
     until [ -f $W/train.done ]; do
       [ $(( $(date +%s) - t0 )) -ge "${WAIT_S:-540}" ] && { echo "still running"; tail -n 5 $W/train.log
-        [ -f $W/shipped.log ] && { echo "shipped: $(cat $W/shipped.done 2>/dev/null || echo running)"; tail -n 4 $W/shipped.log; }
+        shipped_status 4
         exit 9; }
       sleep 10
     done
     cat $W/train.done; tail -n 25 $W/train.log
-    [ -f $W/shipped.log ] && { echo "shipped: $(cat $W/shipped.done 2>/dev/null || echo running)"; tail -n 8 $W/shipped.log; }
+    shipped_status 8
     exit 0 ;;
   serve)
     ours_env
