@@ -9,7 +9,7 @@ checks the shipped files against.
 (the second file where release.sh ran with MORE=1: every embedded record, as peers.sh gather cut them)
 
 UNPACKED: release.tgz unpacked (release-smollm2/{run.json,0*_*/result.json,02_train/drafter}, train.json,
-summary.json, conversation_ids.json).
+conversation_ids.json), with the serving's summary.json (release.sh serve) or summary-compare.json (compare) beside.
 """
 
 from __future__ import annotations
@@ -43,7 +43,11 @@ def main() -> int:
     results = {s: json.loads((run / s / "result.json").read_text()) for s in STAGES}
     run_json = json.loads((run / "run.json").read_text())
     measured = json.loads((src / "train.json").read_text())
-    served = json.loads((src / "summary.json").read_text())
+    # release.sh serve's depths 1-5 where that call came back, else compare's depth 3 (this drafter's rows)
+    served_file = src / "summary.json" if (src / "summary.json").exists() else src / "summary-compare.json"
+    served = json.loads(served_file.read_text())
+    served["rows"] = [r for r in served["rows"] if r["trainer"] == "release"]
+    served["means"] = [m for m in served["means"] if m["trainer"] == "release"]
     ids = json.loads((src / "conversation_ids.json").read_text())
 
     out.mkdir(parents=True, exist_ok=True)
@@ -95,7 +99,9 @@ def main() -> int:
             f"{sum(prepare['read']['kept_unseen'].values())} left out",
             "splits": prepare["splits"],
             "conversation_ids": "conversations.json",
-            "regenerated": {k: prepare["regenerate"][k] for k in ("tokens_generated", "regenerated", "kept_original")},
+            "regenerated": {  # none where the run kept ShareGPT's replies (data.regenerate.budget_tokens 0)
+                k: prepare.get("regenerate", {}).get(k) for k in ("tokens_generated", "regenerated", "kept_original")
+            },
             "tokens": prepare["tokens"],
         },
         "training": {
@@ -116,6 +122,7 @@ def main() -> int:
             "initial_est_accept_len": train["initial_eval"]["est_accept_len"],
         },
         "served": {
+            "from": served_file.name,
             "engine": served["engine"],
             "max_tokens": served["max_tokens"],
             "sets": served["sets"],

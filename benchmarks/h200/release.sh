@@ -8,7 +8,8 @@
 #   bash benchmarks/h200/release.sh train    the run (regeneration, extraction, training: ~15 min) in its own
 #                                            session, so that it outlives the call
 #                                            (TO=prepare: only the regeneration, for a session too short for all)
-#   bash benchmarks/h200/release.sh wait     until it ends (WAIT_S at most; exit 9 while it runs)
+#   bash benchmarks/h200/release.sh wait     until it ends (WAIT_S at most; exit 9 while it runs), then `bring`'s
+#                                            archive into that call's $OUT
 #   bash benchmarks/h200/release.sh bring-prepared   after TO=prepare: 00_prepare into $OUT; a later session
 #                                            carries it as $G/release-prepared and its train skips the regeneration
 #   bash benchmarks/h200/release.sh serve    served and predicted AL per set at depths 1, 2, 3, 5 (summary.json)
@@ -19,10 +20,10 @@
 #                                            (summary-compare.json; the shipped drafter's rows from `shipped` where
 #                                            it ran, else served here too; here: benchmarks/al_interval.py)
 #   bash benchmarks/h200/release.sh bring    the drafter and its records, one archive, into $OUT
-# The remake (MORE=1) in two sessions, when one is too short: TO=prepare train, wait, bring-prepared (the
-# regenerated conversations, 16 MB in two parts: keep them as $G/release-prepared); then carry $G/release-prepared
-# with stage5's $G/data2, and MORE=1 train skips 00_prepare (its log says "unchanged, skipped"; it prepares afresh
-# if notebooks/00_prepare.ipynb or the params of its hash changed since).
+# The remake (MORE=1, issue 43): peers.sh stage1-4; `peers.sh stage5 && MORE=1 release.sh train; release.sh
+# shipped` carrying $G/data2; `release.sh wait` until it brings the archive; `release.sh compare` (and `serve` beside
+# it where time is left); about 1,500 s of one GPU. TO=prepare, bring-prepared and a carried $G/release-prepared
+# split it in two within a session; across sessions they hold only if $G does (a new checkout starts without it).
 # Here: python benchmarks/release_drafter.py ARCHIVE writes drafters/smollm2-135m-instruct/ (provenance.json);
 # an archive over 15 MB comes back in parts: cat release.tgz.part-* > release.tgz first.
 #
@@ -71,14 +72,18 @@ yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
       cat $G/release-prepared/release-prepared.tgz* | tar -C $W -xzf - && echo "train: 00_prepare restored" || exit 3
     fi
     # MORE=1 (issue 43 item 2): every embedded conversation less tiny.yaml's val and bench, as many of their
-    # replies regenerated as 4 minutes allow (the carried 00_prepare's: another REGEN_MIN prepares afresh), 8
-    # minutes of training; params/release-smollm2.yaml takes these values
+    # replies regenerated as REGEN_MIN minutes allow (a carried 00_prepare's value, else it prepares afresh),
+    # TRAIN_MIN minutes of training; params/release-smollm2.yaml takes these values
     # in the commit that ships the drafter they make (its provenance test draws the shipped splits again)
-    # fp8 shards: ~10 M tokens at 4.6 KB a token in bf16 would be 46 of the machine's 64 GB free
     MORE_SET=""; [ "${MORE:-0}" = 1 ] && MORE_SET="--set data.max_conversations=100000 \
-      --set data.regenerate.budget_tokens=4000000 --set data.regenerate.max_minutes=${REGEN_MIN:-4} \
-      --set train.max_minutes=${TRAIN_MIN:-8} \
-      --set extract.store_dtype=float8_e4m3fn"
+      --set data.regenerate.budget_tokens=4000000 --set data.regenerate.max_minutes=${REGEN_MIN:-2} \
+      --set train.max_minutes=${TRAIN_MIN:-7}"
+    # online (ONLINE=1, MORE's default): the states captured beside the trainer, never written. On the H100 the
+    # extraction of 12.9 M tokens as fp8 shards took 226 s (0.22x the plain forward: 30 GB written), and on the
+    # H200 online training ran at 1.7-1.8x the tokens/s of training from shards (benchmarks/README.md)
+    # shards (ONLINE=0): fp8, ~10 M tokens at 4.6 KB a token in bf16 would be 46 of the machine's 64 GB free
+    if [ "${MORE:-0}" = 1 ] && [ "${ONLINE:-1}" = 1 ]; then MORE_SET="$MORE_SET --set train.source=online"
+    elif [ "${MORE:-0}" = 1 ]; then MORE_SET="$MORE_SET --set extract.store_dtype=float8_e4m3fn"; fi
     # VOCAB=N: a draft vocabulary of N tokens (release-smollm2.yaml's 2,048 covers 78% of the embedded replies'
     # tokens, 8,192 91%); params/tiny.yaml's fine-tune must then take the same
     [ -n "${VOCAB:-}" ] && MORE_SET="$MORE_SET --set train.draft_vocab_size=$VOCAB"
@@ -97,6 +102,9 @@ yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
     done
     cat $W/train.done; tail -n 25 $W/train.log
     shipped_status 8
+    # the drafter comes back in the call that saw it made: a device taken back during a later call (serving) then
+    # loses only the serving (2026-12-06: the whole remake was lost that way)
+    grep -q "rc 0" $W/train.done && { bash "$0" bring || exit $?; }
     exit 0 ;;
   serve)
     ours_env
