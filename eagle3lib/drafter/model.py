@@ -27,7 +27,7 @@ import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
 
 from eagle3lib.drafter.mla import MLA_ARCHITECTURE, MLA_DIMS, MLAAttention
 from eagle3lib.drafter.ttt_attention import (
@@ -45,6 +45,19 @@ from eagle3lib.drafter.ttt_attention import (
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 VARIANTS = ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(q, k, cos, sin):
+    """Llama's rotary embedding on q, k [B,heads,T,d] with cos, sin [B,T,d]: transformers' apply_rotary_pos_emb,
+    written here because that one dispatches through a variable that `kernels` makes process-wide once anything
+    compiles, which the hf capture's thread sets mid-forward while the trainer compiles (train.source online)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
 def standard_rope(rope: dict) -> dict:
@@ -314,7 +327,7 @@ class Attention(nn.Module):
         q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary_pos_emb(q, k, cos, sin)
+        q, k = apply_rotary(q, k, cos, sin)
         return q, k, v
 
     def output(self, out):

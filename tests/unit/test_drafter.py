@@ -586,3 +586,39 @@ def test_flex_tiles_fit_wide_fp32_heads():
 
     assert flex_tiles(torch.float32, 192) == WIDE_FP32_TILES
     assert flex_tiles(torch.float32, 128) is None and flex_tiles(torch.bfloat16, 192) is None
+
+
+def test_compiled_layer_compiles_while_a_target_runs_in_another_thread():
+    """train.source online with the thread placement: the hf capture runs the target's forward in a thread while the
+    trainer torch.compiles its layer. transformers' LlamaAttention publishes its hub-kernel functions in a variable
+    that `kernels` makes process-wide once anything compiles; a drafter that called transformers'
+    apply_rotary_pos_emb read the target's entry mid-forward and dynamo failed ("Unexpected type <class 'dict'>")."""
+    import threading
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from eagle3lib.train.speedups import compile_decoder_layer
+
+    torch.manual_seed(0)
+    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, vocab_size=256)  # fmt: skip
+    target, stop = LlamaForCausalLM(config).eval(), threading.Event()
+    ids = torch.randint(0, 256, (1, 128))
+
+    def capture():
+        with torch.no_grad():
+            while not stop.is_set():
+                target(ids)
+
+    thread = threading.Thread(target=capture, daemon=True)
+    thread.start()
+    try:
+        drafter, aux, embeds, pos, docs = one_document_case("cpu")
+        eager = ttt_outputs_and_grads(drafter, aux, embeds, pos, docs, attention="merged")
+        torch.compiler.reset()  # compiled here, beside the target, not taken from another test's compile
+        compile_decoder_layer(drafter)
+        compiled = ttt_outputs_and_grads(drafter, aux, embeds, pos, docs, attention="merged")
+    finally:
+        stop.set()
+        thread.join()
+    assert_close(eager, compiled, 1e-4, "compiled beside a running target")
