@@ -104,7 +104,7 @@ yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
     shipped_status 8
     # the drafter comes back in the call that saw it made: a device taken back during a later call (serving) then
     # loses only the serving (2026-12-06: the whole remake was lost that way)
-    grep -q "rc 0" $W/train.done && { bash "$0" bring || exit $?; }
+    grep -q "rc 0" $W/train.done && [ -d $RUN/02_train/drafter ] && { bash "$0" bring || exit $?; }  # not after TO=prepare
     exit 0 ;;
   serve)
     ours_env
