@@ -88,6 +88,10 @@ trained_drafters() {
 seeded() { local n=$1; [[ $n =~ ^(.*)-s([0-9]+)$ ]] && n="${BASH_REMATCH[1]}:${BASH_REMATCH[2]}"; echo "$n"; }
 suffix() { local cs=${1#*:}; [[ $cs == *:* ]] && echo "${cs%%:*}-s${cs#*:}" || echo "$cs"; }
 job_file() { echo "$W/jobs/${1%%:*}-$(suffix "$1")"; }
+restore_triton() {  # the triton kernels an earlier `data` compiled and brought back, where $G/triton is carried
+  [ -f $G/triton/triton-cache.tgz ] || return 0
+  mkdir -p ~/.triton && tar -C ~/.triton -xzf $G/triton/triton-cache.tgz
+}
 train_tokens() { python3 -c "import json; print(json.load(open('$W/run/01_extract/result.json'))['figures']['splits']['train']['total_tokens'])"; }
 
 case "${1:-}" in
@@ -156,12 +160,11 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     pip_target /tmp/e3site $WH && pip_target /tmp/pm-site $G/pmw2/*.whl || exit 3
     mkdir -p /tmp/data && cp $G/data/* /tmp/data/ || exit 3
     ln -sfn /tmp/sglang-site/gguf /tmp/e3site/gguf && ln -sfn /tmp/sglang-site/gguf-*.dist-info /tmp/e3site/
-    # the triton kernels an earlier session compiled (its `data` brought them back), when carried: $G/triton
-    [ -f $G/triton/triton-cache.tgz ] && mkdir -p ~/.triton && tar -C ~/.triton -xzf $G/triton/triton-cache.tgz
+    restore_triton
     ours_env; target_dir || exit 6; exit 0 ;;
   stage5)  # carry $G/data2: the rest of ShareGPT (and $G/triton where stage4's carry is full)
     mkdir -p /tmp/data && cp $G/data2/* /tmp/data/ || exit 3
-    [ -f $G/triton/triton-cache.tgz ] && mkdir -p ~/.triton && tar -C ~/.triton -xzf $G/triton/triton-cache.tgz
+    restore_triton
     exit 0 ;;
   ray1) cp $G/ray-a/ray.part-aa /tmp/ || exit 3; exit 0 ;;  # carry $G/ray-a (the ray placement's Ray, in 3 calls)
   ray2) cp $G/ray-b/ray.part-ab /tmp/ || exit 3; exit 0 ;;  # carry $G/ray-b
