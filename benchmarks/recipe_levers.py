@@ -63,6 +63,7 @@ def run_lever(
         "overrides": overrides,
         "minutes": minutes,
         "tokens": summary["tokens"],
+        "steps": [summary["steps"], summary["total_steps"]],  # taken, and the schedule's length
         "train_tokens_per_s": summary["train_tokens_per_s"],
         "wall_s": round(time.time() - t0, 1),
         "val_coverage": vocab_stats["val_coverage"],

@@ -11,7 +11,6 @@ take exactly the step one process takes with the same global batch.
 from __future__ import annotations
 
 import json
-import math
 import shutil
 import time
 from dataclasses import dataclass, field
@@ -32,7 +31,8 @@ from eagle3lib.train.checkpoint import (
 )
 from eagle3lib.train.distributed import check_same_weights, rank_and_world
 from eagle3lib.train.metrics import AcceptanceCounter
-from eagle3lib.train.optimizer import lr_at, make_optimizer
+from eagle3lib.train.optimizer import make_optimizer
+from eagle3lib.train.schedule import Schedule
 from eagle3lib.train.speedups import compile_decoder_layer, convert_to_float8
 from eagle3lib.train.ttt_step import TrainStep, ttt_loss_sums, with_host_layout
 
@@ -111,16 +111,16 @@ class Loop:
         tp = train_params
         self.opt = make_optimizer(self.drafter, tp.optimizer, tp.lr, tp.weight_decay, device)
         self.step = TrainStep(setup, self.opt, tp, device, self.rank, self.world, seed)
-        rows_per_step = tp.batch_rows * tp.grad_accum * self.world
-        self.total_steps = max(1, math.ceil(tp.max_tokens / (rows_per_step * tp.max_seq_len)))
         self.ckpt_root = setup.out_dir / CHECKPOINTS
         self.log_path = setup.out_dir / "log.jsonl"
         key = run_key(setup, tp, seed)
         self.state = resume(
             self.drafter, self.opt, self.ckpt_root, self.log_path, device, key, tp.resume, self.rank, log
         )
+        tokens_per_step = tp.batch_rows * tp.grad_accum * self.world * tp.max_seq_len
+        self.schedule = Schedule(tp, tokens_per_step, self.state, self.world, device)
         self.best = BestKept(
-            setup.out_dir / BEST, tp.keep_best_at, self.total_steps, self.state["step"], self.rank, log
+            setup.out_dir / BEST, tp.keep_best_at, self.schedule.key, self.state["step"], self.rank, log
         )
 
     def checkpoint(self):
@@ -134,7 +134,9 @@ class Loop:
                 f.write(json.dumps(entry) + "\n")
 
     def evaluate_now(self) -> dict:
+        t0 = time.perf_counter()
         result = evaluate(self.setup, self.tp.ttt_steps, self.max_depth, self.device)
+        self.schedule.timed_eval(time.perf_counter() - t0)
         result["at_step"] = self.state["step"]
         self.write_log({"step": self.state["step"], "eval": result})
         self.best.consider(result, self.drafter, self.setup.contract)
@@ -144,20 +146,24 @@ class Loop:
         """Steps until the schedule's end or the time budget, then the final evaluation, checkpoint and drafter."""
         state, tp = self.state, self.tp
         if state["step"] == 0:  # the untrained drafter, for "did training help" comparisons
+            t0 = time.perf_counter()
             state["initial_eval"] = evaluate(self.setup, tp.ttt_steps, self.max_depth, self.device)
+            self.schedule.timed_eval(time.perf_counter() - t0)
             self.write_log({"step": 0, "eval": state["initial_eval"]})
             self.best.consider(state["initial_eval"] | {"at_step": 0}, self.drafter, self.setup.contract)
-        budget_s = (tp.max_minutes or 0) * 60  # 0: no time budget
         stream = self.setup.source.stream(tp, state)
         started = time.time()
         self.drafter.train()
         last_eval = None
         try:  # the batch thread stops however the loop ends (a notebook keeps the failed frame alive)
-            while state["step"] < self.total_steps:
-                if budget_s and state["train_seconds"] + (time.time() - started) > budget_s:
+            while state["step"] < self.schedule.total_steps:
+                if self.schedule.over_time(state["train_seconds"] + (time.time() - started)):
                     self.log(f"time budget of {tp.max_minutes} min reached at step {state['step']}")
                     break
                 last_eval = self.take_step(stream, started) or last_eval
+                decided = self.schedule.after_step(state["step"], state["train_seconds"] + (time.time() - started))
+                if decided:
+                    self.log(decided)
                 if state["step"] % tp.checkpoint_every == 0:
                     state["train_seconds"] = state["train_seconds"] + time.time() - started
                     started = time.time()
@@ -175,7 +181,7 @@ class Loop:
         waited = time.perf_counter()
         group = [next(stream) for _ in range(tp.grad_accum * self.world)]
         state["data_wait_s"] = state.get("data_wait_s", 0.0) + time.perf_counter() - waited
-        lr = lr_at(state["step"], self.total_steps, tp.lr, tp.warmup_steps)
+        lr = self.schedule.lr(state["step"])
         step_loss, grad_norm = self.step(group, lr)
         if grad_norm is None:
             raise TrainingError(
@@ -197,11 +203,11 @@ class Loop:
             "tokens_per_s": round(state["tokens"] / max(elapsed, 1e-9), 1),
         }
         self.write_log(entry)
-        if state["step"] % tp.eval_every != 0 and state["step"] != self.total_steps:
+        if state["step"] % tp.eval_every != 0 and state["step"] != self.schedule.total_steps:
             return None
         result = self.evaluate_now()
         self.log(
-            f"step {state['step']}/{self.total_steps} loss {entry['loss']:.4f} "
+            f"step {state['step']}/{self.schedule.total_steps} loss {entry['loss']:.4f} "
             f"est_accept_len@5 {result['est_accept_len'].get('5')} cond_acc {[round(x, 3) for x in result['cond_acc']]}"
         )
         return result
@@ -219,7 +225,8 @@ class Loop:
             "initial_eval": state.get("initial_eval"),
             "rank_weight_digests": digests,
             "steps": state["step"],
-            "total_steps": self.total_steps,
+            "total_steps": self.schedule.total_steps,
+            "schedule": state.get("schedule"),  # how a time budget sized it, where one did
             "tokens": state["tokens"],
             "train_seconds": round(state["train_seconds"], 1),
             "train_tokens_per_s": round(state["tokens"] / max(state["train_seconds"], 1e-9), 1),
@@ -235,19 +242,20 @@ BEST = "best"  # the best evaluated state so far, under train.keep_best_at (a dr
 
 class BestKept:
     """train.keep_best_at: the evaluated state with the highest est. AL at that depth, the starting one included,
-    kept on disk (rank 0 writes BEST after each new best; a resume reads it back, a fresh run or another schedule's
-    length drops it) and written as the stage's drafter instead of the last state. Off (depth None): the last."""
+    kept on disk (rank 0 writes BEST after each new best; a resume reads it back; a fresh run, or other budgets,
+    from which the schedule's length follows, drop it) and written as the stage's drafter instead of the last
+    state. Off (depth None): the last."""
 
-    def __init__(self, folder: Path, depth: int | None, total_steps: int, step: int, rank: int, log):
-        self.folder, self.depth, self.total_steps, self.rank, self.log = folder, depth, total_steps, rank, log
+    def __init__(self, folder: Path, depth: int | None, schedule: dict, step: int, rank: int, log):
+        self.folder, self.depth, self.schedule, self.rank, self.log = folder, depth, schedule, rank, log
         self.step, self.eval = None, None
         record = folder / "best.json"
         if depth is not None and step > 0 and record.is_file():
             saved = json.loads(record.read_text())
-            if (saved["depth"], saved["total_steps"]) == (depth, total_steps):
+            if (saved["depth"], saved.get("schedule")) == (depth, schedule):
                 self.step, self.eval = saved["step"], saved["eval"]
             else:
-                log(f"{folder} was kept for another depth or schedule: the best is looked for again from here")
+                log(f"{folder} was kept for another depth or other budgets: the best is looked for again from here")
         elif rank == 0 and folder.exists():  # a fresh run does not mix with an earlier run's best
             shutil.rmtree(folder)
 
@@ -259,7 +267,7 @@ class BestKept:
             return
         self.step, self.eval = result["at_step"], result
         if self.rank == 0:
-            record = {"depth": self.depth, "step": self.step, "total_steps": self.total_steps, "eval": result}
+            record = {"depth": self.depth, "step": self.step, "schedule": self.schedule, "eval": result}
             save_drafter(drafter, self.folder, contract, extra={"best.json": record})
 
     def is_last(self, last_eval: dict) -> bool:

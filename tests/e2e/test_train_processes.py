@@ -195,6 +195,17 @@ def test_torchrun_two_processes_equal_one_with_the_same_global_batch(tmp_path, s
         assert torch.allclose(a[k].float(), b[k].float(), atol=1e-5, rtol=0), k
 
 
+def test_torchrun_ranks_under_a_time_budget_take_one_schedule_and_stop_together(tmp_path, small_target):
+    """Each rank has its own clock: the schedule sized to the minutes is rank 0's for both, and the clock's stop is
+    agreed each step, so the two leave the loop on the same step with the same weights (not one rank waiting in a
+    collective the other never joins)."""
+    budget = {"max_tokens": 128 * 2 * 100_000, "max_minutes": 0.1, "checkpoint_every": 50, "eval_every": 50}
+    run_dir = make_run(tmp_path, *small_target, budget | {"warmup_steps": 1})
+    s = launch.launch(load_params(params_file(tmp_path), {"train.nproc_per_node": 2}), str(run_dir))
+    assert s["world_size"] == 2 and len(set(s["rank_weight_digests"])) == 1
+    assert "train.max_minutes" in s["schedule"]["why"] and s["steps"] <= s["total_steps"] < 100_000
+
+
 def thread_reference(root, small_target, train_params: dict):
     """The capture thread's run, in a process with one thread (as each process of the process placement has, so
     the float sums run in the same order); returns its run folder."""

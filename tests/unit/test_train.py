@@ -147,6 +147,26 @@ def test_rerun_with_other_params_trains_anew_and_sets_the_old_run_aside(tmp_path
     assert load_drafter(run_dir / "02_train" / "drafter").cfg.draft_vocab_size == 64
 
 
+def test_a_time_budget_sizes_the_schedule_so_that_it_anneals_and_a_resume_keeps_it(tmp_path, small_target):
+    """train.max_minutes ending long before train.max_tokens: the cosine is sized to the minutes once the step
+    rate is known, so the learning rate falls to its floor within the budget (sized to the tokens it would stay near
+    the peak), and the decision resumes with the run."""
+    many = {"max_tokens": 128 * 100_000, "max_minutes": 0.1, "eval_every": 50, "checkpoint_every": 50}
+    run_dir = make_run(tmp_path, *small_target, many)
+    p = load_params(params_file(tmp_path))
+    lines = []
+    summary = loop.train(build_setup(p, run_dir)[0], p.train, log=lines.append)
+    made = summary["schedule"]
+    assert made["token_steps"] == 100_000 and made["budget_s"] == 6.0 and made["decided_at"] == 11
+    assert "train.max_minutes" in made["why"] and made["why"] in lines
+    assert 11 < summary["total_steps"] == made["total_steps"] < 100_000 and summary["steps"] <= summary["total_steps"]
+    log = [json.loads(line) for line in (run_dir / "02_train" / "log.jsonl").read_text().splitlines()]
+    lrs = [e["lr"] for e in log if "lr" in e]
+    assert min(lrs) < 0.5 * p.train.lr and lrs[-1] == min(lrs)  # annealing, and still falling at the end
+    again = loop.train(build_setup(p, run_dir)[0], p.train, log=lambda *a: None)
+    assert again["schedule"] == made and again["total_steps"] == summary["total_steps"]
+
+
 def test_non_finite_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, small_target):
     run_dir = make_run(tmp_path, *small_target, {"max_tokens": 128 * 4})
     p = load_params(params_file(tmp_path))

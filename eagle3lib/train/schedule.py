@@ -1,0 +1,98 @@
+"""The learning-rate schedule's length: the steps of train.max_tokens, or of train.max_minutes once the step rate is
+known, whichever is fewer.
+
+A cosine sized to the tokens and stopped by the clock ends at a high learning rate: it never anneals (the release
+remake of 2026-12-06 stopped at 21% of its schedule, at 0.91 of the peak). So with a time budget the schedule's
+length is decided once, at the end of warmup: the wall time per step so far (after the first step, whose compile
+is not a step's cost), plus an evaluation's time spread over eval_every steps, gives the steps the rest of the budget
+holds. The decision goes into the trainer state, so a resume with the same budgets keeps the same schedule; a resume
+with other budgets decides again from the recorded rate (a larger budget continues the run, the cosine stretched).
+The clock still stops a run whose steps slow down later. Under data parallelism rank 0 decides for every rank, and
+the ranks stop on the clock together.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from eagle3lib.train.optimizer import lr_at
+
+MIN_TIMED_STEPS = 10  # steps timed before a decision, warmup shorter than that included
+MARGIN = 0.97  # of the budget the schedule plans for: the final evaluation and checkpoint come after it
+
+
+class Schedule:
+    """Warmup then cosine over `total_steps`; `decide` sizes total_steps to the time budget once, `over_time` is the
+    clock's stop. state: the trainer state (its "schedule" entry is read and written here)."""
+
+    def __init__(self, tp, tokens_per_step: int, state: dict, world: int, device):
+        self.lr_peak, self.warmup, self.eval_every = tp.lr, tp.warmup_steps, tp.eval_every
+        self.token_steps = max(1, math.ceil(tp.max_tokens / tokens_per_step))
+        self.budget_s = (tp.max_minutes or 0) * 60  # 0: no time budget
+        self.state, self.world, self.device = state, world, device
+        self.total_steps, self.pending = self.token_steps, self.budget_s > 0
+        self.eval_s = None  # seconds of one evaluation, once one is timed
+        self.first = None  # (step, train seconds) after this process's first step
+        made = state.get("schedule")
+        if made and self.budget_s and made["token_steps"] == self.token_steps:
+            if made["budget_s"] == self.budget_s:
+                self.total_steps, self.pending = made["total_steps"], False
+            else:  # another budget for the same run: the recorded rate sizes what is left of it
+                self.eval_s = made.get("eval_s")
+                self._set(state["step"], state["train_seconds"], made["step_s"], "resumed with another time budget")
+
+    @property
+    def key(self) -> dict:
+        """What the schedule's length follows from, known before any step (BestKept keeps a best state per key)."""
+        return {"token_steps": self.token_steps, "budget_s": self.budget_s}
+
+    def lr(self, step: int) -> float:
+        return lr_at(step, self.total_steps, self.lr_peak, self.warmup)
+
+    def timed_eval(self, seconds: float) -> None:
+        self.eval_s = seconds
+
+    def after_step(self, step: int, train_seconds: float) -> str | None:
+        """Called after each step with the run's train seconds so far; returns what was decided, once."""
+        if not self.pending:
+            return None
+        if self.first is None:
+            self.first = (step, train_seconds)
+            return None
+        if step < max(self.warmup, self.first[0] + MIN_TIMED_STEPS):
+            return None
+        step_s = (train_seconds - self.first[1]) / (step - self.first[0])
+        return self._set(step, train_seconds, step_s, "decided")
+
+    def _set(self, step: int, train_seconds: float, step_s: float, how: str) -> str:
+        per_step = step_s + (self.eval_s or 0.0) / max(1, self.eval_every)
+        fit = int(max(0.0, self.budget_s * MARGIN - train_seconds) / max(per_step, 1e-9))
+        total = min(self.token_steps, step + max(1, fit))
+        if self.world > 1:  # rank 0's decision for every rank: each measured its own clock
+            agreed = torch.tensor([total], dtype=torch.int64, device=self.device)
+            dist.broadcast(agreed, src=0)
+            total = int(agreed.item())
+        self.total_steps, self.pending = total, False
+        bound = "train.max_tokens" if total == self.token_steps else "train.max_minutes"
+        why = (
+            f"schedule {how} at step {step}: {total} steps ({bound}); {step_s * 1000:.1f} ms a step"
+            + (f", evaluations {self.eval_s:.1f} s each every {self.eval_every}" if self.eval_s else "")
+            + f", {self.budget_s - train_seconds:.0f} of {self.budget_s:.0f} s left"
+        )
+        self.state["schedule"] = {**self.key, "total_steps": total, "decided_at": step, "step_s": step_s,
+                                  "eval_s": self.eval_s, "why": why}  # fmt: skip
+        return why
+
+    def over_time(self, train_seconds: float) -> bool:
+        """Whether the time budget is spent; with several ranks, whether any rank's is (they stop on one step)."""
+        if not self.budget_s:
+            return False
+        over = train_seconds > self.budget_s
+        if self.world > 1:
+            flag = torch.tensor([int(over)], dtype=torch.int64, device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            over = bool(flag.item())
+        return over

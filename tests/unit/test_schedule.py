@@ -1,0 +1,70 @@
+"""The learning-rate schedule's length under a time budget (train/schedule.py): decided once from the measured
+step rate, kept across a resume with the same budgets, decided again for another budget."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from eagle3lib.train.schedule import Schedule
+
+
+def params(**kw):
+    tp = {"lr": 1e-3, "warmup_steps": 5, "eval_every": 10, "max_tokens": 1000 * 100, "max_minutes": 1.0} | kw
+    return SimpleNamespace(**tp)
+
+
+def run_steps(schedule, until: int, step_s: float = 1.0, first_s: float = 4.0):
+    """after_step for steps 1..until, the first one slower (its compile), each later one step_s; what was decided."""
+    decided = []
+    for step in range(1, until + 1):
+        why = schedule.after_step(step, first_s + (step - 1) * step_s)
+        if why:
+            decided.append((step, why))
+    return decided
+
+
+def test_without_a_time_budget_the_tokens_size_the_schedule():
+    state = {"step": 0, "train_seconds": 0.0}
+    s = Schedule(params(max_minutes=None), 1000, state, 1, "cpu")
+    assert s.total_steps == 100 and run_steps(s, 30) == [] and "schedule" not in state
+    assert s.lr(100) == pytest.approx(1e-4)  # annealed at the tokens' end
+
+
+def test_the_minutes_size_the_schedule_once_at_the_end_of_the_timed_steps():
+    state = {"step": 0, "train_seconds": 0.0}
+    s = Schedule(params(), 1000, state, 1, "cpu")
+    s.timed_eval(2.0)  # an evaluation: 0.2 s a step over eval_every 10
+    decided = run_steps(s, 40)
+    # timed from step 1 (after the compile) to step 11: 1 s a step; 60 s x 0.97 - 14 s used, at 1.2 s a step: 36 more
+    assert [step for step, _ in decided] == [11]
+    assert s.total_steps == 11 + 36 and "train.max_minutes" in decided[0][1]
+    assert state["schedule"]["total_steps"] == 47 and state["schedule"]["step_s"] == pytest.approx(1.0)
+    assert s.lr(47) == pytest.approx(1e-4) and s.lr(20) > 5e-4  # it anneals by the budget's end
+
+
+def test_the_tokens_bind_where_they_end_first():
+    state = {"step": 0, "train_seconds": 0.0}
+    s = Schedule(params(max_tokens=1000 * 20), 1000, state, 1, "cpu")
+    decided = run_steps(s, 15)
+    assert s.total_steps == 20 and "train.max_tokens" in decided[0][1]
+
+
+def test_a_resume_keeps_the_decided_schedule_and_another_budget_decides_again():
+    state = {"step": 0, "train_seconds": 0.0}
+    s = Schedule(params(), 1000, state, 1, "cpu")
+    run_steps(s, 11)
+    state |= {"step": 30, "train_seconds": 33.0}  # as a checkpoint at step 30 holds it
+    again = Schedule(params(), 1000, dict(state), 1, "cpu")
+    assert again.total_steps == s.total_steps and run_steps(again, 40) == []
+    more = Schedule(params(max_minutes=2.0), 1000, state, 1, "cpu")  # the tokens' 100 steps bind at 1.2 s a step:
+    assert more.total_steps == 100 and state["schedule"]["budget_s"] == 120.0
+    tighter = Schedule(params(max_minutes=1.5), 1000, state, 1, "cpu")  # the recorded 1 s a step (no eval timed)
+    assert tighter.total_steps == 30 + int(90 * 0.97 - 33.0) and state["schedule"]["budget_s"] == 90.0
+    other_tokens = Schedule(params(max_tokens=1000 * 500), 1000, dict(state), 1, "cpu")
+    assert other_tokens.total_steps == 500 and other_tokens.pending  # another run's record: decided afresh
+
+
+def test_the_clock_stops_past_the_budget_only():
+    s = Schedule(params(), 1000, {"step": 0, "train_seconds": 0.0}, 1, "cpu")
+    assert not s.over_time(59.9) and s.over_time(60.1)
+    assert not Schedule(params(max_minutes=None), 1000, {"step": 0}, 1, "cpu").over_time(1e9)
