@@ -6,7 +6,8 @@ checks the shipped files against.
     python benchmarks/release_drafter.py UNPACKED --sharegpt benchmarks/h200/.cache/.gpu/data/sharegpt-7000.json.xz \
         [benchmarks/h200/.cache/.gpu/data2/sharegpt-rest.json.xz] --out drafters/smollm2-135m-instruct
 
-(the second file where release.sh ran with MORE=1: every embedded record, as peers.sh gather cut them)
+(the second file where release.sh ran with MORE=1: every embedded record, as peers.sh gather cut them; --trainer twin
+for the drafter of release.sh's TWIN_VOCAB training)
 
 UNPACKED: release.tgz unpacked (release-smollm2/{run.json,0*_*/result.json,02_train/drafter}, train.json,
 conversation_ids.json), with the serving's summary.json (release.sh serve) or summary-compare.json (compare) beside.
@@ -37,21 +38,28 @@ def main() -> int:
     )
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--git-note", default=None, help="what the H200's tree held beyond run.json's commit, if dirty")
+    ap.add_argument(
+        "--trainer",
+        choices=("release", "twin"),
+        default="release",
+        help="which drafter: the run's, or the twin's (release.sh TWIN_VOCAB: the same 00_prepare, its own 02_train)",
+    )
     args = ap.parse_args()
     src, out = args.unpacked, args.out
     run = src / "release-smollm2"
-    results = {s: json.loads((run / s / "result.json").read_text()) for s in STAGES}
+    trained = run if args.trainer == "release" else src / "twin" / "release-smollm2"
+    results = {s: json.loads(((trained if s == "02_train" else run) / s / "result.json").read_text()) for s in STAGES}
     run_json = json.loads((run / "run.json").read_text())
-    measured = json.loads((src / "train.json").read_text())
+    measured = json.loads((src / ("train.json" if args.trainer == "release" else "twin.json")).read_text())
     # release.sh serve's depths 1-5 where that call came back, else compare's depth 3 (this drafter's rows)
     served_file = src / "summary.json" if (src / "summary.json").exists() else src / "summary-compare.json"
     served = json.loads(served_file.read_text())
-    served["rows"] = [r for r in served["rows"] if r["trainer"] == "release"]
-    served["means"] = [m for m in served["means"] if m["trainer"] == "release"]
+    served["rows"] = [r for r in served["rows"] if r["trainer"] == args.trainer]
+    served["means"] = [m for m in served["means"] if m["trainer"] == args.trainer]
     ids = json.loads((src / "conversation_ids.json").read_text())
 
     out.mkdir(parents=True, exist_ok=True)
-    drafter = run / "02_train" / "drafter"
+    drafter = trained / "02_train" / "drafter"
     for name in ("config.json", "eagle3.json"):
         shutil.copy(drafter / name, out / name)
     # bf16: half the bytes of the fp32 master weights; SGLang served it in bf16 (the target's dtype there)

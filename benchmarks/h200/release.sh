@@ -22,7 +22,9 @@
 #   bash benchmarks/h200/release.sh bring    the drafter and its records, one archive, into $OUT
 # The remake (MORE=1, issue 43): peers.sh stage1-4; `peers.sh stage5 && MORE=1 release.sh train; release.sh
 # shipped` carrying $G/data2; `release.sh wait` until it brings the archive; `release.sh compare` (and `serve` beside
-# it where time is left); about 1,500 s of one GPU. TO=prepare, bring-prepared and a carried $G/release-prepared
+# it where time is left); about 1,500 s of one GPU. VOCAB=N and TWIN_VOCAB=M (on train) make two drafters of the one
+# regeneration, draft vocabularies N and M, which compare serves side by side; release_drafter.py --trainer twin
+# writes the second. TO=prepare, bring-prepared and a carried $G/release-prepared
 # split it in two within a session; across sessions they hold only if $G does (a new checkout starts without it).
 # Here: python benchmarks/release_drafter.py ARCHIVE writes drafters/smollm2-135m-instruct/ (provenance.json);
 # an archive over 15 MB comes back in parts: cat release.tgz.part-* > release.tgz first.
@@ -33,7 +35,9 @@
 set -uo pipefail
 G=benchmarks/h200/.cache/.gpu; W=/tmp/release; OUT=${OUT:-$PWD/h200-out}; mkdir -p "$OUT" $W
 SHAREGPT=/tmp/data/sharegpt-7000.json.xz
-SOURCES=$SHAREGPT; [ "${MORE:-0}" = 1 ] && SOURCES="$SHAREGPT,/tmp/data/sharegpt-rest.json.xz"  # peers.sh stage5's
+# MORE as `train` ran it, for the calls after it (wait, bring: the splits it draws again are that run's)
+MORE=${MORE:-$(cat $W/more 2> /dev/null || echo 0)}
+SOURCES=$SHAREGPT; [ "$MORE" = 1 ] && SOURCES="$SHAREGPT,/tmp/data/sharegpt-rest.json.xz"  # peers.sh stage5's
 ours_env() {
   export PYTHONPATH=$PWD:/tmp/e3site:/tmp/pm-site:/tmp/extra-site JUPYTER_PATH=/tmp/pm-site/share/jupyter \
     HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -49,7 +53,7 @@ in_parts() {  # a file over 16 MiB does not come back from the device: FILE.part
 }
 compared() {  # served AL at depth 3, 30 prompts of each of seven sets: the same prompts for every drafter
   timeout -k 20 "${BUDGET_S:-540}" python3 benchmarks/served_al.py $RUN --params params/release-smollm2.yaml \
-    --depths "${DEPTHS:-3}" --per-set "${PER_SET:-30}" --no-offline --parallel 2 --mem-fraction 0.12 \
+    --depths "${DEPTHS:-3}" --per-set "${PER_SET:-30}" --no-offline --parallel "${PARALLEL:-2}" --mem-fraction 0.12 \
     --sets "held_out,mt_bench,humaneval,/tmp/data/gsm8k.jsonl,/tmp/data/alpaca.jsonl,/tmp/data/sum.jsonl,/tmp/data/qa.jsonl" \
     --engine-flag=--disable-cuda-graph "$@"
 }
@@ -65,7 +69,7 @@ p['data']['sources'] = ['$SHAREGPT']
 # its paths are relative to params/, and this copy lives in $W: the released drafter it starts from, by full path
 p['train']['init_from'] = os.path.abspath(os.path.join('params', p['train']['init_from']))
 yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
-    rm -f $W/train.done
+    rm -f $W/train.done $W/twin.done; echo "$MORE" > $W/more
     # an earlier session's 00_prepare (its `bring-prepared`), carried as $G/release-prepared: the run skips the
     # regeneration where params and notebook are the same (the stage's hash), and prepares afresh otherwise
     if ls $G/release-prepared/release-prepared.tgz* > /dev/null 2>&1; then
@@ -91,16 +95,29 @@ yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
         params/release-smollm2.yaml --to "$4" --set run.output_root="$1" --set "data.sources=[$2]" \
         --set "data.keep_unseen=[$1/tiny-unseen.yaml]" $3 > "$1/train.log" 2>&1 < /dev/null; echo "rc $?" > "$1/train.done"' \
       _ "$W" "$SOURCES" "$MORE_SET" "${TO:-train}" > /dev/null 2>&1 < /dev/null  # nothing of the call's pipes held: the call returns
+    # TWIN_VOCAB=N: a second training beside the first, on the same 00_prepare (linked once the first run's
+    # extraction ended), with a draft vocabulary of N: one regeneration, two drafters, served side by side by
+    # `compare` (the GPU waits on launches at this size: two trainings share it at little cost to each)
+    if [ -n "${TWIN_VOCAB:-}" ]; then
+      setsid -f bash -c 'until [ -f "$1/release-smollm2/01_extract/result.json" ] || [ -f "$1/train.done" ]; do sleep 10; done
+        [ -f "$1/release-smollm2/01_extract/result.json" ] || { echo "rc 8 (the first run ended before its extraction)" > "$1/twin.done"; exit; }
+        mkdir -p "$1/twin/release-smollm2" && for s in 00_prepare 01_extract; do ln -sfn "$1/release-smollm2/$s" "$1/twin/release-smollm2/$s"; done
+        python3 benchmarks/peers.py measure "$1/twin.json" -- python3 -m eagle3lib run params/release-smollm2.yaml \
+          --only train --set run.output_root="$1/twin" --set "data.sources=[$2]" \
+          --set "data.keep_unseen=[$1/tiny-unseen.yaml]" $3 --set train.draft_vocab_size="$4" > "$1/twin.log" 2>&1 < /dev/null
+        echo "rc $?" > "$1/twin.done"' _ "$W" "$SOURCES" "$MORE_SET" "$TWIN_VOCAB" > /dev/null 2>&1 < /dev/null
+    fi
     sleep 45; tail -n 5 $W/train.log; exit 0 ;;
   wait)
     t0=$(date +%s)
-    until [ -f $W/train.done ]; do
+    until [ -f $W/train.done ] && { [ ! -d $W/twin ] || [ -f $W/twin.done ]; }; do
       [ $(( $(date +%s) - t0 )) -ge "${WAIT_S:-540}" ] && { echo "still running"; tail -n 5 $W/train.log
         shipped_status 4
         exit 9; }
       sleep 10
     done
     cat $W/train.done; tail -n 25 $W/train.log
+    [ -f $W/twin.done ] && { echo "twin: $(cat $W/twin.done)"; tail -n 6 $W/twin.log; }
     shipped_status 8
     # the drafter comes back in the call that saw it made: a device taken back during a later call (serving) then
     # loses only the serving (2026-12-06: the whole remake was lost that way)
@@ -118,14 +135,15 @@ yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
     # four sets and EAGLE's alpaca, sum and qa, which neither trained on (the held-out set is this run's bench, which
     # the shipped drafter may have trained on: it saw 5,816 of the first 6,000 conversations)
     ours_env
-    if [ -f $W/shipped.done ] && grep -q "rc 0" $W/shipped.done; then
-      DRAFTERS=(--drafter release=$RUN/02_train/drafter)  # the shipped one's rows: `shipped`'s
-    else
-      DRAFTERS=(--drafter release=$RUN/02_train/drafter --drafter shipped=drafters/smollm2-135m-instruct --base shipped:defaults)
-    fi
+    DRAFTERS=(--drafter release=$RUN/02_train/drafter)
+    SHIPPED_ROWS=0; if [ -f $W/shipped.done ] && grep -q "rc 0" $W/shipped.done; then SHIPPED_ROWS=1  # `shipped`'s
+    else DRAFTERS+=(--drafter shipped=drafters/smollm2-135m-instruct --base shipped:defaults); fi
+    # the twin (TWIN_VOCAB): served beside, twice the servers at once, so that the call's time holds both
+    [ -d $W/twin/release-smollm2/02_train/drafter ] && DRAFTERS+=(--drafter twin=$W/twin/release-smollm2/02_train/drafter) \
+      && export PARALLEL=${PARALLEL:-4}
     compared "${DRAFTERS[@]}" --work $W/compared --out "$OUT/summary-compare.json" > "$OUT/compare.log" 2>&1
     rc=$?; tail -n 25 "$OUT/compare.log"; cp "$OUT/summary-compare.json" $W/ 2>/dev/null  # for bring
-    if [ ${#DRAFTERS[@]} = 2 ] && [ $rc = 0 ]; then
+    if [ $SHIPPED_ROWS = 1 ] && [ $rc = 0 ]; then
       cp $W/summary-shipped.json "$OUT/" && python3 benchmarks/al_interval.py "$OUT/summary-compare.json" \
         "$OUT/summary-shipped.json" --base shipped:defaults | tee "$OUT/compare-ratio.txt"; cp "$OUT/compare-ratio.txt" $W/
     fi
@@ -166,7 +184,9 @@ print({k: len(v) for k, v in splits.items()}, stats['kept_unseen'])" || exit 3
     tar -C $W -czf "$OUT/release.tgz" release-smollm2/02_train/drafter release-smollm2/run.json \
       --exclude='*.ipynb' release-smollm2/00_prepare/result.json release-smollm2/01_extract/result.json \
       release-smollm2/02_train/result.json train.json train.log conversation_ids.json tiny-unseen.yaml \
-      $(cd $W && ls summary.json summary-compare.json summary-shipped.json compare-ratio.txt shipped.log 2>/dev/null) || exit 4
+      $(cd $W && ls summary.json summary-compare.json summary-shipped.json compare-ratio.txt shipped.log 2>/dev/null) \
+      $(cd $W && ls -d twin/release-smollm2/02_train/drafter twin/release-smollm2/02_train/result.json twin.json twin.log \
+        2>/dev/null) || exit 4
     # a larger draft vocabulary's archive goes in parts (here: cat release.tgz.part-* > release.tgz)
     in_parts "$OUT/release.tgz" || exit 5
     ls -la "$OUT"; exit 0 ;;
