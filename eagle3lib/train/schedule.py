@@ -3,9 +3,11 @@ known, whichever is fewer.
 
 A cosine sized to the tokens and stopped by the clock ends at a high learning rate: it never anneals (the release
 remake of 2026-12-06 stopped at 21% of its schedule, at 0.91 of the peak). So with a time budget the schedule's
-length is decided once, at the end of warmup: the wall time per step so far (after the first step, whose compile
-is not a step's cost), plus an evaluation's time spread over eval_every steps, gives the steps the rest of the budget
-holds. The decision goes into the trainer state, so a resume with the same budgets keeps the same schedule; a resume
+length is decided once, at the end of warmup: the median wall time of the steps so far (after the first, whose
+compile is not a step's cost; the median, so that a recompile or an evaluation among them does not shorten the
+schedule by its length), plus an evaluation's time spread over eval_every steps, gives the steps the rest of the
+budget holds. Steps a little slower than the median end the run a little before its schedule's end, near the
+floor of the cosine; a schedule sized on an outlier would end it early and leave minutes unused. The decision goes into the trainer state, so a resume with the same budgets keeps the same schedule; a resume
 with other budgets decides again from the recorded rate (a larger budget continues the run, the cosine stretched).
 The clock still stops a run whose steps slow down later. Under data parallelism rank 0 decides for every rank, and
 the ranks stop on the clock together.
@@ -14,6 +16,7 @@ the ranks stop on the clock together.
 from __future__ import annotations
 
 import math
+import statistics
 
 import torch
 import torch.distributed as dist
@@ -36,6 +39,7 @@ class Schedule:
         self.total_steps, self.pending = self.token_steps, self.budget_s > 0
         self.eval_s = None  # seconds of one evaluation, once one is timed
         self.first = None  # (step, train seconds) after this process's first step
+        self.last, self.step_times = None, []  # train seconds at the last step; seconds of each step after the first
         made = state.get("schedule")
         if made and self.budget_s and made["token_steps"] == self.token_steps:
             if made["budget_s"] == self.budget_s:
@@ -59,13 +63,12 @@ class Schedule:
         """Called after each step with the run's train seconds so far; returns what was decided, once."""
         if not self.pending:
             return None
-        if self.first is None:
-            self.first = (step, train_seconds)
-            return None
+        if self.first is not None:
+            self.step_times.append(train_seconds - self.last)
+        self.first, self.last = self.first or (step, train_seconds), train_seconds
         if step < max(self.warmup, self.first[0] + MIN_TIMED_STEPS):
             return None
-        step_s = (train_seconds - self.first[1]) / (step - self.first[0])
-        return self._set(step, train_seconds, step_s, "decided")
+        return self._set(step, train_seconds, statistics.median(self.step_times), "decided")
 
     def _set(self, step: int, train_seconds: float, step_s: float, how: str) -> str:
         per_step = step_s + (self.eval_s or 0.0) / max(1, self.eval_every)
@@ -78,7 +81,7 @@ class Schedule:
         self.total_steps, self.pending = total, False
         bound = "train.max_tokens" if total == self.token_steps else "train.max_minutes"
         why = (
-            f"schedule {how} at step {step}: {total} steps ({bound}); {step_s * 1000:.1f} ms a step"
+            f"schedule {how} at step {step}: {total} steps ({bound}); {step_s * 1000:.1f} ms a step (median)"
             + (f", evaluations {self.eval_s:.1f} s each every {self.eval_every}" if self.eval_s else "")
             + f", {self.budget_s - train_seconds:.0f} of {self.budget_s:.0f} s left"
         )

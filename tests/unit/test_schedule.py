@@ -68,3 +68,16 @@ def test_the_clock_stops_past_the_budget_only():
     s = Schedule(params(), 1000, {"step": 0, "train_seconds": 0.0}, 1, "cpu")
     assert not s.over_time(59.9) and s.over_time(60.1)
     assert not Schedule(params(max_minutes=None), 1000, {"step": 0}, 1, "cpu").over_time(1e9)
+
+
+def test_a_slow_step_among_the_timed_ones_does_not_shorten_the_schedule():
+    """A recompile (or an evaluation) inside the timed steps: the median step sizes the schedule, so it loses only
+    that step's seconds from the budget, not its share of every step."""
+    state = {"step": 0, "train_seconds": 0.0}
+    s = Schedule(params(), 1000, state, 1, "cpu")
+    clock = 4.0
+    for step in range(1, 12):
+        clock += 20.0 if step == 6 else (1.0 if step > 1 else 0.0)
+        s.after_step(step, clock)
+    # 4 s for the first step, 9 of 1 s and one of 20: 33 s used, 60 x 0.97 - 33 = 25.2 s left at the median 1 s a step
+    assert state["schedule"]["step_s"] == pytest.approx(1.0) and s.total_steps == 11 + 25
