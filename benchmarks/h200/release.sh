@@ -181,12 +181,26 @@ splits = conversations.split_conversations(pool, p.data.val_fraction, p.data.ben
 json.dump({k: [c['id'] for c in v] for k, v in splits.items()} | {'kept_unseen': list(stats['kept_unseen'].values())},
           open('$W/conversation_ids.json', 'w'))
 print({k: len(v) for k, v in splits.items()}, stats['kept_unseen'])" || exit 3
-    tar -C $W -czf "$OUT/release.tgz" release-smollm2/02_train/drafter release-smollm2/run.json \
+    # each drafter's weights in bf16, as release_drafter.py stores them (half the bytes: a call brings back 64 MiB,
+    # and the twin's larger vocabulary with them); its sha256.json stays behind, release_drafter.py hashes anew
+    python3 -c "
+import pathlib, shutil
+from safetensors.torch import load_file, save_file
+for run in ('release-smollm2', 'twin/release-smollm2'):
+    src, dst = pathlib.Path('$W', run, '02_train/drafter'), pathlib.Path('$W/pack', run, '02_train/drafter')
+    if not src.is_dir():
+        continue
+    shutil.rmtree(dst, ignore_errors=True); dst.mkdir(parents=True)
+    for name in ('config.json', 'eagle3.json'):
+        shutil.copy(src / name, dst / name)
+    tensors = load_file(str(src / 'model.safetensors'))
+    save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in tensors.items()}, str(dst / 'model.safetensors'))
+" || exit 4
+    tar -czf "$OUT/release.tgz" -C $W/pack $(cd $W/pack && ls -d release-smollm2 twin 2>/dev/null) -C $W release-smollm2/run.json \
       --exclude='*.ipynb' release-smollm2/00_prepare/result.json release-smollm2/01_extract/result.json \
       release-smollm2/02_train/result.json train.json train.log conversation_ids.json tiny-unseen.yaml \
       $(cd $W && ls summary.json summary-compare.json summary-shipped.json compare-ratio.txt shipped.log 2>/dev/null) \
-      $(cd $W && ls -d twin/release-smollm2/02_train/drafter twin/release-smollm2/02_train/result.json twin.json twin.log \
-        2>/dev/null) || exit 4
+      $(cd $W && ls -d twin/release-smollm2/02_train/result.json twin.json twin.log 2>/dev/null) || exit 4
     # a larger draft vocabulary's archive goes in parts (here: cat release.tgz.part-* > release.tgz)
     in_parts "$OUT/release.tgz" || exit 5
     ls -la "$OUT"; exit 0 ;;
