@@ -5,12 +5,13 @@ A cosine sized to the tokens and stopped by the clock ends at a high learning ra
 remake of 2026-12-06 stopped at 21% of its schedule, at 0.91 of the peak). So with a time budget the schedule's
 length is decided once, at the end of warmup: the median wall time of the steps so far (after the first, whose
 compile is not a step's cost; the median, so that a recompile or an evaluation among them does not shorten the
-schedule by its length), plus an evaluation's time spread over eval_every steps, gives the steps the rest of the
-budget holds. Steps a little slower than the median end the run a little before its schedule's end, near the
-floor of the cosine; a schedule sized on an outlier would end it early and leave minutes unused. The decision goes into the trainer state, so a resume with the same budgets keeps the same schedule; a resume
-with other budgets decides again from the recorded rate (a larger budget continues the run, the cosine stretched).
-The clock still stops a run whose steps slow down later. Under data parallelism rank 0 decides for every rank, and
-the ranks stop on the clock together.
+schedule by its share of every step), plus an evaluation's time spread over eval_every steps, gives the steps the
+rest of the budget holds. Steps a little slower than the median end the run a little before its schedule's end,
+near the floor of the cosine; a schedule sized on an outlier would end it early and leave minutes unused.
+The decision goes into the trainer state, so a resume with the same budgets keeps the same schedule; a resume with
+other budgets decides again from the recorded rate (a larger budget continues the run, the cosine stretched). The
+clock still stops a run whose steps slow down later. Under data parallelism rank 0 decides for every rank, and the
+ranks stop on the clock together.
 """
 
 from __future__ import annotations
@@ -28,8 +29,8 @@ MARGIN = 0.97  # of the budget the schedule plans for: the final evaluation and 
 
 
 class Schedule:
-    """Warmup then cosine over `total_steps`; `decide` sizes total_steps to the time budget once, `over_time` is the
-    clock's stop. state: the trainer state (its "schedule" entry is read and written here)."""
+    """Warmup then cosine over `total_steps`; `after_step` sizes total_steps to the time budget once, `over_time` is
+    the clock's stop. state: the trainer state (its "schedule" entry is read and written here)."""
 
     def __init__(self, tp, tokens_per_step: int, state: dict, world: int, device):
         self.lr_peak, self.warmup, self.eval_every = tp.lr, tp.warmup_steps, tp.eval_every
@@ -38,8 +39,8 @@ class Schedule:
         self.state, self.world, self.device = state, world, device
         self.total_steps, self.pending = self.token_steps, self.budget_s > 0
         self.eval_s = None  # seconds of one evaluation, once one is timed
-        self.first = None  # (step, train seconds) after this process's first step
-        self.last, self.step_times = None, []  # train seconds at the last step; seconds of each step after the first
+        self.first_step, self.last = None, None  # this process's first step; train seconds after the last one
+        self.step_times = []  # seconds of each step after the first
         made = state.get("schedule")
         if made and self.budget_s and made["token_steps"] == self.token_steps:
             if made["budget_s"] == self.budget_s:
@@ -63,10 +64,12 @@ class Schedule:
         """Called after each step with the run's train seconds so far; returns what was decided, once."""
         if not self.pending:
             return None
-        if self.first is not None:
+        if self.first_step is None:
+            self.first_step = step
+        else:
             self.step_times.append(train_seconds - self.last)
-        self.first, self.last = self.first or (step, train_seconds), train_seconds
-        if step < max(self.warmup, self.first[0] + MIN_TIMED_STEPS):
+        self.last = train_seconds
+        if step < max(self.warmup, self.first_step + MIN_TIMED_STEPS):
             return None
         return self._set(step, train_seconds, statistics.median(self.step_times), "decided")
 
