@@ -72,3 +72,21 @@ def check_same_weights(module: torch.nn.Module, world: int) -> list[str]:
     if len(set(digests)) != 1:
         raise TrainingError(f"ranks hold different weights after training: {digests}")
     return digests
+
+
+def rank0_value(value: int, world: int, device) -> int:
+    """Rank 0's value on every rank (a decision each rank could make differently, from its own clock)."""
+    if world <= 1:
+        return value
+    agreed = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.broadcast(agreed, src=0)
+    return int(agreed.item())
+
+
+def any_rank(flag: bool, world: int, device) -> bool:
+    """Whether flag holds on any rank, on every rank (so that all leave a loop on the same step)."""
+    if world <= 1:
+        return flag
+    agreed = torch.tensor([int(flag)], dtype=torch.int64, device=device)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    return bool(agreed.item())

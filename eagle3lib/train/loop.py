@@ -133,10 +133,15 @@ class Loop:
             with open(self.log_path, "a") as f:
                 f.write(json.dumps(entry) + "\n")
 
-    def evaluate_now(self) -> dict:
+    def timed_evaluate(self) -> dict:
+        """evaluate, its seconds told to the schedule (which spreads them over eval_every steps)."""
         t0 = time.perf_counter()
         result = evaluate(self.setup, self.tp.ttt_steps, self.max_depth, self.device)
         self.schedule.timed_eval(time.perf_counter() - t0)
+        return result
+
+    def evaluate_now(self) -> dict:
+        result = self.timed_evaluate()
         result["at_step"] = self.state["step"]
         self.write_log({"step": self.state["step"], "eval": result})
         self.best.consider(result, self.drafter, self.setup.contract)
@@ -146,9 +151,7 @@ class Loop:
         """Steps until the schedule's end or the time budget, then the final evaluation, checkpoint and drafter."""
         state, tp = self.state, self.tp
         if state["step"] == 0:  # the untrained drafter, for "did training help" comparisons
-            t0 = time.perf_counter()
-            state["initial_eval"] = evaluate(self.setup, tp.ttt_steps, self.max_depth, self.device)
-            self.schedule.timed_eval(time.perf_counter() - t0)
+            state["initial_eval"] = self.timed_evaluate()
             self.write_log({"step": 0, "eval": state["initial_eval"]})
             self.best.consider(state["initial_eval"] | {"at_step": 0}, self.drafter, self.setup.contract)
         stream = self.setup.source.stream(tp, state)

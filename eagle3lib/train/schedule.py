@@ -19,9 +19,7 @@ from __future__ import annotations
 import math
 import statistics
 
-import torch
-import torch.distributed as dist
-
+from eagle3lib.train.distributed import any_rank, rank0_value
 from eagle3lib.train.optimizer import lr_at
 
 MIN_TIMED_STEPS = 10  # steps timed before a decision, warmup shorter than that included
@@ -76,11 +74,8 @@ class Schedule:
     def _set(self, step: int, train_seconds: float, step_s: float, how: str) -> str:
         per_step = step_s + (self.eval_s or 0.0) / max(1, self.eval_every)
         fit = int(max(0.0, self.budget_s * MARGIN - train_seconds) / max(per_step, 1e-9))
-        total = min(self.token_steps, step + max(1, fit))
-        if self.world > 1:  # rank 0's decision for every rank: each measured its own clock
-            agreed = torch.tensor([total], dtype=torch.int64, device=self.device)
-            dist.broadcast(agreed, src=0)
-            total = int(agreed.item())
+        # rank 0's decision for every rank: each measured its own clock
+        total = rank0_value(min(self.token_steps, step + max(1, fit)), self.world, self.device)
         self.total_steps, self.pending = total, False
         bound = "train.max_tokens" if total == self.token_steps else "train.max_minutes"
         why = (
@@ -96,9 +91,4 @@ class Schedule:
         """Whether the time budget is spent; with several ranks, whether any rank's is (they stop on one step)."""
         if not self.budget_s:
             return False
-        over = train_seconds > self.budget_s
-        if self.world > 1:
-            flag = torch.tensor([int(over)], dtype=torch.int64, device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            over = bool(flag.item())
-        return over
+        return any_rank(train_seconds > self.budget_s, self.world, self.device)
