@@ -133,15 +133,15 @@ class Loop:
             with open(self.log_path, "a") as f:
                 f.write(json.dumps(entry) + "\n")
 
-    def timed_evaluate(self) -> dict:
+    def timed_evaluate(self, in_loop: bool) -> dict:
         """evaluate, its seconds told to the schedule (which spreads them over eval_every steps)."""
         t0 = time.perf_counter()
         result = evaluate(self.setup, self.tp.ttt_steps, self.max_depth, self.device)
-        self.schedule.timed_eval(time.perf_counter() - t0)
+        self.schedule.timed_eval(time.perf_counter() - t0, in_loop)
         return result
 
     def evaluate_now(self) -> dict:
-        result = self.timed_evaluate()
+        result = self.timed_evaluate(in_loop=True)
         result["at_step"] = self.state["step"]
         self.write_log({"step": self.state["step"], "eval": result})
         self.best.consider(result, self.drafter, self.setup.contract)
@@ -151,7 +151,7 @@ class Loop:
         """Steps until the schedule's end or the time budget, then the final evaluation, checkpoint and drafter."""
         state, tp = self.state, self.tp
         if state["step"] == 0:  # the untrained drafter, for "did training help" comparisons
-            state["initial_eval"] = self.timed_evaluate()
+            state["initial_eval"] = self.timed_evaluate(in_loop=False)
             self.write_log({"step": 0, "eval": state["initial_eval"]})
             self.best.consider(state["initial_eval"] | {"at_step": 0}, self.drafter, self.setup.contract)
         stream = self.setup.source.stream(tp, state)
@@ -209,6 +209,9 @@ class Loop:
         if state["step"] % tp.eval_every != 0 and state["step"] != self.schedule.total_steps:
             return None
         result = self.evaluate_now()
+        revised = self.schedule.after_eval(state["step"], state["train_seconds"] + time.time() - started)
+        if revised:
+            self.log(revised)
         self.log(
             f"step {state['step']}/{self.schedule.total_steps} loss {entry['loss']:.4f} "
             f"est_accept_len@5 {result['est_accept_len'].get('5')} cond_acc {[round(x, 3) for x in result['cond_acc']]}"

@@ -8,10 +8,14 @@ compile is not a step's cost; the median, so that a recompile or an evaluation a
 schedule by its share of every step), plus an evaluation's time spread over eval_every steps, gives the steps the
 rest of the budget holds. Steps a little slower than the median end the run a little before its schedule's end,
 near the floor of the cosine; a schedule sized on an outlier would end it early and leave minutes unused.
-The decision goes into the trainer state, so a resume with the same budgets keeps the same schedule; a resume with
-other budgets decides again from the recorded rate (a larger budget continues the run, the cosine stretched). The
-clock still stops a run whose steps slow down later. Under data parallelism rank 0 decides for every rank, and the
-ranks stop on the clock together.
+The evaluation timed before the loop is a cold one (a compiled layer compiles again for evaluation, kernels load),
+often ten times one in the loop: a schedule sized on it ends with much of the budget unused. So the decision is
+revised once, at the first evaluation in the loop, from the median of every step so far and that evaluation's
+time; early in the cosine, so the learning rate barely moves at the revision.
+The decision goes into the trainer state, so a resume with the same budgets keeps the same schedule (and still
+revises one not yet revised); a resume with other budgets decides again from the recorded rate (a larger budget
+continues the run, the cosine stretched). The clock still stops a run whose steps slow down later. Under data
+parallelism rank 0 decides for every rank, and the ranks stop on the clock together.
 """
 
 from __future__ import annotations
@@ -36,11 +40,13 @@ class Schedule:
         self.budget_s = (tp.max_minutes or 0) * 60  # 0: no time budget
         self.state, self.world, self.device = state, world, device
         self.total_steps, self.pending = self.token_steps, self.budget_s > 0
+        self.revising = self.pending  # until an evaluation in the loop has been timed
         self.eval_s = None  # seconds of one evaluation, once one is timed
         self.first_step, self.last = None, None  # this process's first step; train seconds after the last one
         self.step_times = []  # seconds of each step after the first
         made = state.get("schedule")
         if made and self.budget_s and made["token_steps"] == self.token_steps:
+            self.revising = made.get("revised_at") is None
             if made["budget_s"] == self.budget_s:
                 self.total_steps, self.pending = made["total_steps"], False
             else:  # another budget for the same run: the recorded rate sizes what is left of it
@@ -55,21 +61,35 @@ class Schedule:
     def lr(self, step: int) -> float:
         return lr_at(step, self.total_steps, self.lr_peak, self.warmup)
 
-    def timed_eval(self, seconds: float) -> None:
+    def timed_eval(self, seconds: float, in_loop: bool) -> None:
+        """An evaluation's seconds; in_loop: one among the steps (warm), not the one before them."""
         self.eval_s = seconds
+        if in_loop and self.pending:  # the decision still to come uses a warm evaluation: nothing to revise
+            self.revising = False
 
     def after_step(self, step: int, train_seconds: float) -> str | None:
         """Called after each step with the run's train seconds so far; returns what was decided, once."""
-        if not self.pending:
+        if not (self.pending or self.revising):
             return None
         if self.first_step is None:
             self.first_step = step
         else:
             self.step_times.append(train_seconds - self.last)
         self.last = train_seconds
-        if step < max(self.warmup, self.first_step + MIN_TIMED_STEPS):
+        if not self.pending or step < max(self.warmup, self.first_step + MIN_TIMED_STEPS):
             return None
         return self._set(step, train_seconds, statistics.median(self.step_times), "decided")
+
+    def after_eval(self, step: int, train_seconds: float) -> str | None:
+        """Called after each evaluation in the loop; at the first after the decision, the decision revised from
+        every step's median and this evaluation's time (returns what was revised, once)."""
+        if self.pending or not self.revising or not self.step_times:
+            return None
+        self.revising = False
+        decided_at = self.state["schedule"]["decided_at"]
+        why = self._set(step, train_seconds, statistics.median(self.step_times), "revised")
+        self.state["schedule"] |= {"decided_at": decided_at, "revised_at": step}
+        return why
 
     def _set(self, step: int, train_seconds: float, step_s: float, how: str) -> str:
         per_step = step_s + (self.eval_s or 0.0) / max(1, self.eval_every)

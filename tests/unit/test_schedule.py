@@ -1,5 +1,6 @@
 """The learning-rate schedule's length under a time budget (train/schedule.py): decided once from the measured
-step rate, kept across a resume with the same budgets, decided again for another budget."""
+step rate, revised once at the first evaluation in the loop, kept across a resume with the same budgets, decided
+again for another budget."""
 
 from types import SimpleNamespace
 
@@ -33,7 +34,7 @@ def test_without_a_time_budget_the_tokens_size_the_schedule():
 def test_the_minutes_size_the_schedule_once_at_the_end_of_the_timed_steps():
     state = {"step": 0, "train_seconds": 0.0}
     s = Schedule(params(), 1000, state, 1, "cpu")
-    s.timed_eval(2.0)  # an evaluation: 0.2 s a step over eval_every 10
+    s.timed_eval(2.0, in_loop=False)  # an evaluation: 0.2 s a step over eval_every 10
     decided = run_steps(s, 40)
     # timed from step 1 (after the compile) to step 11: 1 s a step; 60 s x 0.97 - 14 s used, at 1.2 s a step: 36 more
     assert [step for step, _ in decided] == [11]
@@ -81,3 +82,38 @@ def test_a_slow_step_among_the_timed_ones_does_not_shorten_the_schedule():
         s.after_step(step, clock)
     # 4 s for the first step, 9 of 1 s and one of 20: 33 s used, 60 x 0.97 - 33 = 25.2 s left at the median 1 s a step
     assert state["schedule"]["step_s"] == pytest.approx(1.0) and s.total_steps == 11 + 25
+
+
+def test_a_cold_first_evaluation_is_revised_at_the_first_warm_one():
+    """The evaluation before the loop compiles and loads (ten times one in the loop on an H100): sized on it, the schedule
+    ends with the budget half used. The first evaluation in the loop revises it, once; a resume keeps the revision."""
+    state = {"step": 0, "train_seconds": 0.0}
+    s = Schedule(params(), 1000, state, 1, "cpu")
+    s.timed_eval(20.0, in_loop=False)  # cold: 2 s a step over eval_every 10
+    run_steps(s, 11)
+    assert s.total_steps == 11 + int((60 * 0.97 - 14.0) / 3.0)  # 25 steps: the run would end at ~40 of 60 s
+    s.timed_eval(1.0, in_loop=True)  # the evaluation at step 20, warm
+    clock = 4.0 + 19 * 1.0
+    assert [s.after_step(step, 4.0 + (step - 1) * 1.0) for step in range(12, 21)] == [None] * 9
+    why = s.after_eval(20, clock)
+    assert why.startswith("schedule revised at step 20") and state["schedule"]["revised_at"] == 20
+    assert s.total_steps == 20 + int((60 * 0.97 - clock) / 1.1)  # 1 s a step (median), 0.1 s of evaluation each
+    assert s.after_eval(30, clock + 10) is None  # once
+    kept = Schedule(params(), 1000, dict(state), 1, "cpu")
+    assert kept.total_steps == s.total_steps and kept.after_eval(30, 33.0) is None
+    before = {"step": 15, "train_seconds": 18.0, "schedule": {**state["schedule"], "revised_at": None}}
+    resumed = Schedule(params(), 1000, before, 1, "cpu")  # a checkpoint between the decision and the revision
+    for step in range(16, 21):
+        resumed.after_step(step, 18.0 + (step - 15) * 1.0)
+    assert resumed.after_eval(20, 23.0).startswith("schedule revised") and before["schedule"]["revised_at"] == 20
+
+
+def test_a_warm_evaluation_before_the_decision_leaves_nothing_to_revise():
+    state = {"step": 0, "train_seconds": 0.0}
+    s = Schedule(params(warmup_steps=12), 1000, state, 1, "cpu")
+    s.timed_eval(20.0, in_loop=False)
+    run_steps(s, 10)
+    s.timed_eval(1.0, in_loop=True)  # at step 10, before the decision at 12
+    run_steps_from = [s.after_step(step, 4.0 + (step - 1) * 1.0) for step in (11, 12)]
+    assert run_steps_from[1].startswith("schedule decided at step 12") and s.after_eval(20, 23.0) is None
+    assert s.total_steps == 12 + int((60 * 0.97 - 15.0) / 1.1)

@@ -160,6 +160,8 @@ def test_a_time_budget_sizes_the_schedule_so_that_it_anneals_and_a_resume_keeps_
     assert made["token_steps"] == 100_000 and made["budget_s"] == 6.0 and made["decided_at"] == 11
     assert "train.max_minutes" in made["why"] and made["why"] in lines
     assert 11 < summary["total_steps"] == made["total_steps"] < 100_000 and summary["steps"] <= summary["total_steps"]
+    # revised at the first evaluation in the loop, where the run got that far
+    assert made.get("revised_at") == (50 if summary["steps"] >= 50 else None)
     log = [json.loads(line) for line in (run_dir / "02_train" / "log.jsonl").read_text().splitlines()]
     lrs = [e["lr"] for e in log if "lr" in e]
     assert min(lrs) < 0.5 * p.train.lr and lrs[-1] == min(lrs)  # annealing, and still falling at the end
