@@ -42,10 +42,21 @@ def cpu_worker_threads(env: dict | None = None) -> int:
     return max(1, len(os.sched_getaffinity(0)) - reserved)
 
 
+def speculative_config(draft_dir, depth: int) -> dict:
+    """vLLM's speculative config for `depth` tokens (docs/design.md §5). use_local_argmax_reduction: the drafter's
+    argmax over its own vocabulary, mapped through d2t (LocalArgmaxMixin), the same token as the argmax of the
+    target-wide row it otherwise scatters its logits into, without that row."""
+    return {
+        "method": "eagle3",
+        "model": str(draft_dir),
+        "num_speculative_tokens": int(depth),
+        "use_local_argmax_reduction": True,
+    }
+
+
 def vllm_launch_args(draft_dir, depth: int) -> list[str]:
-    """vLLM flags for `depth` speculative tokens (docs/design.md §5)."""
-    spec = {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": int(depth)}
-    return ["--speculative-config", json.dumps(spec)]
+    """vLLM flags for `depth` speculative tokens."""
+    return ["--speculative-config", json.dumps(speculative_config(draft_dir, depth))]
 
 
 def parse_metrics(text: str) -> dict:

@@ -65,7 +65,7 @@ def test_commands_and_logs(tmp_path):
     s = engines.make(EngineParams(name="vllm", env={"VLLM_CPU_KVCACHE_SPACE": "2"}), "/t", "/d", 5, tmp_path)
     assert s.base_command[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     spec = json.loads(s.base_command[s.base_command.index("--speculative-config") + 1])
-    assert spec == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 5}
+    assert spec == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 5, "use_local_argmax_reduction": True}
     env = engine_env(s.env)  # what start() runs it with: engine.env over the engines' defaults
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "2" and env["HF_HUB_OFFLINE"] == "1" and env["OMP_WAIT_POLICY"] == "PASSIVE"
     assert s.log_path == tmp_path / "vllm-depth5.log"
@@ -151,7 +151,9 @@ def test_launch_flags():
     ]
     flag, spec = vllm_launch_args("/d", 5)
     assert flag == "--speculative-config"
-    assert json.loads(spec) == {"method": "eagle3", "model": "/d", "num_speculative_tokens": 5}
+    assert json.loads(spec) == {
+        "method": "eagle3", "model": "/d", "num_speculative_tokens": 5, "use_local_argmax_reduction": True
+    }  # fmt: skip
     assert check_sglang_args(sglang_launch_args("/d", 5)) == []
     eagle = sglang_launch_args("/d", 5)
     eagle[1] = "EAGLE"
@@ -256,6 +258,8 @@ def test_vllm_serves_drafter_and_stops_whole_group(drafts, learned, tmp_path):
     assert any("num_spec_tokens=3" in line and "eagle3" in line for line in engine_lines)
     assert any("Resolved architecture: LlamaForCausalLMEagle3" in line for line in engine_lines)
     assert any("Loading drafter model" in line for line in engine_lines)
+    # the drafter's argmax over its own vocabulary (LocalArgmaxMixin), the greedy reply as above
+    assert any("Using local argmax reduction" in line for line in engine_lines)
 
 
 @pytest.mark.slow

@@ -93,7 +93,13 @@ def _vllm_config(draft, target, depth):
         dtype="float32",
         max_model_len=512,
         enforce_eager=True,
-        speculative_config={"method": "eagle3", "model": draft, "num_speculative_tokens": depth},
+        # as engines/vllm.py serves it (speculative_config): the argmax over the draft vocabulary
+        speculative_config={
+            "method": "eagle3",
+            "model": draft,
+            "num_speculative_tokens": depth,
+            "use_local_argmax_reduction": True,
+        },
         # MLA on a CPU with AMX would get AMX_MLA, which packs its weights for bf16 only and refuses fp32 ("expect
         # weight to be bfloat16, ..."); vLLM's reference CPU MLA takes fp32. Other attention ignores it.
         attention_backend="CPU_MLA",
@@ -259,6 +265,12 @@ def check_vllm(draft, target, depth):
     extra = sorted(n for n in params if n not in want and "embed_tokens" not in n)
     for n in extra:
         problems.append(f"vLLM parameter {n} {tuple(params[n].shape)} has no tensor in our checkpoint (random init).")
+    if not hasattr(model, "get_top_tokens"):  # vLLM's proposer refuses the served config at start without it
+        problems.append(
+            f"vLLM's {type(model).__name__} has no get_top_tokens, which the served use_local_argmax_reduction needs "
+            "(engines/vllm.py speculative_config): this vLLM's drafter class for "
+            f"{list(draft_cfg.hf_config.architectures or [])} lacks LocalArgmaxMixin; serve without the flag."
+        )
     return {
         "engine": "vllm",
         "ok": not problems,
