@@ -2,12 +2,16 @@
 
     python benchmarks/regenerate_throughput.py                       # vLLM's CPU build, the embedded default
     python benchmarks/regenerate_throughput.py --params params/tiny-h200.yaml --conversations 2000  # SGLang, GPU
+    python benchmarks/regenerate_throughput.py --params params/release-smollm2.yaml --conversations 2000 \
+        --max-new-tokens 256 --window 1024 --modes window --drop-flag=--disable-cuda-graph \
+        --engine-flag=--cuda-graph-max-bs=512   # the release's regeneration, one lever of its rate
 
 Both modes send the same conversations to the same running server with the same number of requests
 allowed in flight (--window), after a warm-up. waves: what hf does, a wave of turns at a time, the next wave after the
 wave's longest reply; window: data.regenerate's engine mode, each conversation on to its next turn as soon
 as its reply is back. Prints generated tokens/s of each, their ratio, and whether their records are identical
 (with --dtype float32 they must be; bf16 kernels round differently by batch shape, docs/design.md §3).
+--modes window measures the engine mode alone (a lever of its rate: --window, --engine-flag, --drop-flag).
 """
 
 import argparse
@@ -45,9 +49,21 @@ def main():
         help="engine --dtype; float32 on vLLM's CPU build makes replies independent of "
         "batch shape, so the two modes' records must then be identical",
     )
+    ap.add_argument("--modes", default="waves,window", help="which of waves,window to measure")
+    ap.add_argument("--engine-flag", action="append", default=[], help="an engine flag added (repeatable)")
+    ap.add_argument("--drop-flag", action="append", default=[], help="a params engine flag removed (repeatable)")
     args = ap.parse_args()
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - {"waves", "window"}:
+        ap.error(f"--modes: a comma-separated subset of waves,window, not {args.modes!r}")
 
-    p = load_params(args.params, {"engine.extra_args": ["--dtype", args.dtype]} if args.dtype else None)
+    p = load_params(args.params)
+    missing = [f for f in args.drop_flag if f not in p.engine.extra_args]
+    if missing:
+        ap.error(f"--drop-flag {missing}: not among {args.params}'s engine.extra_args {p.engine.extra_args}")
+    # a flag of the form --name=value replaces a --name the params give, and its value with it
+    p.engine.extra_args = drop_flags(p.engine.extra_args, args.drop_flag + [f.split("=")[0] for f in args.engine_flag])
+    p.engine.extra_args += args.engine_flag + (["--dtype", args.dtype] if args.dtype else [])
     convs, _ = sources.load_conversations(p.data.sources, limit=args.conversations)
     model, tokenizer = target.load_target_info(p.target.name, cache_dir(p))
     eos_ids = regenerate.eos_token_ids(model, tokenizer)
@@ -62,11 +78,14 @@ def main():
     out, results = Path(tempfile.mkdtemp(prefix="regen-bench-")), {}
     target_dir = target.resolve_target(p.target.name, cache_dir(p))
     with engines.make(p.engine, target_dir, None, None, out) as server:
-        print(f"{p.engine.name} ready in {server.ready_s:.1f} s; {len(convs)} conversations, window {args.window}")
+        print(
+            f"{p.engine.name} ready in {server.ready_s:.1f} s; {len(convs)} conversations, window {args.window}; "
+            f"flags {p.engine.extra_args}"
+        )
         regenerate.regenerate_responses(
             model, tokenizer, convs[: args.window], out / "warmup.jsonl", engine=server, **kw
         )
-        for mode in ("waves", "window"):
+        for mode in modes:
             t0 = time.perf_counter()
             if mode == "waves":
                 stats = regenerate.regenerate_responses(
@@ -89,20 +108,34 @@ def main():
                 "tokens_per_s": round(stats["tokens_generated"] / seconds, 1),
             }
             print(mode, json.dumps(results[mode]))
-    same = regenerate.read_regenerated(out / "waves.jsonl") == regenerate.read_regenerated(out / "window.jsonl")
-    print(
-        json.dumps(
-            {
-                "engine": p.engine.name,
-                "conversations": len(convs),
-                "window": args.window,
-                "max_new_tokens": args.max_new_tokens,
-                **results,
-                "identical_records": same,
-                "window_over_waves": round(results["window"]["tokens_per_s"] / results["waves"]["tokens_per_s"], 2),
-            }
-        )
-    )
+    summary = {
+        "engine": p.engine.name,
+        "engine_flags": p.engine.extra_args,
+        "ready_s": round(server.ready_s, 1),
+        "conversations": len(convs),
+        "in_flight": args.window,
+        "max_new_tokens": args.max_new_tokens,
+        **results,
+    }
+    if len(results) == 2:
+        same = regenerate.read_regenerated(out / "waves.jsonl") == regenerate.read_regenerated(out / "window.jsonl")
+        summary |= {
+            "identical_records": same,
+            "window_over_waves": round(results["window"]["tokens_per_s"] / results["waves"]["tokens_per_s"], 2),
+        }
+    print(json.dumps(summary))
+
+
+def drop_flags(args: list[str], names: list[str]) -> list[str]:
+    """args less each flag in names, with its value where one follows it (the next item not a flag)."""
+    out, i = [], 0
+    while i < len(args):
+        if args[i] in names:
+            i += 2 if i + 1 < len(args) and not args[i + 1].startswith("--") else 1
+            continue
+        out.append(args[i])
+        i += 1
+    return out
 
 
 if __name__ == "__main__":

@@ -24,7 +24,10 @@
 # stage5 && MORE=1 release.sh train; release.sh shipped` carrying $G/data2 and $G/data; `release.sh wait` until it brings the archive; `release.sh compare` (and `serve` beside
 # it where time is left); about 1,500 s of one GPU. VOCAB=N and TWIN_VOCAB=M (on train) make two drafters of the one
 # regeneration, draft vocabularies N and M, which compare serves side by side; release_drafter.py --trainer twin
-# writes the second. TO=prepare, bring-prepared and a carried $G/release-prepared
+# writes the second. SHIPPED_FROM=SUMMARY (on compare and shipped): the shipped drafter's rows from an earlier
+# session's summary-compare.json on the same GPU kind instead of serving it again (a quarter of compare's servers).
+# REGEN_BS, REGEN_GRAPHS (on train): the regeneration's conversations in flight and CUDA graphs (its rate's levers).
+# TO=prepare, bring-prepared and a carried $G/release-prepared
 # split it in two within a session; across sessions they hold only if $G does (a new checkout starts without it).
 # Here: python benchmarks/release_drafter.py ARCHIVE writes drafters/smollm2-135m-instruct/ (provenance.json);
 # an archive over 15 MB comes back in parts: cat release.tgz.part-* > release.tgz first.
@@ -91,6 +94,12 @@ yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
     # VOCAB=N: a draft vocabulary of N tokens (release-smollm2.yaml's 2,048 covers 78% of the embedded replies'
     # tokens, 8,192 91%); params/tiny.yaml's fine-tune must then take the same
     [ -n "${VOCAB:-}" ] && MORE_SET="$MORE_SET --set train.draft_vocab_size=$VOCAB"
+    # the regeneration's rate (5,067-7,643 tokens/s on the H100 at 256 in flight without CUDA graphs: 5% of the
+    # remake's training tokens in 2 minutes), its levers: REGEN_BS=N conversations in flight, REGEN_GRAPHS=N
+    # SGLang's CUDA graphs up to batch N in place of --disable-cuda-graph
+    [ -n "${REGEN_BS:-}" ] && MORE_SET="$MORE_SET --set data.regenerate.batch_size=$REGEN_BS"
+    [ -n "${REGEN_GRAPHS:-}" ] && MORE_SET="$MORE_SET --set engine.extra_args=[--attention-backend,triton,\
+--sampling-backend,pytorch,--mem-fraction-static,'0.3',--context-length,'2048',--cuda-graph-max-bs,'$REGEN_GRAPHS']"
     setsid -f bash -c 'python3 benchmarks/peers.py measure "$1/train.json" -- python3 -m eagle3lib run \
         params/release-smollm2.yaml --to "$4" --set run.output_root="$1" --set "data.sources=[$2]" \
         --set "data.keep_unseen=[$1/tiny-unseen.yaml]" $3 > "$1/train.log" 2>&1 < /dev/null; echo "rc $?" > "$1/train.done"' \
@@ -136,6 +145,18 @@ yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
     # the shipped drafter may have trained on: it saw 5,816 of the first 6,000 conversations)
     ours_env
     DRAFTERS=(--drafter release=$RUN/02_train/drafter)
+    # SHIPPED_FROM=SUMMARY: the shipped drafter's rows from an earlier session's summary on the same GPU kind, not
+    # served again (on the H100 they were the same to the last digit, prompt by prompt, in three sessions)
+    if [ -n "${SHIPPED_FROM:-}" ]; then
+      python3 -c "
+import json, sys
+d = json.load(open(sys.argv[1]))
+d['rows'] = [r for r in d['rows'] if r['trainer'] == 'shipped' and r['set'] != 'val']
+d['means'] = [m for m in d['means'] if m['trainer'] == 'shipped']
+assert d['rows'], 'no served rows of the shipped drafter in ' + sys.argv[1]
+json.dump(d, open(sys.argv[2], 'w'))" "$SHIPPED_FROM" $W/summary-shipped.json && echo "rc 0 (from $SHIPPED_FROM)" > $W/shipped.done \
+        || exit 3
+    fi
     SHIPPED_ROWS=0; if [ -f $W/shipped.done ] && grep -q "rc 0" $W/shipped.done; then SHIPPED_ROWS=1  # `shipped`'s
     else DRAFTERS+=(--drafter shipped=drafters/smollm2-135m-instruct --base shipped:defaults); fi
     # the twin (TWIN_VOCAB): served beside, twice the servers at once, so that the call's time holds both
@@ -150,6 +171,7 @@ yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
     exit $rc ;;
   shipped)
     # in its own session, so that it outlives the call; it waits for train's 00_prepare (the held-out prompts)
+    [ -n "${SHIPPED_FROM:-}" ] && { echo "shipped: its rows come from $SHIPPED_FROM (compare)"; exit 0; }
     rm -f $W/shipped.done
     setsid -f bash -c 'until [ -f "$1/00_prepare/result.json" ] || [ -f "$2/train.done" ]; do sleep 10; done
       bash "$3" shipped-now > "$2/shipped.log" 2>&1 < /dev/null; echo "rc $?" > "$2/shipped.done"' \
