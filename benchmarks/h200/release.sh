@@ -20,9 +20,10 @@
 #                                            (summary-compare.json; the shipped drafter's rows from `shipped` where
 #                                            it ran, else served here too; here: benchmarks/al_interval.py)
 #   bash benchmarks/h200/release.sh bring    the drafter and its records, one archive, into $OUT
-# The remake (MORE=1, issue 43): peers.sh stage1-4 (stage2 without $G/peers, stage4 without $G/data); `peers.sh
-# stage5 && MORE=1 release.sh train; release.sh shipped` carrying $G/data2 and $G/data; `release.sh wait` until it brings the archive; `release.sh compare` (and `serve` beside
-# it where time is left); about 1,500 s of one GPU. VOCAB=N and TWIN_VOCAB=M (on train) make two drafters of the one
+# The remake (MORE=1, issue 43): peers.sh stage1-4 (stage1 without $G/pyd, stage2 without $G/peers, stage4 with
+# $G/pyd and without $G/data); `peers.sh stage5 && MORE=1 release.sh train; release.sh shipped` carrying $G/data2 and
+# $G/data; `release.sh wait` until it brings the archive; `release.sh compare` (and `serve` beside it where time is
+# left); about 1,500 s of one GPU. VOCAB=N and TWIN_VOCAB=M (on train) make two drafters of the one
 # regeneration, draft vocabularies N and M, which compare serves side by side; release_drafter.py --trainer twin
 # writes the second. SHIPPED_FROM=SUMMARY (on compare and shipped): the shipped drafter's rows from an earlier
 # session's summary-compare.json on the same GPU kind instead of serving it again (a quarter of compare's servers).
