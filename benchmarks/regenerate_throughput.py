@@ -4,7 +4,8 @@
     python benchmarks/regenerate_throughput.py --params params/tiny-h200.yaml --conversations 2000  # SGLang, GPU
     python benchmarks/regenerate_throughput.py --params params/release-smollm2.yaml --conversations 2000 \
         --max-new-tokens 256 --window 1024 --modes window --drop-flag=--disable-cuda-graph \
-        --engine-flag=--cuda-graph-max-bs=512   # the release's regeneration, one lever of its rate
+        --engine-flag=--cuda-graph-max-bs-decode=512 --engine-flag=--disable-prefill-cuda-graph
+        (the release's regeneration with two of its rate's levers: conversations in flight, decode CUDA graphs)
 
 Both modes send the same conversations to the same running server with the same number of requests
 allowed in flight (--window), after a warm-up. waves: what hf does, a wave of turns at a time, the next wave after the

@@ -97,10 +97,12 @@ yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
     [ -n "${VOCAB:-}" ] && MORE_SET="$MORE_SET --set train.draft_vocab_size=$VOCAB"
     # the regeneration's rate (5,067-7,643 tokens/s on the H100 at 256 in flight without CUDA graphs: 5% of the
     # remake's training tokens in 2 minutes), its levers: REGEN_BS=N conversations in flight, REGEN_GRAPHS=N
-    # SGLang's CUDA graphs up to batch N in place of --disable-cuda-graph
+    # SGLang's decode CUDA graphs up to batch N in place of --disable-cuda-graph (SGLang 0.5.17's flag; prefill's
+    # graphs stay off: their default backends compile)
     [ -n "${REGEN_BS:-}" ] && MORE_SET="$MORE_SET --set data.regenerate.batch_size=$REGEN_BS"
     [ -n "${REGEN_GRAPHS:-}" ] && MORE_SET="$MORE_SET --set engine.extra_args=[--attention-backend,triton,\
---sampling-backend,pytorch,--mem-fraction-static,'0.3',--context-length,'2048',--cuda-graph-max-bs,'$REGEN_GRAPHS']"
+--sampling-backend,pytorch,--mem-fraction-static,'0.3',--context-length,'2048',--cuda-graph-max-bs-decode,\
+'$REGEN_GRAPHS',--disable-prefill-cuda-graph]"
     setsid -f bash -c 'python3 benchmarks/peers.py measure "$1/train.json" -- python3 -m eagle3lib run \
         params/release-smollm2.yaml --to "$4" --set run.output_root="$1" --set "data.sources=[$2]" \
         --set "data.keep_unseen=[$1/tiny-unseen.yaml]" $3 > "$1/train.log" 2>&1 < /dev/null; echo "rc $?" > "$1/train.done"' \
