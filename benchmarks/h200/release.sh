@@ -100,9 +100,13 @@ yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
     # SGLang's decode CUDA graphs up to batch N in place of --disable-cuda-graph (SGLang 0.5.17's flag; prefill's
     # graphs stay off: their default backends compile)
     [ -n "${REGEN_BS:-}" ] && MORE_SET="$MORE_SET --set data.regenerate.batch_size=$REGEN_BS"
-    [ -n "${REGEN_GRAPHS:-}" ] && MORE_SET="$MORE_SET --set engine.extra_args=[--attention-backend,triton,\
---sampling-backend,pytorch,--mem-fraction-static,'0.3',--context-length,'2048',--cuda-graph-max-bs-decode,\
-'$REGEN_GRAPHS',--disable-prefill-cuda-graph]"
+    if [ -n "${REGEN_GRAPHS:-}" ]; then  # the params' flags, --disable-cuda-graph replaced (no spaces: one word)
+      ARGS=$(python3 -c "import json, sys, yaml
+a = [f for f in yaml.safe_load(open('params/release-smollm2.yaml'))['engine']['extra_args'] if f != '--disable-cuda-graph']
+print(json.dumps(a + ['--cuda-graph-max-bs-decode', sys.argv[1], '--disable-prefill-cuda-graph'], separators=(',', ':')))" \
+        "$REGEN_GRAPHS") || exit 3
+      MORE_SET="$MORE_SET --set engine.extra_args=$ARGS"
+    fi
     setsid -f bash -c 'python3 benchmarks/peers.py measure "$1/train.json" -- python3 -m eagle3lib run \
         params/release-smollm2.yaml --to "$4" --set run.output_root="$1" --set "data.sources=[$2]" \
         --set "data.keep_unseen=[$1/tiny-unseen.yaml]" $3 > "$1/train.log" 2>&1 < /dev/null; echo "rc $?" > "$1/train.done"' \
