@@ -27,7 +27,8 @@
 # regeneration, draft vocabularies N and M, which compare serves side by side; release_drafter.py --trainer twin
 # writes the second. SHIPPED_FROM=SUMMARY (on compare and shipped): the shipped drafter's rows from an earlier
 # session's summary-compare.json on the same GPU kind instead of serving it again (a quarter of compare's servers).
-# REGEN_BS, REGEN_GRAPHS (on train): the regeneration's conversations in flight and CUDA graphs (its rate's levers).
+# REGEN_BS, REGEN_GRAPHS (on train): the regeneration's conversations in flight and CUDA graphs (its rate's levers);
+# REGEN_ONLY=1: train on the target's own replies alone.
 # TO=prepare, bring-prepared and a carried $G/release-prepared
 # split it in two within a session; across sessions they hold only if $G does (a new checkout starts without it).
 # Here: python benchmarks/release_drafter.py ARCHIVE writes drafters/smollm2-135m-instruct/ (provenance.json);
@@ -100,6 +101,9 @@ yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
     # SGLang's decode CUDA graphs up to batch N in place of --disable-cuda-graph (SGLang 0.5.17's flag; prefill's
     # graphs stay off: their default backends compile)
     [ -n "${REGEN_BS:-}" ] && MORE_SET="$MORE_SET --set data.regenerate.batch_size=$REGEN_BS"
+    # REGEN_ONLY=1: train and val keep only the conversations the target answered itself (the share of its own
+    # replies as the one lever: 19% in the shipped drafter's data, 5% in the remake's, which served the same)
+    [ "${REGEN_ONLY:-0}" = 1 ] && MORE_SET="$MORE_SET --set data.regenerate.only_regenerated=true"
     if [ -n "${REGEN_GRAPHS:-}" ]; then  # the params' flags, --disable-cuda-graph replaced (no spaces: one word)
       ARGS=$(python3 -c "import json, sys, yaml
 a = [f for f in yaml.safe_load(open('params/release-smollm2.yaml'))['engine']['extra_args'] if f != '--disable-cuda-graph']
