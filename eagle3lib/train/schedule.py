@@ -10,8 +10,10 @@ rest of the budget holds. Steps a little slower than the median end the run a li
 near the floor of the cosine; a schedule sized on an outlier would end it early and leave minutes unused.
 The evaluation timed before the loop is a cold one (a compiled layer compiles again for evaluation, kernels load),
 often ten times one in the loop: a schedule sized on it ends with much of the budget unused. So the decision is
-revised once, at the first evaluation in the loop, from the median of every step so far and that evaluation's
-time; early in the cosine, so the learning rate barely moves at the revision.
+revised once, at the first evaluation in the loop, from the mean of the steps since the decision and that
+evaluation's time; early in the cosine, so the learning rate barely moves at the revision. The mean, not the median:
+what recurs among those steps but not in each (the online capture's turns on the trainer's GPU, slow batches) is part
+of every step's share of the budget, and a median leaves it out (the run then stops on the clock, its cosine unfinished).
 The decision goes into the trainer state, so a resume with the same budgets keeps the same schedule (and still
 revises one not yet revised); a resume with other budgets decides again from the recorded rate (a larger budget
 continues the run, the cosine stretched). The clock still stops a run whose steps slow down later. Under data
@@ -44,6 +46,7 @@ class Schedule:
         self.eval_s = None  # seconds of one evaluation, once one is timed
         self.first_step, self.last = None, None  # this process's first step; train seconds after the last one
         self.step_times = []  # seconds of each step after the first
+        self.decided_index = 0  # step_times from this process's decision on (a resumed process: all of its own)
         made = state.get("schedule")
         if made and self.budget_s and made["token_steps"] == self.token_steps:
             self.revising = made.get("revised_at") is None
@@ -78,20 +81,22 @@ class Schedule:
         self.last = train_seconds
         if not self.pending or step < max(self.warmup, self.first_step + MIN_TIMED_STEPS):
             return None
-        return self._set(step, train_seconds, statistics.median(self.step_times), "decided")
+        self.decided_index = len(self.step_times)
+        return self._set(step, train_seconds, statistics.median(self.step_times), "decided", "median")
 
     def after_eval(self, step: int, train_seconds: float) -> str | None:
         """Called after each evaluation in the loop; at the first after the decision, the decision revised from
-        every step's median and this evaluation's time (returns what was revised, once)."""
-        if self.pending or not self.revising or not self.step_times:
+        the mean step since it and this evaluation's time (returns what was revised, once)."""
+        since_decision = self.step_times[self.decided_index :]
+        if self.pending or not self.revising or not since_decision:
             return None
         self.revising = False
         decided_at = self.state["schedule"]["decided_at"]
-        why = self._set(step, train_seconds, statistics.median(self.step_times), "revised")
+        why = self._set(step, train_seconds, statistics.fmean(since_decision), "revised", "mean")
         self.state["schedule"] |= {"decided_at": decided_at, "revised_at": step}
         return why
 
-    def _set(self, step: int, train_seconds: float, step_s: float, how: str) -> str:
+    def _set(self, step: int, train_seconds: float, step_s: float, how: str, rate: str = "recorded") -> str:
         per_step = step_s + (self.eval_s or 0.0) / max(1, self.eval_every)
         fit = int(max(0.0, self.budget_s * MARGIN - train_seconds) / max(per_step, 1e-9))
         # rank 0's decision for every rank: each measured its own clock
@@ -99,7 +104,7 @@ class Schedule:
         self.total_steps, self.pending = total, False
         bound = "train.max_tokens" if total == self.token_steps else "train.max_minutes"
         why = (
-            f"schedule {how} at step {step}: {total} steps ({bound}); {step_s * 1000:.1f} ms a step (median)"
+            f"schedule {how} at step {step}: {total} steps ({bound}); {step_s * 1000:.1f} ms a step ({rate})"
             + (f", evaluations {self.eval_s:.1f} s each every {self.eval_every}" if self.eval_s else "")
             + f", {self.budget_s - train_seconds:.0f} of {self.budget_s:.0f} s left"
         )

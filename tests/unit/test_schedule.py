@@ -117,3 +117,29 @@ def test_a_warm_evaluation_before_the_decision_leaves_nothing_to_revise():
     run_steps_from = [s.after_step(step, 4.0 + (step - 1) * 1.0) for step in (11, 12)]
     assert run_steps_from[1].startswith("schedule decided at step 12") and s.after_eval(20, 23.0) is None
     assert s.total_steps == 12 + int((60 * 0.97 - 15.0) / 1.1)
+
+
+def test_the_revision_counts_what_recurs_among_the_steps():
+    """The online capture takes turns on the trainer's GPU: every third step waits 4 s for it, the others take 1 s.
+    The median step (1 s) would plan twice the steps the budget holds and the clock would stop the cosine halfway;
+    the mean since the decision (2 s) plans a schedule that ends, annealed, inside the budget."""
+    state = {"step": 0, "train_seconds": 0.0}
+    s = Schedule(params(max_minutes=2.0), 1000, state, 1, "cpu")
+    s.timed_eval(20.0, in_loop=False)
+
+    def seconds(step):  # of step `step` (the first one compiles)
+        return 4.0 if step == 1 or step % 3 == 0 else 1.0
+
+    clock, step, why = 0.0, 0, None
+    while step < s.total_steps and not s.over_time(clock):
+        step += 1
+        clock += seconds(step)
+        if step == 20:
+            s.timed_eval(0.5, in_loop=True)
+            clock += 0.5
+            why = s.after_eval(step, clock) or why
+        s.after_step(step, clock)
+    assert why.startswith("schedule revised at step 20") and "ms a step (mean)" in why
+    assert state["schedule"]["step_s"] == pytest.approx(2.0, abs=0.2)
+    assert step == s.total_steps and not s.over_time(clock)  # the schedule ended, not the clock
+    assert 120 * 0.85 < clock <= 120 and s.lr(step) == pytest.approx(1e-4)  # the budget used, the cosine annealed
