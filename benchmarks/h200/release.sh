@@ -96,13 +96,11 @@ yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
     # VOCAB=N: a draft vocabulary of N tokens (release-smollm2.yaml's 2,048 covers 78% of the embedded replies'
     # tokens, 8,192 91%); params/tiny.yaml's fine-tune must then take the same
     [ -n "${VOCAB:-}" ] && MORE_SET="$MORE_SET --set train.draft_vocab_size=$VOCAB"
-    # the regeneration's rate (5,067-7,643 tokens/s on the H100 at 256 in flight without CUDA graphs: 5% of the
-    # remake's training tokens in 2 minutes), its levers: REGEN_BS=N conversations in flight, REGEN_GRAPHS=N
-    # SGLang's decode CUDA graphs up to batch N in place of --disable-cuda-graph (SGLang 0.5.17's flag; prefill's
-    # graphs stay off: their default backends compile); REGEN_BS=1024 REGEN_GRAPHS=1024: 19,487 tokens/s on the H100
+    # the regeneration's rate, its levers (their rates: benchmarks/README.md): REGEN_BS=N conversations in flight,
+    # REGEN_GRAPHS=N SGLang's decode CUDA graphs up to batch N in place of --disable-cuda-graph (SGLang 0.5.17's
+    # flag; prefill's graphs stay off: their default backends compile)
     [ -n "${REGEN_BS:-}" ] && MORE_SET="$MORE_SET --set data.regenerate.batch_size=$REGEN_BS"
-    # REGEN_ONLY=1: train and val keep only the conversations the target answered itself (the share of its own
-    # replies as the one lever: 19% in the shipped drafter's data, 5% in the remake's, which served the same)
+    # REGEN_ONLY=1: train and val keep only the conversations the target answered itself
     [ "${REGEN_ONLY:-0}" = 1 ] && MORE_SET="$MORE_SET --set data.regenerate.only_regenerated=true"
     if [ -n "${REGEN_GRAPHS:-}" ]; then  # the params' flags, --disable-cuda-graph replaced (no spaces: one word)
       ARGS=$(python3 -c "import json, sys, yaml
