@@ -8,7 +8,8 @@
 #                                           trainer's process, benchmarks/h200/sglang-python), into $OUT
 #   (BACKENDS="sglang_inprocess" for one of them; STAGE=0 leaves out the 02_train notebook's online run at the end;
 #    RAY=1 adds the Ray placement: a capture actor and a trainer actor on half of the GPU each, the sglang_inprocess
-#    capture actor in sglang-python; Ray staged first by peers.sh ray1, ray2, ray3)
+#    capture actor in sglang-python; Ray staged first by peers.sh ray1, ray2, ray3; NO_PROCESS=1 leaves out the
+#    process placement, for a call that measures the Ray placement alone beside the thread's)
 #   MODE=8b bash benchmarks/h200/online.sh  Llama-3.1-8B's shape (the extract_inprocess_check.sh target: its config,
 #                                           SGLang's dummy weights; random embeddings, head and norm written for the
 #                                           trainer), SmolLM2's tokenizer: prepare, then the sglang_inprocess modes
@@ -43,7 +44,7 @@ yaml.safe_dump(p, open('$W/$NAME.yaml', 'w'))" || exit 3
 modes() {  # BACKEND [ARGS...]: the modes, one JSON line each into $OUT/modes.jsonl
   local backend=$1; shift
   $SGL benchmarks/online_throughput.py --run-dir $W/$NAME --params $W/$NAME.yaml --tokens "${TOKENS:-600000}" \
-    --backend "$backend" --set "engine.extra_args=$FLAGS" --out "$OUT/modes-$MODE-$backend.jsonl" ${RAY:+--ray} "$@" \
+    --backend "$backend" --set "engine.extra_args=$FLAGS" --out "$OUT/modes-$MODE-$backend.jsonl" ${RAY:+--ray} ${NO_PROCESS:+--no-process} "$@" \
     > "$OUT/$MODE-$backend.log" 2>&1; local rc=$?
   grep -v "Warning\|Loading\|it/s\]" "$OUT/$MODE-$backend.log" | tail -n 9; [ $rc = 0 ] || tail -n 30 "$OUT/$MODE-$backend.log"
 }
