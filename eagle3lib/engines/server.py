@@ -133,6 +133,9 @@ class Server:
         stop_token_ids (when given)}. Returns {token_ids, text, completion_tokens, finish_reason, meta}."""
         raise NotImplementedError(f"{type(self).__name__} does not serve completions")
 
+    def preflight(self) -> None:
+        """Checks before the launch, once the port is settled: raise EngineError to refuse it (subclasses)."""
+
     # -- requests -------------------------------------------------------------------------
     def generate(
         self,
@@ -202,6 +205,7 @@ class Server:
             self.port = free_port(self.host)
         else:
             check_port(self.host, self.port_asked)
+        self.preflight()
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "wb")
         log.write(f"$ {' '.join(self.command)}\n".encode())

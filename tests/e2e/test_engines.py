@@ -247,6 +247,14 @@ def test_vllm_serves_drafter_and_stops_whole_group(drafts, learned, tmp_path):
         other = engines.make(EngineParams(port=server.port), drafts["target"], None, None, tmp_path / "2")
         with pytest.raises(EngineError, match="taken"):
             other.start()
+        # another port, the same cores: refused before it launches, this server's worker named (vLLM pins it;
+        # two workers on one core starve each other)
+        worker = [w for w in engines.vllm.pinned_vllm_workers() if w["pid"] in members]
+        assert len(worker) == 1 and str(server.port) in worker[0]["server"], worker
+        other = engines.make(EngineParams(), drafts["target"], None, None, tmp_path / "3")
+        with pytest.raises(EngineError, match=f"pid {worker[0]['pid']} on cores"):
+            other.start()
+        assert other.proc is None
         before = server.stats()
         out = server.generate(learned["prompts"][0], MAX_TOKENS)
         spec = engines.vllm.stats_diff(before, server.stats())
