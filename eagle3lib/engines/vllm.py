@@ -88,6 +88,8 @@ def pinned_vllm_workers(proc: Path = Path("/proc")) -> list[dict]:
         if not (_proc_field(proc, pid, "comm") or "").startswith("VLLM::Worker"):
             continue
         status = _status(proc, pid)
+        if status.get("State", "Z")[0] in "ZX":
+            continue  # exited: a zombie waits for its reaper (here init, which may be slow) and holds no core
         parent = _status(proc, int(status.get("PPid", "0")))
         if "Cpus_allowed_list" not in status or "Cpus_allowed_list" not in parent:
             continue

@@ -6,6 +6,7 @@ parent."""
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -78,4 +79,24 @@ def test_a_worker_allowed_its_parents_cpus_is_not_pinned(tmp_path):
         assert proc.pid not in [w["pid"] for w in engine_vllm.pinned_vllm_workers()]
     finally:
         proc.kill()
+        proc.wait()
+
+
+def test_a_worker_that_exited_holds_no_core(tmp_path):
+    """A stopped server's worker can stay a zombie a while (reparented to an init that reaps late): not counted."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip(f"needs 2 CPUs to pin a worker to fewer than its parent's; this process may use {cores}")
+    script = PINNED_WORKER.replace("time.sleep(600)", "")
+    proc = subprocess.Popen([sys.executable, "-c", script, str(cores[0])], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "pinned"
+        for _ in range(100):  # exited, not yet reaped: this test's process is its parent and has not waited
+            if open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+            time.sleep(0.05)
+        assert open(f"/proc/{proc.pid}/comm").read().strip() == "VLLM::Worker"
+        assert proc.pid not in [w["pid"] for w in engine_vllm.pinned_vllm_workers()]
+        engine_vllm.check_cores_free({})
+    finally:
         proc.wait()
