@@ -17,9 +17,11 @@ and the take-turns bound 1 / (1/capture + 1/train alone): what the two parts all
     python benchmarks/online_throughput.py --run-dir /tmp/bench-online/ci --params params/ci.yaml --tokens 8000
 
 --backend sglang_inprocess captures with SGLang's model runner (run this in SGLang's interpreter, on a GPU host:
-benchmarks/h200/online.sh). The target is loaded once, in this process, for the capture, train-alone and online
-rows. Every mode trains from scratch with the same params and token budget into its own copy of the run folder
-(the shards run reads the run's 01_extract). One JSON line per mode goes to --out.
+benchmarks/h200/online.sh). The target is loaded once, in a child process, for the capture, train-alone and online
+thread rows; the modes after them start their own capture once that child has ended and freed its memory. Every mode
+trains from scratch with the same params and token budget into its own copy of the run folder (the shards run reads
+the run's 01_extract). One JSON line per mode goes to --out as it is made; a mode that fails leaves a row with its
+error, the others still run, and the exit status says which failed.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -145,6 +148,32 @@ def summary_row(name: str, s: dict, run: Path, wall: float) -> dict:
     return row
 
 
+def in_process_modes(args, p, online_mode: dict, run_dir: Path, scratch: Path, show) -> None:
+    """The rows through this process's own loaded target: capture alone, then train alone and online in a thread,
+    in turns (a drift of the machine reaches both)."""
+    # what the pipeline pulls ahead of the last step: the queue and a micro-batch being packed
+    margin = (p.train.online_queue_batches + 2) * p.train.batch_rows * p.train.max_seq_len
+    loaded = online.load_states(p)
+    row, kept = capture_alone(p, loaded, run_dir, args.tokens + margin)
+    show(row)
+    # the trainer's first steps in a process (CUDA context, cuBLAS, the allocator) are not timed with a mode's
+    warm = online_mode | {"train.max_tokens": 16 * p.train.batch_rows * p.train.max_seq_len}
+    in_process_mode("warm-up", args.params, warm, run_dir, scratch, (kept, loaded[1]))
+    for n in range(args.repeat):
+        before = kept.captured
+        row = in_process_mode(f"train alone {n}", args.params, online_mode, run_dir, scratch, (kept, loaded[1]))
+        show(row | {"mode": "train alone", "captured_while_training": kept.captured - before})
+        row = in_process_mode(f"online thread {n}", args.params, online_mode, run_dir, scratch, loaded)
+        show(row | {"mode": "online thread"})
+    getattr(loaded[0], "close", lambda: None)()
+
+
+def append(path, rows: list[dict]) -> None:
+    with open(path, "a") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-dir", required=True, help="a run folder whose 00_prepare and 01_extract finished")
@@ -164,6 +193,7 @@ def main():
         "--reader-variants", action="store_true", help="the shard reader alone also without sha256 and without the move"
     )
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more params overrides")
+    ap.add_argument("--in-process-part", action="store_true", help=argparse.SUPPRESS)  # the child's part
     args = ap.parse_args()
     run_dir = Path(args.run_dir)
     common = {
@@ -186,42 +216,46 @@ def main():
         if ray_site.is_dir() and str(ray_site) not in sys.path:
             sys.path.append(str(ray_site))
         modes.append(("online ray actors", online_mode | {"train.online_placement": "ray"}))
-    # what the pipeline pulls ahead of the last step: the queue and a micro-batch being packed
-    margin = (p.train.online_queue_batches + 2) * p.train.batch_rows * p.train.max_seq_len
-    rows = []
+    rows, failed = [], []
 
-    def show(row):
+    def show(row):  # every row reaches --out as it is made: a mode that fails later loses none of them
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if args.out:
+            append(args.out, [row])
 
     with tempfile.TemporaryDirectory(prefix="online-bench-") as scratch:
-        loaded = online.load_states(p)
-        row, kept = capture_alone(p, loaded, run_dir, args.tokens + margin)
-        show(row)
-        # the trainer's first steps in a process (CUDA context, cuBLAS, the allocator) are not timed with a mode's
-        warm = online_mode | {"train.max_tokens": 16 * p.train.batch_rows * p.train.max_seq_len}
-        in_process_mode("warm-up", args.params, warm, run_dir, Path(scratch), (kept, loaded[1]))
-        for n in range(args.repeat):  # in turns: a drift of the machine reaches both
-            before = kept.captured
-            row = in_process_mode(
-                f"train alone {n}", args.params, online_mode, run_dir, Path(scratch), (kept, loaded[1])
-            )
-            show(row | {"mode": "train alone", "captured_while_training": kept.captured - before})
-            show(in_process_mode(f"online thread {n}", args.params, online_mode, run_dir, Path(scratch), loaded))
-            rows[-1]["mode"] = "online thread"
-        kept.kept.clear()
+        if args.in_process_part:
+            in_process_modes(args, p, online_mode, run_dir, Path(scratch), show)
+            return
+        # the rows through this process's own target, in a child process: its exit frees the target's GPU memory
+        # before the modes that load their own (an 8B shape's second SGLang engine did not fit an 80 GB H100
+        # beside the first)
+        part = Path(scratch) / "in-process.jsonl"
+        code = subprocess.call([sys.executable, __file__, *sys.argv[1:], "--in-process-part", "--out", str(part)])
+        rows += [json.loads(line) for line in part.read_text().splitlines()] if part.is_file() else []
+        if args.out:
+            append(args.out, rows)
+        if code != 0:
+            failed.append(f"the in-process modes (exit status {code})")
         for name, overrides in modes:
-            if name == "offline (shards)":
-                shards_params = load_params(args.params, common)
-                show(reader_alone(shards_params, run_dir, args.tokens))
-                if args.reader_variants:
-                    show(reader_alone(shards_params, run_dir, args.tokens, verify=False))
-                    show(reader_alone(shards_params, run_dir, args.tokens, verify=False, to_device=False))
-            show(train_mode(name, args.params, overrides, run_dir, Path(scratch)))
-        getattr(loaded[0], "close", lambda: None)()
+            try:
+                if name == "offline (shards)":
+                    shards_params = load_params(args.params, common)
+                    show(reader_alone(shards_params, run_dir, args.tokens))
+                    if args.reader_variants:
+                        show(reader_alone(shards_params, run_dir, args.tokens, verify=False))
+                        show(reader_alone(shards_params, run_dir, args.tokens, verify=False, to_device=False))
+                show(train_mode(name, args.params, overrides, run_dir, Path(scratch)))
+            except Exception as e:  # the rows made so far are kept, and the other modes still run
+                show({"mode": name, "error": f"{type(e).__name__}: {e}"[-3000:]})
+                failed.append(name)
     by = {}
     for r in rows:
-        by.setdefault(r["mode"], []).append(r["tokens_per_s"])
+        if "tokens_per_s" in r:
+            by.setdefault(r["mode"], []).append(r["tokens_per_s"])
+    if "capture alone" not in by or "train alone" not in by:
+        sys.exit(f"no take-turns bound: {', '.join(failed)} failed (their rows in {args.out or 'the output above'})")
     capture, train = by["capture alone"][0], sum(by["train alone"]) / len(by["train alone"])
     bound = 1 / (1 / capture + 1 / train)
     summary = {
@@ -234,11 +268,14 @@ def main():
     rows.append(summary)
     print(f"\n{'mode':<24} {'tokens/s':>9} {'of bound':>9}")
     for r in rows:
-        print(f"{r['mode']:<24} {r['tokens_per_s']:>9,.1f} {r['tokens_per_s'] / bound:>9.2f}")
+        if "tokens_per_s" in r:
+            print(f"{r['mode']:<24} {r['tokens_per_s']:>9,.1f} {r['tokens_per_s'] / bound:>9.2f}")
+        else:
+            print(f"{r['mode']:<24} failed: {r['error'].splitlines()[-1][:200]}")
     if args.out:
-        with open(args.out, "a") as f:
-            for r in rows:
-                f.write(json.dumps(r) + "\n")
+        append(args.out, [summary])
+    if failed:
+        sys.exit(f"failed: {', '.join(failed)} (the other rows are in {args.out or 'the output above'})")
 
 
 if __name__ == "__main__":
