@@ -212,9 +212,10 @@ class Loop:
         revised = self.schedule.after_eval(state["step"], state["train_seconds"] + time.time() - started)
         if revised:
             self.log(revised)
-        self.log(
+        self.log(  # the rate so far too: a stage stopped before its summary still shows it on the console
             f"step {state['step']}/{self.schedule.total_steps} loss {entry['loss']:.4f} "
-            f"est_accept_len@5 {result['est_accept_len'].get('5')} cond_acc {[round(x, 3) for x in result['cond_acc']]}"
+            f"est_accept_len@5 {result['est_accept_len'].get('5')} cond_acc {[round(x, 3) for x in result['cond_acc']]} "
+            f"{entry['tokens_per_s']:,.0f} tokens/s"
         )
         return result
 

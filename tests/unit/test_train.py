@@ -3,6 +3,7 @@ resume after kill -9, torchrun data parallel, non-finite loss, online mode, a De
 
 import copy
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -105,9 +106,12 @@ def test_training_learns_and_writes_the_canonical_checkpoint(tmp_path, small_tar
     p = load_params(params_file(tmp_path))
     setup, vocab_stats = build_setup(p, run_dir)
     before = loop.evaluate(setup, 3, 5, "cpu")
-    summary = loop.train(setup, p.train, log=lambda *a: None)
+    console = []
+    summary = loop.train(setup, p.train, log=console.append)
     after = summary["eval"]
     assert after["loss_per_step"][0] < 0.8 * before["loss_per_step"][0]
+    # each evaluation's line carries the rate so far: a stage stopped before its summary still shows it
+    assert re.fullmatch(r"step 40/40 loss [\d.]+ est_accept_len@5 [\d.]+ cond_acc \[.*\] [\d,]+ tokens/s", console[-1])
     assert after["step_acc"][0] > before["step_acc"][0]
     assert 0 <= summary["data_wait_s"] <= summary["train_seconds"]  # shards prefetched: p.train.prefetch_shards
     folder = run_dir / "02_train" / "drafter"
