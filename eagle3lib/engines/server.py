@@ -335,17 +335,18 @@ def run_guarded_together(commands: list[tuple[list[str], dict]], grace_s: float 
     return [p.returncode for p in procs]
 
 
+def still_runs(pid: int) -> bool:
+    """Whether the process runs: not gone, not a zombie (an exited process waiting for its reaper holds nothing)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
 def alive_in_group(group: int) -> list[int]:
-    """Pids of the group's processes that still run (zombies wait for their reaper and hold nothing)."""
-    alive = []
-    for pid in group_members(group):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    alive.append(pid)
-        except OSError:
-            continue
-    return alive
+    """Pids of the group's processes that still run."""
+    return [pid for pid in group_members(group) if still_runs(pid)]
 
 
 def process_starts(pids: list[int]) -> dict[int, str]:

