@@ -190,20 +190,12 @@ class VLLMCapture:
         path = log_dir / f".prefill-{os.getpid()}.safetensors"
         _write_sequences(path, tok, seq_ids)
         try:
+            args = ["prefill", *self._common_args(), "--tokens", str(path), "--warmup", str(warmup)]
             w = _Worker(
                 self.python,
-                [
-                    "prefill",
-                    *self._common_args(),
-                    "--tokens",
-                    str(path),
-                    "--warmup",
-                    str(warmup),
-                    "--",
-                    *self.extra_args,
-                ],
+                [*args, "--", *self.extra_args],
                 self.env,
-                Path(log_dir) / "vllm-extract-prefill.log",
+                log_dir / "vllm-extract-prefill.log",
                 self.timeout_s,
             )
             try:
