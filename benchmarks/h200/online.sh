@@ -11,7 +11,8 @@
 #   (BACKENDS="sglang_inprocess" for one of them; STAGE=0 leaves out the 02_train notebook's online run at the end;
 #    RAY=1 adds the Ray placement: a capture actor and a trainer actor on half of the GPU each, the sglang_inprocess
 #    capture actor in sglang-python; Ray staged first by peers.sh ray1, ray2, ray3; NO_PROCESS=1 leaves out the
-#    process placement, for a call that measures the Ray placement alone beside the thread's)
+#    process placement, for a call that measures the Ray placement alone beside the thread's; REPEAT=1 runs train
+#    alone and the thread once each instead of twice, for a call that must also fit the process and Ray modes)
 #   MODE=8b bash benchmarks/h200/online.sh  Llama-3.1-8B's shape (the extract_inprocess_check.sh target: its config,
 #                                           SGLang's dummy weights; random embeddings, head and norm written for the
 #                                           trainer), SmolLM2's tokenizer: prepare, then the sglang_inprocess modes
@@ -74,12 +75,12 @@ PY
   params; FLAGS='[--attention-backend,triton,--sampling-backend,pytorch,--mem-fraction-static,"0.3",--load-format,dummy]'
   $SGL -m eagle3lib run $W/$NAME.yaml --to prepare > "$OUT/prepare-8b.log" 2>&1 || { tail -n 30 "$OUT/prepare-8b.log"; exit 4; }
   tail -n 3 "$OUT/prepare-8b.log"
-  TOKENS=${TOKENS:-300000} modes sglang_inprocess --no-shards --repeat 2
+  TOKENS=${TOKENS:-300000} modes sglang_inprocess --no-shards --repeat "${REPEAT:-2}"
 else
   params
   $SGL -m eagle3lib run $W/$NAME.yaml --to extract > "$OUT/extract.log" 2>&1 || { tail -n 30 "$OUT/extract.log"; exit 4; }
   tail -n 4 "$OUT/extract.log"
-  for b in ${BACKENDS:-sglang_inprocess hf}; do modes $b --repeat 2 --reader-variants; done
+  for b in ${BACKENDS:-sglang_inprocess hf}; do modes $b --repeat "${REPEAT:-2}" --reader-variants; done
 fi
 nvidia-smi --query-gpu=name,memory.used --format=csv,noheader
 if [ "$MODE" = smol ] && [ "${STAGE:-1}" = 1 ]; then  # the notebook's path: 02_train with launch.launch starting the stage in SGLang's interpreter
