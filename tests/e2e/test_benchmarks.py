@@ -118,3 +118,16 @@ def test_train_throughput_packs_the_rows_of_a_token_file(tmp_path):
     assert r["rows"] == "packed" and r["attention"] == "merged" and r["loss_rows"] == "valid"
     assert 2 <= r["docs_per_row"] <= 5 and 150 < r["real_tokens_per_row"] <= 256
     assert 0.6 < r["loss_mask_share"] < 0.7 and r["tokens_per_s"] > 0 and r["loss"] > 0
+
+
+def test_link_throughput_carries_the_states_intact():
+    """The process placement's link alone, between two processes (gloo on the CPU): the figures, and what arrived
+    is what was sent."""
+    cmd = [sys.executable, "benchmarks/link_throughput.py", "--hidden", "64", "--seq", "256", "--batches", "6"]
+    out = subprocess.run(cmd + ["--rows", "2", "--queue", "2"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    assert r["intact"] and r["backend"] == "gloo" and r["batches_timed"] == 4 and r["tokens_per_batch"] == 512
+    assert r["state_bytes_per_token"] == 4 * 64 * 2 and r["tokens_per_s"] > 0 and r["state_gb_per_s"] > 0
+    refused = subprocess.run(cmd[:-1] + ["2"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert refused.returncode != 0 and "leaves nothing timed" in refused.stderr
