@@ -63,7 +63,7 @@ def send_side(args, link) -> None:
         ids = torch.full(s["ids"], n, dtype=torch.long, device=device)
         if credits == 0:
             credits += int(link.recv(torch.zeros(1, dtype=torch.long), 1, control=True))
-        header = torch.tensor([1, 0, 0, 0, args.rows * args.seq, 1, args.rows, 0], dtype=torch.long)
+        header = torch.tensor([capture_link.BATCH, 0, n, 0, args.rows * args.seq, 1, args.rows, 0], dtype=torch.long)
         pending = [(w, t) for w, t in pending if not w.is_completed()]
         pending.append((link.isend(header, 1, control=True), header))
         for t in [ids, *states]:
@@ -81,7 +81,7 @@ def receive_side(args, link) -> dict:
     seconds, ids_intact = [], True
     for n in range(args.batches):
         started = time.perf_counter()
-        link.recv(torch.zeros(8, dtype=torch.long), 0, control=True)
+        link.recv(torch.zeros(capture_link.HEADER, dtype=torch.long), 0, control=True)
         ids = link.recv(torch.empty(s["ids"], dtype=torch.long, device=link.data_device), 0).to(device)
         got = [
             link.recv(torch.empty(s[k], dtype=dtype, device=link.data_device), 0).to(device) for k in ("aux", "final")
