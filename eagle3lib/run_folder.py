@@ -97,7 +97,7 @@ class RunFolderBusy(RuntimeError):
 
 
 @contextlib.contextmanager
-def held(run_dir: Path, command: str):
+def locked(run_dir: Path, command: str):
     """The run folder for this process alone while the block runs: its run.lock names the holder (pid, host, start
     time, command); a second run is refused with that in the message; the lock of a process that no longer
     exists on this host is taken over, with a warning."""

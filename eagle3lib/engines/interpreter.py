@@ -1,5 +1,5 @@
 """The engine's own interpreter: which one, the environment of its processes, and running our code in it: a script
-of engines/inside (run_inside), or a module of eagle3lib that imports the engine (run_module).
+of engines/engine_side (run_engine_side), or a module of eagle3lib that imports the engine (run_module).
 
 The engines pin versions (transformers above all) that our .venv does not have, so engine code never runs
 in this process: it runs in .venv-vllm / .venv-sglang (or engine.python), as a subprocess.
@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-INSIDE = Path(__file__).resolve().parent / "inside"
+ENGINE_SIDE = Path(__file__).resolve().parent / "engine_side"
 REPO = Path(__file__).resolve().parents[2]  # the folder that holds this eagle3lib package
 LOG_TAIL_LINES = 40  # of a failed module's log, in its error
 
@@ -66,11 +66,11 @@ def command_text(cmd: Sequence[str]) -> str:
     return " ".join(map(str, cmd))
 
 
-def run_inside(script: str, args: list[str], python: str, timeout: float = 600) -> dict:
-    """Run engines/inside/<script> with `args` in the engine's interpreter; returns the JSON report it prints
+def run_engine_side(script: str, args: list[str], python: str, timeout: float = 600) -> dict:
+    """Run engines/engine_side/<script> with `args` in the engine's interpreter; returns the JSON report it prints
     last (the scripts report an engine's refusal there too: a failure here means the script itself broke).
     Raises InterpreterError."""
-    path = INSIDE / script
+    path = ENGINE_SIDE / script
     proc = subprocess.run([python, str(path), *args], capture_output=True, text=True, timeout=timeout, env=engine_env())
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:

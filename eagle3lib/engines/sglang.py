@@ -22,7 +22,7 @@ from __future__ import annotations
 import json
 
 from eagle3lib.drafter.aux_ids import SGLANG_FIRST_ID_RULE, sglang_captured_ids, sglang_config_ids  # noqa: F401
-from eagle3lib.engines.interpreter import run_inside
+from eagle3lib.engines.interpreter import run_engine_side
 from eagle3lib.engines.server import EngineError, Server, http_json
 
 SGLANG_VERSION = "0.5.17"  # the release whose code (loader, capture rule, ServerArgs) this project follows
@@ -102,7 +102,7 @@ def preflight(
     device: str | None = "cpu",
     raises: bool = True,
 ) -> dict:
-    """SGLang's own resolution of the launch server_flags(...) builds (engines/inside/load_check.py in its
+    """SGLang's own resolution of the launch server_flags(...) builds (engines/engine_side/load_check.py in its
     interpreter) and what is wrong with it: load_check's report, its `problems` completed with
     check_sglang_args, `require` and the layers the target will capture (`captured_hf_layers`). Raises
     EngineError listing the problems, unless raises=False (the convert gate reports them).
@@ -114,7 +114,7 @@ def preflight(
     device: passed as --device; "cpu" resolves without a GPU, None as the server itself would.
     """
     args = server_flags(target_dir, draft_dir, depth, extra_args) + (["--device", device] if device else [])
-    report = run_inside("load_check.py", ["sglang", "--args", json.dumps(args)], python)
+    report = run_engine_side("load_check.py", ["sglang", "--args", json.dumps(args)], python)
     report["args"] = args
     problems = (check_sglang_args(args) if depth else []) + report.get("problems", [])
     resolved = report.get("resolved", {})

@@ -1,7 +1,7 @@
-"""The extraction sized to its minutes here (extract.max_minutes; issue 43): the validation split is extracted
+"""The extraction sized to its minutes here (extract.max_minutes): the validation split is extracted
 first, at the rate this machine manages, and the training split is cut to the first sequences that fit the rest of
-the minutes at that rate. A short fine-tune reads a fraction of what a whole extraction writes (issue 43's run on a
-CPU without native bf16: 380 s for 101,379 tokens, of which one minute of training read 39,647).
+the minutes at that rate. A short fine-tune reads a fraction of what a whole extraction writes (on a CPU
+without native bf16: 380 s for 101,379 tokens, of which one minute of training read 39,647).
 
 The cut is written to sizing.json in the stage folder before the training split's extraction starts, and a rerun
 (killed, or a damaged shard redone) reads it back instead of measuring again, so the shards always hold the same

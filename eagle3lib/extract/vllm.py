@@ -2,7 +2,7 @@
 
 This is how the speculators project generates offline EAGLE-3 data, and vLLM's tensor parallelism comes
 with it (pass --tensor-parallel-size in engine.extra_args on GPUs). vLLM runs in its own interpreter
-(engine.python, default .venv-vllm), so the capture runs there as a subprocess, eagle3lib/engines/inside/vllm_capture.py,
+(engine.python, default .venv-vllm), so the capture runs there as a subprocess, eagle3lib/engines/engine_side/vllm_capture.py,
 one per extraction call: it starts vllm.LLM once and then captures shard after shard on request (one JSON
 line each way; token ids in and hidden states out through files in the stage's folder). The shards are
 written here by shards.extract_with, the same writer, manifest, contract and resume as the hf backend.
@@ -21,7 +21,7 @@ What vLLM 0.32.0 returns and how it maps to ours (read in its source):
 - Requests: max_tokens 1 (the prefill computes every prompt row), prefix caching off (a cached prefix
   would not be recomputed into the hidden-states cache).
 - On vLLM's CPU build the stock ExampleHiddenStatesConnector crashes when a request finishes (CUDA
-  streams, pinned memory); eagle3lib.engines.inside.vllm_connector subclasses it with a CPU copy and is
+  streams, pinned memory); eagle3lib.engines.engine_side.vllm_connector subclasses it with a CPU copy and is
   loaded through kv_connector_module_path. On GPUs vLLM's own connector is used.
 Plain-prefill tokens/s (for the capture/prefill ratio) come from a plain vllm.LLM of the same flags on the
 first sequences, in a subprocess of its own before the capture engine starts.
@@ -45,13 +45,13 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from eagle3lib.engines.interpreter import INSIDE, engine_env, engine_python
+from eagle3lib.engines.interpreter import ENGINE_SIDE, engine_env, engine_python
 from eagle3lib.engines.server import GUARD, alive_in_group, log_tail
 from eagle3lib.engines.vllm import check_cores_free
 from eagle3lib.extract.shards import plan_batches
 from eagle3lib.target.config import target_config_json
 
-SCRIPT = INSIDE / "vllm_capture.py"
+SCRIPT = ENGINE_SIDE / "vllm_capture.py"
 PREFIX = "@@eagle3lib "
 
 
@@ -72,7 +72,7 @@ class _Worker:
     """vllm_capture.py as a subprocess under engines/guard.py (its own process group, ended with us)."""
 
     def __init__(self, python, args, env, log_path, timeout_s):
-        env = engine_env(env, pythonpath=[INSIDE])  # INSIDE: vLLM imports our connector by module path
+        env = engine_env(env, pythonpath=[ENGINE_SIDE])  # ENGINE_SIDE: vLLM imports our connector by module path
         check_cores_free(env)
         self.log_path = Path(log_path)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""The regeneration sized to its minutes here (data.regenerate.max_minutes; issue 43): the token budget cut to what
+"""The regeneration sized to its minutes here (data.regenerate.max_minutes): the token budget cut to what
 the rate measured over this run's first batch or window of conversations fits, decided once and recorded in the
 regenerated file so that a resume keeps it (prepare/regenerate.py writes and reads it)."""
 

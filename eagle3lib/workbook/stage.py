@@ -25,7 +25,7 @@ class Stage:
     started: float = field(default_factory=time.time)
     # every section, for text about later stages only (00_prepare prints 01_extract's and online mode's plans): its
     # hash does not cover what this stage does not read, so nothing the stage makes may come from it
-    whole: params.Params | None = None
+    all_params: params.Params | None = None
 
     @property
     def seconds(self) -> float:
@@ -71,7 +71,7 @@ class Stage:
             headline = {**(headline or {}), "dtype (auto)": ", ".join(picks)}
         return run_folder.save_result(self.run_dir, self.name, figures, headline, artifacts)
 
-    def keep(self, figures: dict) -> dict:
+    def save_partial(self, figures: dict) -> dict:
         """What the stage measured before it was stopped (an engine died, Ctrl-C), as its result.json with status
         'partial': the pipeline keeps these figures in the failed stage's result, and the next run redoes it."""
         result = run_folder.save_result(self.run_dir, self.name, figures)
@@ -87,7 +87,9 @@ def open_stage(name: str, params_file: str | Path, run_dir: str | Path | None = 
     overrides = overrides or {}
     p = params.load_params(params_file, overrides)
     run_dir = Path(run_dir) if run_dir else params.run_dir(p)
-    stage = Stage(name, params.stage_view(p, name), run_dir, run_folder.stage_dir(run_dir, name), overrides, whole=p)
+    stage = Stage(
+        name, params.stage_view(p, name), run_dir, run_folder.stage_dir(run_dir, name), overrides, all_params=p
+    )
     print("stage folder:", stage.out)
     sections = params.stage_sections(name, p)
     for key, choice in p.dtype_choices.items():

@@ -14,8 +14,8 @@ import io
 
 import ipywidgets as W
 
-from eagle3lib.bench import fastest
-from eagle3lib.bench.replay import TARGET
+from eagle3lib.speedup import recommend
+from eagle3lib.speedup.replay import TARGET
 from eagle3lib.workbook import html_pieces, plots
 
 STYLE = (
@@ -271,7 +271,7 @@ def provenance_explorer(prov: dict, depth: int | None = None, prompt_index: int 
 
 def provenance_table_html(prov: dict, rows: list[dict]) -> str:
     """Per depth: the replay's acceptance against the engine's measured and the training's predicted one."""
-    from eagle3lib.bench.replay import compare_with_engine
+    from eagle3lib.speedup.replay import compare_with_engine
 
     return f"{STYLE}{html_pieces.table_html(compare_with_engine(prov, rows))}"
 
@@ -286,7 +286,7 @@ def speed_html(rows: list[dict], concurrency: int, recommendation: dict | None =
             f"<p>Fastest at concurrency {concurrency}: <b>{html.escape(rec['config'])}</b>, "
             f"{html_pieces.fmt(rec['tokens_per_s'])} tokens/s ({html_pieces.fmt(rec['speedup'])}x the baseline).</p>"
         )
-    return f"{STYLE}{html_pieces.table_html(fastest.table(sel))}{line}"
+    return f"{STYLE}{html_pieces.table_html(recommend.table(sel))}{line}"
 
 
 def speed_explorer(rows: list[dict], recommendation: dict | None = None) -> W.VBox:

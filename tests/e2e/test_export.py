@@ -21,10 +21,10 @@ from eagle3lib.convert import layouts as ex
 from eagle3lib.drafter import Drafter, DrafterConfig, formats
 from eagle3lib.drafter.digests import record_digests
 from eagle3lib.drafter.vocab import build_draft_vocab, d2t_sha256
-from eagle3lib.engines.interpreter import run_inside
+from eagle3lib.engines.interpreter import run_engine_side
 from eagle3lib.engines.sglang import sglang_launch_args
 from eagle3lib.target import EMBEDDED_TARGET, make_contract
-from eagle3lib.train.checkpoint import save_drafter
+from eagle3lib.train.runtime.checkpoint import save_drafter
 
 AUX = [2, 15, 27]
 DRAFT_VOCAB = 2048
@@ -263,10 +263,10 @@ def test_vllm_forward_equals_our_drafter_step(ckpt, exports, embedded_target, tm
     """vLLM's own Eagle3LlamaForCausalLM, loaded from our export, against Drafter.step on the same 9 positions of
     the target's embeddings and random aux states: same state for the next step, same logits over the target's
     vocabulary (fc on the aux states, the embeds/hidden order, norms, q/k/v split, rotary, MLP and d2t; the
-    attention kernel is a plain causal softmax on vLLM's side: engines/inside/load_check.py). Also with
+    attention kernel is a plain causal softmax on vLLM's side: engines/engine_side/load_check.py). Also with
     EAGLE-3.1's norms as speculators' eagle3 defaults set them (vLLM implements each of them)."""
     from eagle3lib.drafter import DraftCache
-    from eagle3lib.train.checkpoint import load_drafter
+    from eagle3lib.train.runtime.checkpoint import load_drafter
 
     py = need("vllm")
     model = embedded_target[0]
@@ -288,7 +288,7 @@ def test_vllm_forward_equals_our_drafter_step(ckpt, exports, embedded_target, tm
     positions = torch.arange(9)
     inputs, out = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
     save_file({"input_embeds": embeds.contiguous(), "aux": aux, "positions": positions}, str(inputs))
-    report = run_inside(
+    report = run_engine_side(
         "load_check.py",
         ["vllm-forward", str(export), "--target", str(ckpt[2]), "--inputs", str(inputs), "--out", str(out)],
         py,
@@ -339,6 +339,6 @@ def test_sglang_server_args_resolve(ckpt, exports):
     # SGLang itself takes EAGLE for an EAGLE-3 drafter without a word, and then feeds no aux states:
     args = ["--model-path", str(ckpt[2]), "--device", "cpu"] + sglang_launch_args(exports["sglang"], 3)
     args[args.index("EAGLE3")] = "EAGLE"
-    resolved = run_inside("load_check.py", ["sglang", "--args", json.dumps(args)], py)
+    resolved = run_engine_side("load_check.py", ["sglang", "--args", json.dumps(args)], py)
     assert resolved["resolved"]["speculative_algorithm"] == "EAGLE"
     assert any("EAGLE3" in p for p in resolved["problems"])

@@ -22,7 +22,7 @@ from eagle3lib.convert import layouts as ex
 from eagle3lib.drafter import formats
 from eagle3lib.drafter.layer_kinds import MLA, layer_kind
 from eagle3lib.drafter.vocab import d2t_sha256
-from eagle3lib.engines.interpreter import run_inside
+from eagle3lib.engines.interpreter import run_engine_side
 
 H, HEADS, Q_RANK, KV_RANK, NOPE, ROPE, V_DIM, INTER = 64, 4, 32, 16, 16, 8, 16, 128
 VOCAB, DRAFT_VOCAB, TARGET_LAYERS = 256, 128, 8
@@ -260,7 +260,7 @@ def test_vllm_is_refused_an_mla_draft_over_a_target_without_mla(canonical, targe
 def test_convert_stops_before_exporting_when_the_runs_engine_cannot_serve(canonical, llama_target, tmp_path):
     from types import SimpleNamespace
 
-    from eagle3lib.convert import steps
+    from eagle3lib.convert import notebook
 
     p = SimpleNamespace(
         target=SimpleNamespace(name=str(llama_target)),
@@ -269,7 +269,7 @@ def test_convert_stops_before_exporting_when_the_runs_engine_cannot_serve(canoni
         bench=SimpleNamespace(depths=[3]),
     )
     with pytest.raises(ValueError, match=r"engine.name: vllm, which cannot serve this drafter.*kept in"):
-        steps.export_all(p, canonical, tmp_path / "out")
+        notebook.export_all(p, canonical, tmp_path / "out")
     assert not (tmp_path / "out").exists() and (canonical / "model.safetensors").is_file()
 
 
@@ -346,7 +346,7 @@ def test_our_mla_drafter_exports_and_binds_in_both_engines(canonical, tmp_path, 
     tensors are the kind's, and each engine's loader binds every one of them; with Kimi's YaRN rope and with a plain
     one (rope_scaling null, which SGLang's CPU rope refuses: sglang_replay builds that rope as a GPU server does)."""
     from eagle3lib.drafter import Drafter, DrafterConfig
-    from eagle3lib.train.checkpoint import save_drafter
+    from eagle3lib.train.runtime.checkpoint import save_drafter
 
     dims = {k: MLA_KEYS[k] for k in ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim")}
     cfg = DrafterConfig(
@@ -429,7 +429,7 @@ def test_kimi_drafter_has_torchspecs_mla_layer(kimi_export, kimi_fixtures):
 def kimi_meta_load(engine, folder, shapes_file):
     """The engine's meta-device build and load of the export in `folder` with the tensors of `shapes_file`."""
     if engine == "sglang":
-        return run_inside("sglang_replay.py", ["meta-load", str(folder), str(shapes_file)], need_engine(engine))
+        return run_engine_side("sglang_replay.py", ["meta-load", str(folder), str(shapes_file)], need_engine(engine))
     # vLLM's Kimi-K2.5 class reads the image processor's preprocessor_config.json at config time, which was not
     # published verbatim (fixtures' SOURCES.md): the target is its language model, DeepseekV3ForCausalLM, as
     # config.json's text_config has it (the int4 quantization_config left out: it is the target's, never the draft's)
@@ -439,7 +439,7 @@ def kimi_meta_load(engine, folder, shapes_file):
     target.mkdir(exist_ok=True)
     (target / "config.json").write_text(json.dumps(text))
     args = ["vllm-meta", str(folder), "--target", str(target), "--shapes", str(shapes_file)]
-    return run_inside("load_check.py", args, need_engine(engine))
+    return run_engine_side("load_check.py", args, need_engine(engine))
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm"])

@@ -294,8 +294,8 @@ def test_the_kimi_params_hold_against_the_real_config(kimi_folder, kimi_fixtures
     theirs = published["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
     assert sglang.sglang_captured_ids(ours, arch, layers) == sglang.sglang_captured_ids(theirs, arch, layers) == aux
     # 01_extract: SGLang's model runner in process captures exactly these on Kimi's class; fp8 halves the seed's disk
+    from eagle3lib.extract import notebook as extract_notebook
     from eagle3lib.extract import sglang_inprocess, shards
-    from eagle3lib.extract import steps as extract_steps
 
     assert (p.extract.backend, p.extract.store_dtype) == ("sglang_inprocess", "float8_e4m3fn")
     sglang_inprocess.check_captured(sglang.sglang_captured_ids(ours, arch, layers), aux, arch)
@@ -304,7 +304,7 @@ def test_the_kimi_params_hold_against_the_real_config(kimi_folder, kimi_fixtures
         "aux_layer_ids": aux,
         "target_fingerprint": "k",
     }
-    plan = extract_steps.plan_text(p, contract, 87_800_000, free_bytes=3 * 10**12)
+    plan = extract_notebook.plan_text(p, contract, 87_800_000, free_bytes=3 * 10**12)
     assert shards.bytes_per_token(7168, shards.FP8, 3) == 28_693
     assert "87,800,000 tokens x 28,693 bytes (4 states of 7168 in float8_e4m3fn + 4 float32 scales) = 2,519" in plan
     flags = sglang.server_flags(kimi_folder, tmp_path / "draft", 5, p.engine.extra_args)

@@ -9,8 +9,8 @@ from safetensors.torch import load_file, save_file
 from eagle3lib.drafter import DraftCache, Drafter, DrafterConfig
 from eagle3lib.drafter.mla import MLA_ARCHITECTURE
 from eagle3lib.drafter.vocab import build_draft_vocab
-from eagle3lib.engines.interpreter import run_inside
-from eagle3lib.train.checkpoint import save_drafter
+from eagle3lib.engines.interpreter import run_engine_side
+from eagle3lib.train.runtime.checkpoint import save_drafter
 
 AUX = [2, 15, 27]
 DRAFT_VOCAB = 256
@@ -71,7 +71,7 @@ def test_vllm_mla_forward_equals_our_drafter_step(embedded_cache, embedded_targe
     them: TorchSpec's keys, layers.0.self_attn.q_a_proj etc., which vLLM fuses itself), against Drafter.step on the same
     9 positions (1000..1008: past YaRN's original context, so its frequencies and mscale² count) of the target's
     embeddings and random aux states: same state for the next step, same logits over the target's vocabulary. The
-    attention kernel is a plain causal softmax over vLLM's own q, latent and kv_b_proj (engines/inside/load_check.py).
+    attention kernel is a plain causal softmax over vLLM's own q, latent and kv_b_proj (engines/engine_side/load_check.py).
     Also with the EAGLE-3.1 norms vLLM's MLA drafter implements (fc_norm, norm_output, norm_before_residual)."""
     py = need_engine("vllm")
     model = embedded_target[0]
@@ -83,7 +83,7 @@ def test_vllm_mla_forward_equals_our_drafter_step(embedded_cache, embedded_targe
     positions = torch.arange(1000, 1009)
     inputs, out = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
     save_file({"input_embeds": embeds.contiguous(), "aux": aux, "positions": positions}, str(inputs))
-    report = run_inside(
+    report = run_engine_side(
         "load_check.py",
         ["vllm-forward", str(folder), "--target", str(embedded_cache[1]), "--inputs", str(inputs), "--out", str(out)],
         py,
@@ -109,5 +109,5 @@ def test_vllm_does_not_load_an_mla_draft_without_the_low_rank_q(embedded_cache, 
     0.5.17's kimi_k25_eagle3 raises without q_lora_rank). If a vLLM release loads it, this fails: lift the refusal."""
     py = need_engine("vllm")
     folder = save_drafter(mla_drafter(embedded_target[0].config, {"q_lora_rank": None}), tmp_path / "d", contract={})
-    report = run_inside("load_check.py", ["vllm", str(folder), "--target", str(embedded_cache[1])], py)
+    report = run_engine_side("load_check.py", ["vllm", str(folder), "--target", str(embedded_cache[1])], py)
     assert not report["ok"] and any("fused_qkv_a_proj" in p for p in report["problems"]), report

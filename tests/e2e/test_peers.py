@@ -1,4 +1,4 @@
-"""The peers comparison's tools (issue 31) on the CPU: our shards in SpecForge's and speculators' formats hold
+"""The peers comparison's tools on the CPU: our shards in SpecForge's and speculators' formats hold
 the same tokens, mask and states; SpecForge's inputs follow its conventions; served_al.py's figures per drafter.
 The peers' training and serving run on the H200 (benchmarks/h200/peers.sh)."""
 
@@ -105,8 +105,8 @@ def test_offline_al_is_the_drafters_not_its_layouts(run, tmp_path):
     drafter as our checkpoint and as its speculators export gets the same AL, another drafter another."""
     from eagle3lib.convert import layouts
     from eagle3lib.params import load_params
-    from eagle3lib.train.checkpoint import save_drafter
-    from eagle3lib.train.setup import build_setup
+    from eagle3lib.train.runtime.checkpoint import save_drafter
+    from eagle3lib.train.runtime.setup import build_setup
 
     run_dir, target_dir = run
     params = str(run_dir.parent.parent / "params.yaml")

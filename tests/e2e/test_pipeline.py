@@ -260,7 +260,7 @@ def test_open_stage_gives_the_stage_its_view_of_the_params(tmp_path):
     assert stage.save({"n": 1})["figures"]["n"] == 1
 
 
-# ------------------------------------------------------- what a run trusts (issue 42) ----
+# ------------------------------------------------------- what a run trusts ----
 
 
 def test_a_plain_run_redoes_a_stage_whose_files_changed(workbook, capsys):
@@ -288,7 +288,7 @@ def test_a_second_run_on_a_held_folder_is_refused_and_a_dead_holders_lock_is_tak
     made = (out / "00_first" / "made.txt").stat().st_mtime_ns
     holder = subprocess.Popen(
         [sys.executable, "-c", "import sys, time\nfrom pathlib import Path\nfrom eagle3lib import run_folder\n"
-         "with run_folder.held(Path(sys.argv[1]), 'make run in another terminal'):\n"
+         "with run_folder.locked(Path(sys.argv[1]), 'make run in another terminal'):\n"
          "    print('held', flush=True); time.sleep(600)", str(out)],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -359,7 +359,7 @@ stage = open_stage("00_first", params_file, run_dir, overrides)
 try:
     run_guarded([sys.executable, "-c", LAUNCHER, str(stage.out / "launched.pids")])
 except KeyboardInterrupt:
-    stage.keep({"rows": [{"config": "baseline"}], "missing": [{"config": "depth1", "why": "interrupted"}]})
+    stage.save_partial({"rows": [{"config": "baseline"}], "missing": [{"config": "depth1", "why": "interrupted"}]})
     raise
 """
 

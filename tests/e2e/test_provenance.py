@@ -5,7 +5,7 @@ import pytest
 import torch
 from drafters import MAX_TOKENS, tiny_drafter
 
-from eagle3lib.bench import replay
+from eagle3lib.speedup import replay
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,11 @@ import torch
 
 from eagle3lib.params import ParamsError, load_params
 from eagle3lib.prepare import conversations as D
+from eagle3lib.prepare import notebook
 from eagle3lib.prepare import sources as S
-from eagle3lib.prepare import steps
 from eagle3lib.target import config as target_config
 from eagle3lib.target import contract, loading
-from eagle3lib.train.checkpoint import load_drafter
+from eagle3lib.train.runtime.checkpoint import load_drafter
 
 ROOT = Path(__file__).resolve().parents[2]
 RELEASED = ROOT / "drafters" / "smollm2-135m-instruct"
@@ -55,7 +55,7 @@ def test_its_conversations_are_drawn_again_and_none_is_the_default_runs_val_or_b
     nor their user turns are any of params/tiny.yaml's val and bench conversations."""
     shipped = json.loads((RELEASED / "conversations.json").read_text())
     release = load_params(ROOT / "params" / "release-smollm2.yaml")
-    pool, stats = steps.load_pool(release)
+    pool, stats = notebook.load_pool(release)
     split = D.split_conversations(pool, release.data.val_fraction, release.data.bench_count, release.run.seed)
     assert {k: [c["id"] for c in v] for k, v in split.items()} == shipped
 
@@ -70,23 +70,23 @@ def test_its_conversations_are_drawn_again_and_none_is_the_default_runs_val_or_b
 
 
 def test_the_train_report_shows_the_released_drafter_before_and_after_the_fine_tune():
-    from eagle3lib.train import steps as train_steps
+    from eagle3lib.train import notebook as train_notebook
 
     ev = lambda al: {"est_accept_len": {str(d): al + d / 100 for d in range(1, 17)}, "cond_acc": [0.5]}  # noqa: E731
     summary = {
         "initial_eval": ev(1.5), "eval": ev(1.7), "steps": 1, "tokens": 10, "train_tokens_per_s": 1.0,
         "vocab": {"warm_start": {"init_from": str(RELEASED), "layout": "ours"}},
     }  # fmt: skip
-    text = train_steps.fine_tune_text(summary)
+    text = train_notebook.fine_tune_text(summary)
     assert text.startswith(f"started from {RELEASED}") and "@3 1.53 -> 1.73" in text and "@16 1.66 -> 1.86" in text
-    assert train_steps.result(summary)["headline"]["est. accept len @5 before"] == 1.55
-    assert "demonstration" not in text and "fine-tune" not in train_steps.result(summary)["headline"]
+    assert train_notebook.result(summary)["headline"]["est. accept len @5 before"] == 1.55
+    assert "demonstration" not in text and "fine-tune" not in train_notebook.result(summary)["headline"]
     scratch = summary | {"vocab": {}}
-    assert train_steps.fine_tune_text(scratch).startswith("started untrained")
-    assert "est. accept len @5 before" not in train_steps.result(scratch)["headline"]
-    # issue 43's run: 3 CPU minutes moved the released drafter's est. AL@5 from 2.0906 to 2.0976
+    assert train_notebook.fine_tune_text(scratch).startswith("started untrained")
+    assert "est. accept len @5 before" not in train_notebook.result(scratch)["headline"]
+    # a CPU run: 3 minutes moved the released drafter's est. AL@5 from 2.0906 to 2.0976
     flat = summary | {"initial_eval": ev(2.0406), "eval": ev(2.0476), "tokens": 51_000}
-    said = train_steps.fine_tune_text(flat).splitlines()[-1]
+    said = train_notebook.fine_tune_text(flat).splitlines()[-1]
     assert said.startswith("A demonstration of the stage: 51,000 tokens moved est. AL@5 by +0.3% (2.091 -> 2.098)")
-    assert train_steps.result(flat)["headline"]["fine-tune"] == "a demonstration (under +1% est. AL@5)"
-    assert train_steps.fine_tune_text(flat | {"vocab": {}}).count("\n") == 0  # from scratch: no verdict
+    assert train_notebook.result(flat)["headline"]["fine-tune"] == "a demonstration (under +1% est. AL@5)"
+    assert train_notebook.fine_tune_text(flat | {"vocab": {}}).count("\n") == 0  # from scratch: no verdict

@@ -1,4 +1,4 @@
-"""SGLang's own code on our exports (eagle3lib/engines/inside/sglang_replay.py in .venv-sglang, CPU), so that the
+"""SGLang's own code on our exports (eagle3lib/engines/engine_side/sglang_replay.py in .venv-sglang, CPU), so that the
 pure-Python restatements of it cannot share a mistake with what they check:
 
 - load: SGLang 0.5.17 builds LlamaForCausalLMEagle3 from our SGLang export's config.json and runs its own
@@ -22,7 +22,7 @@ from test_export import ckpt  # noqa: F401  (a random drafter for the embedded t
 from eagle3lib.convert import gate
 from eagle3lib.convert import layouts as ex
 from eagle3lib.drafter.formats import read_config, read_tensors
-from eagle3lib.engines.interpreter import run_inside
+from eagle3lib.engines.interpreter import run_engine_side
 from eagle3lib.engines.sglang import sglang_captured_ids, sglang_config_ids
 from eagle3lib.target import EMBEDDED_TARGET
 
@@ -54,7 +54,7 @@ def renamed(src: Path, dst: Path, rename) -> Path:
 
 
 def replay_load(py, folder) -> dict:
-    return run_inside("sglang_replay.py", ["load", str(folder)], py)
+    return run_engine_side("sglang_replay.py", ["load", str(folder)], py)
 
 
 def sglang_table(report) -> dict:
@@ -177,7 +177,7 @@ def test_sglang_capture_matches_our_id_rule(py):
         "30",
         "[2, 15, 27]",
     ]
-    r = run_inside("sglang_replay.py", ["capture", *cases], py)
+    r = run_engine_side("sglang_replay.py", ["capture", *cases], py)
     assert r["ok"], r["problems"]
     got = [c["layers_to_capture"] for c in r["cases"]]
     for (ids, predicted), captured in zip(want, got):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from eagle3lib.bench import cost, fastest
+from eagle3lib.speedup import cost, recommend
 
 
 def synthetic(prefill_share=0.0, overhead=0.0):
@@ -132,7 +132,7 @@ def test_limits_split_a_measured_step_and_say_what_bounds_it():
 
 
 def test_the_limits_text_reads_a_recorded_sweep():
-    from eagle3lib.bench import steps
+    from eagle3lib.speedup import notebook
 
     model = synthetic(overhead=2.0)
     rows = [{"depth": 0, "concurrency": 1, "speedup": 1.0, "prompts": 12}]
@@ -141,16 +141,16 @@ def test_the_limits_text_reads_a_recorded_sweep():
         rows.append({"depth": depth, "concurrency": 1, "speedup": x, "accept_len": al, "prompts": 12})
     recorded = {"costs": {k: ({str(i): v for i, v in d.items()} if isinstance(d, dict) else d)
                           for k, d in model.as_dict().items()}}  # fmt: skip
-    (fastest,) = steps.speedup_limits({"rows": rows, "cost_model": recorded})
+    (fastest,) = notebook.speedup_limits({"rows": rows, "cost_model": recorded})
     assert fastest["depth"] == max(rows[1:], key=lambda r: r["speedup"])["depth"]
     assert fastest["engine_decode_steps"] == pytest.approx(2.0 / 22.0)
-    text = steps.limits_text([fastest])
+    text = notebook.limits_text([fastest])
     assert f"depth {fastest['depth']}" in text and "Limited by acceptance" in text
     # a sweep without the cost model: the step from the baseline's rows, not split
     rows[0] |= {"tokens_per_s": 1000 / 22.0, "prefill_s": 0.0, "decode_s": 1.0}
-    (unsplit,) = steps.speedup_limits({"rows": rows, "cost_model": None})
+    (unsplit,) = notebook.speedup_limits({"rows": rows, "cost_model": None})
     assert unsplit["step_decode_steps"] == pytest.approx(fastest["step_decode_steps"])
-    assert unsplit["verify_decode_steps"] is None and "not split" in steps.limits_text([unsplit])
+    assert unsplit["verify_decode_steps"] is None and "not split" in notebook.limits_text([unsplit])
 
 
 class SyntheticEngine:
@@ -191,8 +191,8 @@ class SyntheticEngine:
 
 
 def test_the_sweep_measures_the_true_best_depth_and_recommends_only_what_beat_the_baseline():
-    from eagle3lib.bench import plan
     from eagle3lib.params import BenchParams
+    from eagle3lib.speedup import plan
 
     truth = synthetic(prefill_share=0.1, overhead=6.0)
     train_cond = [0.75, 0.7, 0.7, 0.65, 0.6]
@@ -215,7 +215,7 @@ def test_the_sweep_measures_the_true_best_depth_and_recommends_only_what_beat_th
     assert quick == set(model["quick"]) and quick
     for d in quick:
         assert all(r["speedup"] < 0.75 for r in engine.rows if r["depth"] == d)
-    rec = fastest.recommend(engine.rows, "/models/t", {})
+    rec = recommend.recommend(engine.rows, "/models/t", {})
     for c, chosen in rec.items():
         base = next(r for r in engine.rows if r["depth"] == 0 and r["concurrency"] == int(c))
         assert chosen["tokens_per_s"] >= base["tokens_per_s"] and chosen["depth"] not in quick
@@ -225,8 +225,8 @@ def test_when_every_depth_loses_the_picks_still_run_every_prompt():
     """A drafter whose drafts are rarely accepted: every depth is predicted far below the baseline, the user's
     depths run quick, but the cost model's picks are measured on the full prompt set (the answer "no speculation"
     rests on them)."""
-    from eagle3lib.bench import plan
     from eagle3lib.params import BenchParams
+    from eagle3lib.speedup import plan
 
     truth = synthetic(prefill_share=0.1, overhead=30.0)
     weak = [0.05, 0.05, 0.05]
@@ -238,7 +238,7 @@ def test_when_every_depth_loses_the_picks_still_run_every_prompt():
     full = {d for d, n, _ in engine.runs if d and n == len(prompts)}
     assert set(model["picks"].values()) <= full and {16, 10} <= set(model["quick"])
     assert all(r["speedup"] < 1 for r in engine.rows if r["depth"])
-    rec = fastest.recommend(engine.rows, "/models/t", {})
+    rec = recommend.recommend(engine.rows, "/models/t", {})
     assert all(chosen["depth"] in (0, None) for chosen in rec.values())  # no speculation
 
 
@@ -247,8 +247,8 @@ def test_a_first_run_sweep_measures_the_baseline_and_the_picks_and_answers_the_a
     """bench.neighbours off and bench.asked_depths predict or quick (params/tiny.yaml's first run): servers start
     for the baseline and the picks only (every prompt, every concurrency); the asked depths are the calibrated
     model's predictions, or a few prompts at the lowest concurrency, and asked_depths says which."""
-    from eagle3lib.bench import plan, steps
     from eagle3lib.params import BenchParams
+    from eagle3lib.speedup import notebook, plan
 
     truth = synthetic(prefill_share=0.1, overhead=6.0)
     cond = [0.75, 0.7, 0.7, 0.65, 0.6]
@@ -261,7 +261,7 @@ def test_a_first_run_sweep_measures_the_baseline_and_the_picks_and_answers_the_a
     full = {d for d, n, _ in engine.runs if d and n == len(prompts)}
     assert full == picks | {model["calibrated_on"]} and {16, 10, 5}.isdisjoint(full)  # the first pick calibrates
     swept = {"rows": engine.rows, "cost_model": model}
-    answered = steps.asked_depths(swept, bench)
+    answered = notebook.asked_depths(swept, bench)
     if asked == "predict":
         assert model["predicted_only"] == [16, 10, 5] and len(engine.runs) == 1 + len(full)
         assert [(r["depth"], r["concurrency"], r["how"]) for r in answered] == [
@@ -277,8 +277,8 @@ def test_a_first_run_sweep_measures_the_baseline_and_the_picks_and_answers_the_a
         }
         hows = {(r["concurrency"], r["how"]) for r in answered}
         assert hows == {(1, "quick (3 prompts)"), (8, "predicted")}  # concurrency 8 is not run: its prediction
-    assert "depth 16, concurrency 1" in steps.asked_depths_text(answered)
-    rec = fastest.recommend(engine.rows, "/models/t", {})
+    assert "depth 16, concurrency 1" in notebook.asked_depths_text(answered)
+    rec = recommend.recommend(engine.rows, "/models/t", {})
     assert {chosen["depth"] for chosen in rec.values()} <= picks | {0}
 
 
@@ -292,8 +292,8 @@ SPEEDUPS = {1: [1.1, 1.05], 2: [1.3, 1.2], 3: [1.5, 1.1], 4: [1.4, 0.9], 5: [1.0
 
 
 def test_the_plan_measures_the_picks_and_neighbours_fastest_first_then_the_asked_depths():
-    from eagle3lib.bench import plan
     from eagle3lib.params import BenchParams
+    from eagle3lib.speedup import plan
 
     bench = BenchParams(depths=[6, 2, 1], concurrency=[1, 8], max_depth=6)
     todo = plan.depths_to_measure(predicted_rows(SPEEDUPS), bench, measured=[3])
@@ -314,8 +314,8 @@ def test_the_plan_measures_the_picks_and_neighbours_fastest_first_then_the_asked
 
 
 def test_how_a_planned_depth_is_measured():
-    from eagle3lib.bench import plan
     from eagle3lib.params import BenchParams
+    from eagle3lib.speedup import plan
 
     bench = BenchParams(depths=[6, 2, 1], concurrency=[1, 8], max_depth=6, quick_below=0.75, quick_prompts=3)
     rows = predicted_rows(SPEEDUPS)
@@ -353,7 +353,7 @@ def test_the_speedup_plot_draws_predictions_and_measurements(tmp_path):
 
 def test_the_replay_script_predicts_a_recorded_cpu_run():
     """benchmarks/cost_model_replay.py on the recorded default run: every measured depth predicted by the model
-    calibrated on the depths before it (the closing figures of issue 16 come from here)."""
+    calibrated on the depths before it."""
     import importlib.util
     from pathlib import Path
 

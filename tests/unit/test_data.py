@@ -195,7 +195,7 @@ def test_keep_unseen_leaves_out_the_other_runs_val_and_bench(tmp_path):
     so none of them reaches the release's splits. Shown on the real files, with the release's read cut to 1,200
     conversations (the first 320 are tiny's own)."""
     from eagle3lib.params import ParamsError, load_params
-    from eagle3lib.prepare import steps
+    from eagle3lib.prepare import notebook
 
     root = Path(__file__).resolve().parents[2] / "params"
     release = load_params(root / "release-smollm2.yaml", {"data.max_conversations": 1200})
@@ -207,7 +207,7 @@ def test_keep_unseen_leaves_out_the_other_runs_val_and_bench(tmp_path):
     held_ids = {c["id"] for c in held_out}
     held_prompts = {t for c in held_out for t in D.user_texts(c)}
 
-    pool, stats = steps.load_pool(release)
+    pool, stats = notebook.load_pool(release)
     split = D.split_conversations(pool, release.data.val_fraction, release.data.bench_count, release.run.seed)
     ours = [c for part in split.values() for c in part]
     assert not held_ids & {c["id"] for c in ours}

@@ -370,7 +370,7 @@ def test_compiled_layer_trains_as_the_eager_one():
     """train.compile_layer (compile_decoder_layer: q/k/v, o_proj, MLP, the merge, the output norm, all through
     torch.compile; here inductor's CPU code) changes neither the TTT outputs and gradients nor the names
     the checkpoint is saved under."""
-    from eagle3lib.train.speedups import compile_decoder_layer
+    from eagle3lib.train.runtime.speedups import compile_decoder_layer
 
     drafter, aux, embeds, pos, docs = one_document_case("cpu")
     names = list(drafter.state_dict())
@@ -474,8 +474,7 @@ def test_merged_varlen_path_on_packed_rows_equals_the_dense_path_on_gpus():
 
 def test_auto_attention_keeps_fp32_off_the_fused_kernels():
     """cuDNN takes fp16/bf16 only and its raw op returns wrong scores for fp32 instead of failing (an fp32 drafter
-    evaluated on one-document rows on an H200 scored cond_acc 0.07 where dense and flex scored 0.29;
-    benchmarks/README.md, 2026-12-01 session 10): auto sends fp32 to flex."""
+    evaluated on one-document rows on an H200 scored cond_acc 0.07 where dense and flex scored 0.29): auto sends fp32 to flex."""
     from eagle3lib.drafter.ttt_attention import auto_attention
 
     assert auto_attention(is_cuda=True, half_precision=True) == "merged"
@@ -558,7 +557,7 @@ def test_starting_from_the_targets_last_layer_is_an_exact_early_exit(embedded_ta
 @pytest.mark.parametrize("variants", [SPECULATORS_DEFAULT | {"norm_before_residual": False}, {"fc_norm": True}])
 def test_eagle31_norms_keep_the_chain_in_autocasts_dtype(real_states, monkeypatch, variants):
     """Under bf16 autocast every TTT step hands the fused causal kernel bf16 q/k/v: norm_output's fp32 weight once
-    promoted the next step's state, its rope and so q to fp32, which the H200's kernels refuse (issue 40's run)."""
+    promoted the next step's state, its rope and so q to fp32, which the H200's kernels refuse."""
     from eagle3lib.drafter import model as drafter_model
 
     ids, aux, base, embed = real_states
@@ -597,7 +596,7 @@ def test_compiled_layer_compiles_while_a_target_runs_in_another_thread():
 
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from eagle3lib.train.speedups import compile_decoder_layer
+    from eagle3lib.train.runtime.speedups import compile_decoder_layer
 
     torch.manual_seed(0)
     config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,

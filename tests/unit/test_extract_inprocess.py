@@ -165,7 +165,7 @@ def test_notebook_handle_runs_the_module_and_fails_with_the_log(tmp_path, embedd
         },
     )
     from eagle3lib.extract import backends
-    from eagle3lib.extract import steps as extract_steps
+    from eagle3lib.extract import notebook as extract_notebook
 
     s = backends.setup(p)
     cap = backends.make_capture(p, s, log_dir=tmp_path)
@@ -182,6 +182,6 @@ def test_notebook_handle_runs_the_module_and_fails_with_the_log(tmp_path, embedd
     prep = tmp_path / "prep"
     prep.mkdir()
     with pytest.raises(ip.InProcessError, match=r"(?s)exited 1 with splits \[\] of \['train', 'val'\].*sglang") as e:
-        extract_steps.extract_splits(p, s, cap, prep, tmp_path / "out")
+        extract_notebook.extract_splits(p, s, cap, prep, tmp_path / "out")
     assert f"-m {ipx.__name__} --target" in str(e.value)  # the extract command, in that interpreter
     assert "ModuleNotFoundError" in (tmp_path / "sglang-inprocess.log").read_text()  # its stderr is in the log

@@ -1,10 +1,10 @@
 """The library's layers, read from its imports (every import statement, function-level ones included).
 
-    __main__ (the CLI) -> workbook -> stages -> engines -> base -> engines/inside
+    __main__ (the CLI) -> workbook -> stages -> engines -> base -> engines/engine_side
 
-Stages are prepare, extract, train, convert, deploy, bench; a stage may import the stages before it in the pipeline
+Stages are prepare, extract, train, convert, deploy, speedup; a stage may import the stages before it in the pipeline
 (train reads extract's shards), never one after it. The base (params, run_folder, hardware, the package itself, and
-the drafter/ and target/ folders) imports no stage, engine or workbook module. engines/inside runs in an engine's own
+the drafter/ and target/ folders) imports no stage, engine or workbook module. engines/engine_side runs in an engine's own
 interpreter: the standard library, torch, safetensors and the engine it serves only, nothing of eagle3lib.
 A module of eagle3lib that engines.interpreter.run_module starts in an engine's interpreter (01_extract's
 sglang_inprocess command; online training's stage in SGLang's interpreter), and every eagle3lib module it imports,
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[2] / "eagle3lib"
-STAGES = ("prepare", "extract", "train", "convert", "deploy", "bench")  # pipeline order
+STAGES = ("prepare", "extract", "train", "convert", "deploy", "speedup")  # pipeline order
 BASE = ("__init__", "params", "run_folder", "hardware", "drafter", "target")
 MAX_TOP_MODULES = 8  # modules directly under eagle3lib/: the rest lives in the folder of its stage or part
 # Known imports against the layers, each with why it is still there; empty when there are none.
@@ -71,7 +71,7 @@ def layer(name: str) -> tuple[int, int]:
         return 4, 0
     if parts[0] in STAGES:
         return 3, STAGES.index(parts[0])
-    if parts[:2] == ["engines", "inside"]:
+    if parts[:2] == ["engines", "engine_side"]:
         return 0, 0
     if parts[0] == "engines":
         return 2, 0
@@ -83,13 +83,13 @@ def layer(name: str) -> tuple[int, int]:
 def what(name: str) -> str:
     """The layer in words, for the failure message."""
     rank, order = layer(name)
-    return ["engines/inside", "base", "engines", f"stage {STAGES[order]}", "workbook", "CLI"][rank]
+    return ["engines/engine_side", "base", "engines", f"stage {STAGES[order]}", "workbook", "CLI"][rank]
 
 
 def owner(name: str) -> str:
     """The folder (or base module) a module belongs to: imports within it are free."""
     parts = name.split(".")
-    return ".".join(parts[:4]) if parts[1:3] == ["engines", "inside"] else ".".join(parts[:2])
+    return ".".join(parts[:4]) if parts[1:3] == ["engines", "engine_side"] else ".".join(parts[:2])
 
 
 def test_every_module_has_a_layer():
@@ -147,17 +147,17 @@ def test_few_modules_directly_under_the_package():
 
 
 def engine_side_allowed(stem: str) -> set[str]:
-    """What a module of engines/inside may import besides the standard library: torch, safetensors and the
+    """What a module of engines/engine_side may import besides the standard library: torch, safetensors and the
     engine it serves (vllm_* vLLM, sglang_* SGLang; load_check serves both gates). guard.py, which any
     interpreter runs, the standard library only."""
     if stem == "guard":
         return set()
     engines = {"vllm", "sglang"} if stem == "load_check" else {stem.split("_")[0]} & {"vllm", "sglang"}
-    assert engines or stem == "__init__", f"engines/inside/{stem}.py: name it after the engine it serves"
+    assert engines or stem == "__init__", f"engines/engine_side/{stem}.py: name it after the engine it serves"
     return {"torch", "safetensors"} | engines
 
 
-@pytest.mark.parametrize("path", sorted(PACKAGE.glob("engines/inside/*.py")) + [PACKAGE / "engines" / "guard.py"])
+@pytest.mark.parametrize("path", sorted(PACKAGE.glob("engines/engine_side/*.py")) + [PACKAGE / "engines" / "guard.py"])
 def test_engine_side_code_imports_only_what_the_engine_has(path):
     allowed = engine_side_allowed(path.stem) | set(sys.stdlib_module_names)
     found = {target.split(".")[0]: line for target, line in imports(path.stem, path)}
@@ -237,7 +237,7 @@ def imported_from(entry: str, known: dict[str, Path] = MODULES) -> dict[str, str
 def test_modules_run_in_an_engines_interpreter_import_no_workbook_part():
     entries = run_in_engines()
     # 01_extract's sglang_inprocess command (SGLangInProcess) and online training's stage (the sglang_inprocess thread)
-    assert {"eagle3lib.extract.sglang_inprocess_extract", "eagle3lib.train.launch"} <= set(entries), entries
+    assert {"eagle3lib.extract.sglang_inprocess_extract", "eagle3lib.train.runtime.launch"} <= set(entries), entries
     wrong = []
     for entry, where in entries.items():
         for name, via in imported_from(entry).items():

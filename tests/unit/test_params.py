@@ -219,24 +219,24 @@ def test_the_view_reads_the_stages_sections_and_the_bookkeeping(tmp_path):
 
 
 def test_00_prepare_prints_later_stages_plans_from_the_whole_params_and_hashes_only_its_own(tmp_path):
-    """00_prepare prints 01_extract's disk plan and online mode's plan from stage.whole (every section, for text about
+    """00_prepare prints 01_extract's disk plan and online mode's plan from stage.all_params (every section, for text about
     later stages); its own view refuses extract and train, which are not in its hash."""
-    from eagle3lib.extract import steps as extract_steps
-    from eagle3lib.train import steps as train_steps
+    from eagle3lib.extract import notebook as extract_notebook
+    from eagle3lib.train import notebook as train_notebook
     from eagle3lib.workbook.stage import open_stage
 
     params = write(tmp_path, "run: {name: x, output_root: out}\n")
     stage = open_stage("00_prepare", params, tmp_path / "run", {"extract.store_dtype": "float16"})
     contract = {"hidden_size": 8, "aux_layer_ids": [1, 2, 3], "target_fingerprint": "f"}
-    assert "in float16" in extract_steps.plan_text(stage.whole, contract, 10, free_bytes=10**9)
-    assert "02_train online plan (with train.source: online, placement thread)" in train_steps.online_plan_text(
-        stage.whole, contract
+    assert "in float16" in extract_notebook.plan_text(stage.all_params, contract, 10, free_bytes=10**9)
+    assert "02_train online plan (with train.source: online, placement thread)" in train_notebook.online_plan_text(
+        stage.all_params, contract
     )
     with pytest.raises(UnreadSectionError, match="00_prepare read params extract.store_dtype"):
-        extract_steps.plan_text(stage.p, contract, 10, free_bytes=10**9)
+        extract_notebook.plan_text(stage.p, contract, 10, free_bytes=10**9)
     with pytest.raises(UnreadSectionError, match="00_prepare read params train.lr"):
         _ = stage.p.train.lr
-    assert stage_sections("00_prepare", stage.whole) == ["target", "data"]
+    assert stage_sections("00_prepare", stage.all_params) == ["target", "data"]
 
 
 def test_an_override_that_is_not_yaml_names_its_key():

@@ -1,4 +1,4 @@
-"""engine.port's check agrees with what the engine can bind (issue 42, item 5)."""
+"""engine.port's check agrees with what the engine can bind."""
 
 import socket
 

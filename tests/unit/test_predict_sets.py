@@ -8,13 +8,13 @@ import pytest
 import torch
 from test_extract import tiny_model
 
-from eagle3lib.bench.predict import predict_per_set, predicted_for
-from eagle3lib.bench.replay import greedy_decode
 from eagle3lib.drafter import Drafter, DrafterConfig, vocab
 from eagle3lib.extract.hf import capture_hidden_states
 from eagle3lib.params import TrainParams
+from eagle3lib.speedup.predict import predict_per_set, predicted_for
+from eagle3lib.speedup.replay import greedy_decode
 from eagle3lib.train import loop
-from eagle3lib.train.batches import Sequence, make_batch, pack_rows
+from eagle3lib.train.runtime.batches import Sequence, make_batch, pack_rows
 from eagle3lib.train.ttt_step import TrainStep
 
 AUX = [1, 3, 5]  # test_train's for this 6-layer target (its default [2, 3, 3] is not three layers)

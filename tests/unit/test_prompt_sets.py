@@ -1,5 +1,5 @@
-"""bench/prompt_sets.py: the named sets from their PyPI packages, EAGLE's question files, later turns, long
-contexts; and the per set regrouping of sweep rows (bench/per_set.py)."""
+"""speedup/prompt_sets.py: the named sets from their PyPI packages, EAGLE's question files, later turns, long
+contexts; and the per set regrouping of sweep rows (speedup/per_set.py)."""
 
 import gzip
 import json
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from eagle3lib import params
-from eagle3lib.bench import per_set, prompt_sets
+from eagle3lib.speedup import per_set, prompt_sets
 from eagle3lib.workbook import plots, widgets
 
 SHARED_BENCHSETS = Path(__file__).resolve().parents[3] / "shared" / "benchsets"
@@ -176,20 +176,20 @@ def test_prompts_longer_than_the_engines_context_are_left_out_before_the_sweep(c
     turns) is left out for every configuration alike, a long-context one refused."""
     from types import SimpleNamespace
 
-    from eagle3lib.bench import steps
     from eagle3lib.params import EngineParams
+    from eagle3lib.speedup import notebook
 
     config = SimpleNamespace(max_position_embeddings=262144)
     short = {"id": "a", "set": "held_out", "prompt_ids": [1] * 100}
     long_ = {"id": "b", "set": "mt_bench", "prompt_ids": [1] * 2616}
     its_turn = {"id": "b#2", "set": "mt_bench", "prompt_ids": None, "after": "b"}
     engine = EngineParams(name="vllm", extra_args=["--enforce-eager", "--max-model-len", "2048"])
-    kept = steps.check_context([short, long_, its_turn], config, 64, engine)
+    kept = notebook.check_context([short, long_, its_turn], config, 64, engine)
     assert kept == [short]
     assert (
         "2 of 3 prompt(s) left out: longer than vllm's context (engine.extra_args) of 2048" in capsys.readouterr().out
     )
-    assert steps.check_context([short, long_], config, 64, EngineParams(name="sglang")) == [short, long_]
+    assert notebook.check_context([short, long_], config, 64, EngineParams(name="sglang")) == [short, long_]
     sglang = EngineParams(name="sglang", extra_args=["--context-length=1024"])
     with pytest.raises(ValueError, match="1 long-context prompt"):
-        steps.check_context([short, {**long_, "set": prompt_sets.CONTEXT}], config, 64, sglang)
+        notebook.check_context([short, {**long_, "set": prompt_sets.CONTEXT}], config, 64, sglang)

@@ -7,7 +7,7 @@ import functools
 import numpy as np
 import pytest
 
-from eagle3lib.bench.sampling import distribution_check, sampling_text
+from eagle3lib.speedup.sampling import distribution_check, sampling_text
 
 VOCAB, LENGTH, DEPTH, SAMPLES = 8, 12, 3, 256  # at 64 samples a side the broken variant fails only about 1 time in 3
 PROMPTS = {f"prompt-{i}": i for i in range(4)}  # prompt id -> the token the sequence continues from

@@ -1,4 +1,4 @@
-"""An engine that dies or hangs while it serves is named with its state and log (issue 42, item 4), on a real
+"""An engine that dies or hangs while it serves is named with its state and log, on a real
 process and a real socket: a small HTTP server run the way engines are (under the guard)."""
 
 import sys

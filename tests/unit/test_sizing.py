@@ -1,4 +1,4 @@
-"""bench/sizing.py: the benchmark's prompts sized to the run's time left (run.minutes, issue 43), and where that time
+"""speedup/sizing.py: the benchmark's prompts sized to the run's time left (run.minutes), and where that time
 comes from (run_folder.seconds_before, Stage.deadline)."""
 
 import json
@@ -6,11 +6,11 @@ import json
 import pytest
 
 from eagle3lib import params
-from eagle3lib.bench import plan, prompt_sets, sizing
 from eagle3lib.params import BenchParams
+from eagle3lib.speedup import plan, prompt_sets, sizing
 from eagle3lib.workbook.stage import open_stage
 
-# 2 cores without native bf16 (issue 43's run): 16 tokens/s at concurrency 1, ~45 at 8, a 55 s server start
+# 2 cores without native bf16: 16 tokens/s at concurrency 1, ~45 at 8, a 55 s server start
 SPEEDS = sizing.Speeds(start_s=55.0, step_s={1: 1 / 16, 8: 8 / 45}, prefill_s_per_token=0.004)
 
 
@@ -32,7 +32,7 @@ def test_the_prompts_fit_the_time_left_with_every_set_kept():
     every = sizing.fit(prompts, SPEEDS, 3600 * 2, 4, 96, [1, 8])
     assert every.prompts == prompts and not every.sized
     assert "all 26 prompts fit the run's time" in every.text()
-    # issue 43's run: four configurations of ~7.5 min; here 12 minutes are left
+    # such a run: four configurations of ~7.5 min; here 12 minutes are left
     sized = sizing.fit(prompts, SPEEDS, 12 * 60, 4, 96, [1, 8])
     assert sized.sized and sized.estimate_s <= 12 * 60 - sizing.TAIL_S < sized.asked_estimate_s
     ids = [p["id"] for p in sized.prompts]

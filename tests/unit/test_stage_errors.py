@@ -15,7 +15,7 @@ def test_the_failing_cells_error_comes_first(tmp_path):
 
 
 def test_without_a_failing_cell_papermills_error_is_told(tmp_path):
-    """Issue 40's run lost a training to 'unknown error': its kernel did not answer in papermill's 60 s."""
+    """A GPU run once lost a training to 'unknown error': its kernel did not answer in papermill's 60 s."""
     path = tmp_path / "02_train.ipynb"
     nbformat.write(new_notebook(cells=[new_code_cell("1")]), path)
     raised = RuntimeError("Kernel didn't respond in 60 seconds")

@@ -31,7 +31,7 @@ def test_kernels_started_together_answer_their_own_clients(tmp_path, monkeypatch
     """jupyter_client's IPC sockets are kernel-ipc-N in the working directory (papermill's: the notebooks folder,
     shared by every run of a checkout): kernels started together bound the same paths, and of three, two clients
     spoke to the third kernel and waited for a reply until the start timeout ("Kernel didn't respond", the words of
-    issue 40's lost training)."""
+    a training lost that way)."""
     monkeypatch.chdir(tmp_path)
     managers = [stage_kernel_manager()(kernel_name="python3") for _ in range(3)]
     pairs = asyncio.run(_started_together_then_asked(managers))

@@ -1,4 +1,4 @@
-"""Two training levers of issue 40: train.loss_positions (the loss on every token of a conversation, not only the
+"""Two training levers: train.loss_positions (the loss on every token of a conversation, not only the
 assistant's) and train.aux_noise (noise on the target's aux states, drawn from where the micro-batch is in the run,
 so that a resumed run draws the same). A tiny random Llama's states (test_predict_sets' helpers), a few TrainSteps."""
 
@@ -11,7 +11,7 @@ from test_predict_sets import AUX, row_sequences, setup_for
 
 from eagle3lib.drafter import Drafter, DrafterConfig, vocab
 from eagle3lib.params import ParamsError, TrainParams, load_params
-from eagle3lib.train.batches import make_batch
+from eagle3lib.train.runtime.batches import make_batch
 from eagle3lib.train.ttt_step import TrainStep, every_token, valid_positions, with_aux_noise
 
 STEPS = 3

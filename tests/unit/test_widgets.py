@@ -7,7 +7,7 @@ import ipywidgets
 import pytest
 from sweep_rows import ROWS
 
-from eagle3lib.bench.replay import TARGET
+from eagle3lib.speedup.replay import TARGET
 from eagle3lib.train.metrics import acceptance_summary
 from eagle3lib.workbook import report, widgets
 

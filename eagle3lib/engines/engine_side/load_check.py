@@ -1,9 +1,9 @@
 """Engine-side load-back checks, run in the engine's own interpreter (.venv-vllm / .venv-sglang).
 
-    python eagle3lib/engines/inside/load_check.py vllm DRAFT_DIR --target TARGET_DIR [--depth D]
-    python eagle3lib/engines/inside/load_check.py sglang --args '[...launch flags...]'
-    python eagle3lib/engines/inside/load_check.py vllm-forward DRAFT_DIR --target TARGET_DIR --inputs IN --out OUT
-    python eagle3lib/engines/inside/load_check.py vllm-meta CONFIG_DIR --target TARGET_DIR --shapes SHAPES_JSON
+    python eagle3lib/engines/engine_side/load_check.py vllm DRAFT_DIR --target TARGET_DIR [--depth D]
+    python eagle3lib/engines/engine_side/load_check.py sglang --args '[...launch flags...]'
+    python eagle3lib/engines/engine_side/load_check.py vllm-forward DRAFT_DIR --target TARGET_DIR --inputs IN --out OUT
+    python eagle3lib/engines/engine_side/load_check.py vllm-meta CONFIG_DIR --target TARGET_DIR --shapes SHAPES_JSON
 
 Prints one JSON report line. Standalone on purpose (stdlib, torch, safetensors and the engine only):
 the engines pin transformers versions that our .venv does not have, so eagle3lib.engines.interpreter runs this

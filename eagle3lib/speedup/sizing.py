@@ -1,4 +1,4 @@
-"""The benchmark sized to the time the run has left (run.minutes; issue 43): how many prompts every configuration
+"""The benchmark sized to the time the run has left (run.minutes): how many prompts every configuration
 measures, chosen on the baseline's server before it measures anything, from what that server does on this machine.
 
 `probe` times the running baseline server: its start (ready_s), one batch of `concurrency` short requests at each
@@ -14,7 +14,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 
-from eagle3lib.bench import measurement, prompt_sets
+from eagle3lib.speedup import measurement, prompt_sets
 
 PROBE_TOKENS = 16  # a probe request's tokens: enough steps to time a decode step, a few seconds on 2 cores
 TAIL_S = 60.0  # after the sweep: the cost model's in-process timing, the replay and the report

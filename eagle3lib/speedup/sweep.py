@@ -1,8 +1,8 @@
-"""Depth sweeps against a no-speculation baseline (issue 5, docs/design.md §5).
+"""Depth sweeps against a no-speculation baseline (docs/design.md §5).
 
 Configurations: the baseline (no speculation), then each depth in bench.depths in order, or the cost model's
-plan (bench/plan.py). A depth is a launch flag, so each configuration gets its own server (restarted); inside one
-server every concurrency level is measured with the engine's statistics diffed around it (bench/measurement.py).
+plan (speedup/plan.py). A depth is a launch flag, so each configuration gets its own server (restarted); inside one
+server every concurrency level is measured with the engine's statistics diffed around it (speedup/measurement.py).
 One warm-up request precedes the measurements. A `Sweep` holds what the configurations measured so far.
 
 Prompts: the prepare stage's held-out bench split up to its first reply, rendered with the target's
@@ -19,8 +19,8 @@ import time
 from tqdm.auto import tqdm
 
 from eagle3lib import engines
-from eagle3lib.bench import cost, measurement, plan, prompt_sets, sampling, sizing
-from eagle3lib.bench.fastest import figure_text
+from eagle3lib.speedup import cost, measurement, plan, prompt_sets, sampling, sizing
+from eagle3lib.speedup.recommend import figure_text
 
 # ------------------------------------------------------------------------------ inputs ----
 
@@ -218,7 +218,7 @@ class Sweep:
 
     def size_to(self, deadline: float, configurations: int):
         """The baseline's size(server): the prompts every configuration measures so that `configurations` of them
-        end by `deadline` (time.time()), from what this server takes here (bench/sizing.py); self.prompts becomes
+        end by `deadline` (time.time()), from what this server takes here (speedup/sizing.py); self.prompts becomes
         them and the line saying why is printed."""
 
         def size(server):
@@ -290,7 +290,7 @@ class Sweep:
         if prediction is not None:
             r["predicted_speedup"] = prediction[(depth, r["concurrency"])]["speedup"]
             r["calibration"] = calibration
-        # issue 5's goal: tokens/s >= 0.8 x acceptance length x baseline tokens/s, i.e. efficiency >= 0.8
+        # how much of the acceptance length the speed keeps: tokens/s / (acceptance length x baseline tokens/s)
         r["efficiency"] = r["speedup"] / r["accept_len"] if r.get("accept_len") else None
         self.rows.append(r)
         self.say(
@@ -351,7 +351,7 @@ def benchmark(
     lowest one's neighbours and bench.depths follow, fastest predicted first. Depths predicted below
     bench.quick_below at every concurrency run bench.quick_prompts prompts. Without them, bench.depths in order.
 
-    Returns {rows, differences, recommendation, cost_model, ...}; rows carry the fields of issue 5 plus
+    Returns {rows, differences, recommendation, cost_model, ...}; rows carry the acceptance, speed and speedup fields plus
     tpot_ms, drafts, efficiency, predicted_speedup, prompts, ready_s, log; baseline_outputs holds the
     no-speculation outputs per concurrency. progress: a callable for status lines (a tqdm.auto bar counts the
     configurations too), or None for quiet.
@@ -363,7 +363,7 @@ def benchmark(
     of bench.samples draws per prompt against the baseline's, and outputs are not compared token for token.
 
     deadline (time.time(), the run's run.minutes): the baseline's server sizes the prompts that every configuration
-    measures so that the sweep ends by then (bench/sizing.py; `sizing` in the result says what and why).
+    measures so that the sweep ends by then (speedup/sizing.py; `sizing` in the result says what and why).
 
     An engine that dies or hangs (EngineError) ends the sweep: keep(partial result), when given, gets the rows
     measured before it and `missing` ({config, why}) first, then the error goes on."""

@@ -61,7 +61,7 @@ DEMONSTRATION_GAIN = 0.01  # a fine-tune that moves est. AL@5 by less than 1% sh
 
 def fine_tune_verdict(before: dict, after: dict, tokens: int) -> str | None:
     """What a fine-tune from a released drafter was for, by what it did to est. AL@5: None when it raised it by
-    DEMONSTRATION_GAIN or more; else that it demonstrated the stage (issue 43: 3 CPU minutes moved the released
+    DEMONSTRATION_GAIN or more; else that it demonstrated the stage (3 CPU minutes moved the released
     drafter by +0.3%), and what would move it."""
     was, now = before["est_accept_len"].get("5"), after["est_accept_len"].get("5")
     if not was or not now or now / was - 1 >= DEMONSTRATION_GAIN:

@@ -28,7 +28,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from eagle3lib.bench.replay import target_forward, truncate_cache
+from eagle3lib.speedup.replay import target_forward, truncate_cache
 
 
 @dataclass

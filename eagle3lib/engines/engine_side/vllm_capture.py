@@ -1,7 +1,7 @@
 """vLLM's side of the vllm extraction backend, run in vLLM's interpreter (.venv-vllm) by eagle3lib.extract.vllm.
 
-    python eagle3lib/engines/inside/vllm_capture.py capture --target DIR --layers 2,15,27,30 --work DIR [--dtype D] [-- FLAGS...]
-    python eagle3lib/engines/inside/vllm_capture.py prefill --target DIR --tokens FILE --warmup K [--dtype D] [-- FLAGS...]
+    python eagle3lib/engines/engine_side/vllm_capture.py capture --target DIR --layers 2,15,27,30 --work DIR [--dtype D] [-- FLAGS...]
+    python eagle3lib/engines/engine_side/vllm_capture.py prefill --target DIR --tokens FILE --warmup K [--dtype D] [-- FLAGS...]
 
 Standalone on purpose (stdlib, torch, safetensors and vLLM only): vLLM pins a transformers that our .venv
 does not have. FLAGS are vLLM's own engine flags (as for `vllm serve`: --tensor-parallel-size,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from eagle3lib.bench import cost, prompt_sets
+from eagle3lib.speedup import cost, prompt_sets
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def depths_to_measure(prediction: list[dict], bench, measured) -> Plan:
 def expected_configurations(bench, cost_model: bool) -> int:
     """How many configurations a sweep measures at most, the baseline included, before it knows its picks: with the
     cost model the baseline, the first pick, the calibrated pick at each concurrency (the lowest's can move off the
-    first pick: depth 3, then 4 and 2 in issue 43's second emulated run), the neighbours and the asked depths when
+    first pick: depth 3, then 4 and 2 on a 2-core CPU without native bf16), the neighbours and the asked depths when
     they are measured (each quick or full; picks that coincide make it fewer); without it the baseline and
     bench.depths."""
     if not cost_model:

@@ -1,7 +1,7 @@
 """One group of requests measured on a running server: the requests sent, the engine's speculative statistics
 read around them (vLLM's cumulative /metrics counters, diffed; SGLang's per-request meta_info), and their figures
 (throughput, time per output token, acceptance); and the sampled completions of the distribution check
-(bench/sampling.py). The sweep (bench/sweep.py) measures each prompt set this way."""
+(speedup/sampling.py). The sweep (speedup/sweep.py) measures each prompt set this way."""
 
 from __future__ import annotations
 

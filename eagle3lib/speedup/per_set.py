@@ -7,7 +7,7 @@ the statistics read around every request at concurrency 1 (measurement.measure_s
 
 from __future__ import annotations
 
-from eagle3lib.bench import measurement, prompt_sets
+from eagle3lib.speedup import measurement, prompt_sets
 
 
 def _depths(rows: list[dict]) -> list[int]:

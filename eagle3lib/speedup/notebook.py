@@ -8,7 +8,7 @@ import os
 import torch
 
 from eagle3lib import engines
-from eagle3lib.bench import cost, per_set, prompt_sets, sampling
+from eagle3lib.speedup import cost, per_set, prompt_sets, sampling
 
 ARTIFACTS = [
     "speedup_vs_depth.png",
@@ -34,8 +34,8 @@ def cost_probe(p, target_name_or_dir: str, cache_dir, drafter_dir, prompts: list
 
     def measure():
         from eagle3lib import target
-        from eagle3lib.bench import cost
-        from eagle3lib.train import checkpoint
+        from eagle3lib.speedup import cost
+        from eagle3lib.train.runtime import checkpoint
 
         dtype = p.bench.dtype or p.target.dtype
         model, _ = target.load_target(

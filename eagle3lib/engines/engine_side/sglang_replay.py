@@ -1,12 +1,12 @@
 """SGLang's own code on our exports, run in SGLang's interpreter (.venv-sglang, CPU): the load-back and the
 aux-layer capture that eagle3lib.convert.gate and eagle3lib.engines.sglang restate in pure Python.
 
-    python eagle3lib/engines/inside/sglang_replay.py load EXPORT_DIR [--dtype float32]
-    python eagle3lib/engines/inside/sglang_replay.py capture ARCH NUM_LAYERS IDS_JSON [ARCH NUM_LAYERS IDS_JSON ...]
-    python eagle3lib/engines/inside/sglang_replay.py meta-load CONFIG_DIR SHAPES_JSON
+    python eagle3lib/engines/engine_side/sglang_replay.py load EXPORT_DIR [--dtype float32]
+    python eagle3lib/engines/engine_side/sglang_replay.py capture ARCH NUM_LAYERS IDS_JSON [ARCH NUM_LAYERS IDS_JSON ...]
+    python eagle3lib/engines/engine_side/sglang_replay.py meta-load CONFIG_DIR SHAPES_JSON
 
 Prints one JSON report line (last line of stdout). Standalone on purpose (stdlib, torch, safetensors and
-SGLang only), like load_check.py: eagle3lib.engines.interpreter.run_inside runs it.
+SGLang only), like load_check.py: eagle3lib.engines.interpreter.run_engine_side runs it.
 
 load: SGLang's draft-model path up to its weights: ServerArgs (device cpu) published as the process's
     server args, a world-size-1 gloo process group, ModelConfig.from_server_args(..., is_draft_model=True),
