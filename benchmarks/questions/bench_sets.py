@@ -1,0 +1,34 @@
+"""A drafter served by SGLang on EAGLE's six question sets: 05_benchmark of a finished run's drafter on a GPU.
+
+A finished CPU run's drafter (params/smollm2-135m-cpu.yaml: its bench split, 02_train and 03_convert), served with
+params/smollm2-135m-gpu.yaml's engine: 05_benchmark on held_out, mt_bench and humaneval and on EAGLE's gsm8k,
+alpaca, sum and qa (question.jsonl files from --benchsets). On a GPU host:
+
+    python -m benchmarks bench_sets gpu-plan prep RUN_DIR [BENCHSETS_DIR]   # the run and the sets into WORK
+    python -m benchmarks bench_sets gpu-plan bench                         # 05_benchmark on every set
+
+Prints the stage's headline and each set's AL, speedup and predicted AL per depth.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from benchmarks import gpu_script
+
+PLANS = {"prep": (["prep"], {}), "bench": (["bench"], {})}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    argv = argv[1:] if argv[:1] == ["gpu-plan"] else argv
+    return gpu_script.plan_main("bench_sets", argv, PLANS, "bench")
+
+
+def dry_run(work: Path) -> list[str]:
+    return ["gpu-plan", "bench", "--stand-in", "--work", str(work)]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""The released drafter for the embedded target: trained on a GPU, served for its provenance, brought back.
+
+params/smollm2-135m-gpu-release.yaml trained on the embedded ShareGPT data less the default run's val and bench
+conversations, served by SGLang at depths 1-5 (served AL per set) and compared at depth 3 against the drafter the
+checkout ships; then, here, benchmarks/release_drafter.py writes drafters/<name>/ with provenance.json. Steps of
+release.sh, in order, on a GPU host in the setup script's environments:
+
+    python -m benchmarks release gpu-plan train      # regeneration, extraction, training, in the background
+    python -m benchmarks release gpu-plan wait       # until it ends; then the drafter and its records (release.tgz)
+    python -m benchmarks release gpu-plan serve      # served and predicted AL per set (summary.json)
+    python -m benchmarks release gpu-plan compare    # depth 3 against the shipped drafter, seven sets
+    python -m benchmarks.release_drafter UNPACKED --sharegpt ... --out drafters/smollm2-135m-instruct   # here
+
+Prints the script's lines and served_al's tables.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from benchmarks import gpu_script
+
+STEPS = ("train", "wait", "serve", "compare", "shipped", "bring", "bring-prepared")
+PLANS = {step: ([step], {}) for step in STEPS}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    argv = argv[1:] if argv[:1] == ["gpu-plan"] else argv
+    return gpu_script.plan_main("release", argv, PLANS, "train")
+
+
+def dry_run(work: Path) -> list[str]:
+    return ["gpu-plan", "train", "--stand-in", "--work", str(work)]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
