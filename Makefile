@@ -5,7 +5,7 @@
 PYTHON ?= python3.11
 VENV := .venv
 BIN := $(VENV)/bin
-PARAMS ?= params/tiny.yaml
+PARAMS ?= params/smollm2-135m-cpu.yaml
 export OMP_WAIT_POLICY := PASSIVE
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
@@ -70,7 +70,7 @@ browser:
 clean-venv:
 	rm -rf $(VENV)
 
-# ---- engine environments for the 03_convert load-back gate (eagle3lib/engines/inside/load_check.py) ----
+# ---- engine environments for the 03_convert load-back gate (eagle3lib/engines/engine_side/load_check.py) ----
 # make vllm-env   : .venv-vllm with vLLM's CPU build (pins transformers<5.20, so not in .venv)
 # make sglang-env : .venv-sglang with sglang --no-deps + light deps (ServerArgs resolution only)
 # make engine-check: both gates' tests (tests/e2e/test_export.py), using these environments

@@ -1,9 +1,9 @@
 """The ratio of two drafter configurations' served acceptance length, with a 95% interval that a few percent can be
 read from: several seeds per configuration, the same prompts served to every drafter.
 
-    python benchmarks/al_interval.py summary.json [more.json ...] --base speculators:sglang [--resamples 10000]
+    python -m benchmarks.al_interval summary.json [more.json ...] --base speculators:sglang [--resamples 10000]
 
-summary.json is served_al.py's (several: their rows together, e.g. one call's depth 3 and another's depth 5): rows of (trainer, config, seed, depth, set) with per_prompt [[id, tokens, accept
+summary.json is served_al's (several: their rows together, e.g. one call's depth 3 and another's depth 5): rows of (trainer, config, seed, depth, set) with per_prompt [[id, tokens, accept
 length], ...]. A configuration's AL on a set is the mean over its seeds of Σ tokens / Σ verify steps over the
 set's prompts (steps = tokens / accept length, what the engine counted); over the sets, the mean of the sets (each
 set weighs the same, whatever its prompt count). The interval is a two-level bootstrap: each resample draws every
@@ -137,7 +137,7 @@ def table(comparisons: list[dict]) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("summary", type=Path, nargs="+", help="served_al.py's summary.json files")
+    ap.add_argument("summary", type=Path, nargs="+", help="served_al's summary.json files")
     ap.add_argument("--base", required=True, help="TRAINER:CONFIG the others are divided by")
     ap.add_argument("--resamples", type=int, default=RESAMPLES)
     ap.add_argument("--out", type=Path, default=None, help="the comparisons as JSON")

@@ -2,15 +2,15 @@
 probe (which shows any off-by-one in the aux ids), and the capture rate against the same engine's plain prefill.
 Each writes OUT/compare.json, prints it and exits 0 when the backend agrees with hf.
 
-    .venv/bin/python benchmarks/extract_check.py save-tokens FILE --n 64      # here: the checks' token file
-    python3 benchmarks/extract_check.py sglang --target DIR --tokens FILE --n 24 --engine-python python3 \\
+    .venv/bin/python -m benchmarks.capture_check save-tokens FILE --n 64      # here: the checks' token file
+    python -m benchmarks.capture_check sglang --target DIR --tokens FILE --n 24 --engine-python python3 \\
         --extra-args "--attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.3"
-    python3 benchmarks/extract_check.py inprocess --target DIR --tokens FILE [--no-reference] [-- SGLANG FLAGS]
+    python -m benchmarks.capture_check inprocess --target DIR --tokens FILE [--no-reference] [-- SGLANG FLAGS]
 
 sglang: the server backend (extract/sglang.py) through its two servers, then hf in this process.
 inprocess: SGLang's model runner in this process (extract/sglang_inprocess.py: run it in SGLang's interpreter), then
-hf unless --no-reference (a target too big for one GPU). benchmarks/h200/extract_sglang_check.sh and
-extract_inprocess_check.sh run them on an H200.
+hf unless --no-reference (a target too big for one GPU). benchmarks/questions/capture.sh measures their rates on a GPU
+host; tests/gpu/test_extraction_backends.py checks their agreement.
 """
 
 from __future__ import annotations
@@ -116,6 +116,32 @@ def save_tokens_main(a) -> int:
     return 0
 
 
+def random_target_main(a) -> int:
+    """A random-weight Llama of the embedded target's config (--layers of them), saved with its tokenizer's files:
+    the checks' target on a host without SmolLM2's weights (formats, row counts and layer ids, not values)."""
+    import shutil
+
+    import torch
+    import transformers
+
+    source = target.embedded_target_dir(target.default_cache_dir())
+    cfg = json.loads((source / "config.json").read_text())
+    cfg["num_hidden_layers"] = a.layers or cfg["num_hidden_layers"]
+    keep = {
+        k: v
+        for k, v in cfg.items()
+        if k not in ("architectures", "transformers_version", "_model_name_or_path", "dtype")
+    }
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**keep)).to(torch.bfloat16)
+    model.save_pretrained(a.dir)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).is_file():
+            shutil.copy(source / name, Path(a.dir) / name)
+    print(json.dumps({"target": str(a.dir), "layers": cfg["num_hidden_layers"]}))
+    return 0
+
+
 def sglang_main(a) -> int:
     """The sglang backend and hf extract the same tokens; their shards compared."""
     from eagle3lib.extract.sglang import SGLangCapture
@@ -206,6 +232,9 @@ def parser() -> argparse.ArgumentParser:
     sub = ap.add_subparsers(dest="command", required=True)
     save = sub.add_parser("save-tokens", help="tokenize --n conversations of --data into FILE (here, no GPU)")
     save.add_argument("file")
+    rt = sub.add_parser("random-target", help="a random-weight Llama of the embedded target's config, into DIR")
+    rt.add_argument("dir")
+    rt.add_argument("--layers", type=int, default=None, help="default: the target's")
     sg = sub.add_parser("sglang", help="the sglang server backend against hf")
     for p in (save, sg):
         p.add_argument("--n", type=int, default=64, help="conversations")
@@ -251,6 +280,8 @@ def main(argv=None) -> int:
         ap.error(f"{a.command} takes no SGLang flags after -- (the sglang check: --extra-args)")
     if a.command == "save-tokens":
         return save_tokens_main(a)
+    if a.command == "random-target":
+        return random_target_main(a)
     if a.command == "sglang":
         return sglang_main(a)
     return inprocess_main(a, flags)

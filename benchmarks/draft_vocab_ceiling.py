@@ -1,10 +1,10 @@
 """How much of a drafter's lost acceptance is its draft vocabulary: on the CPU, the target's own greedy replies to
-benchmark prompts, each drafter's chain replayed on them (the engine's greedy acceptance, bench/replay.py), and where
+benchmark prompts, each drafter's chain replayed on them (the engine's greedy acceptance, speedup/replay.py), and where
 its first draft of a round missed, whether the target's token was in its draft vocabulary at all. With a prepared run
 (`--counts-run`), the coverage of the target's replies by draft vocabularies of other sizes, chosen as training
 chooses them (drafter/vocab.py over the run's train split).
 
-    python benchmarks/draft_vocab_ceiling.py shipped=drafters/smollm2-135m-instruct remake=/tmp/remake/.../drafter \
+    python -m benchmarks.draft_vocab_ceiling shipped=drafters/smollm2-135m-instruct remake=/tmp/remake/.../drafter \
         --counts-run /tmp/vocabrun/counts --per-set 20 --out /tmp/ceiling.json
 """
 
@@ -19,10 +19,10 @@ import torch
 
 import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
 from eagle3lib import target
-from eagle3lib.bench import prompt_sets, replay
 from eagle3lib.drafter import vocab
 from eagle3lib.prepare import conversations
-from eagle3lib.train.checkpoint import load_drafter
+from eagle3lib.speedup import prompt_sets, replay
+from eagle3lib.train.runtime.checkpoint import load_drafter
 
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "benchsets"
 SETS = ["mt_bench", "humaneval", "gsm8k", "alpaca", "sum", "qa"]

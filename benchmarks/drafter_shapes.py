@@ -1,5 +1,5 @@
 """The drafter shapes the training benchmarks measure (DrafterConfig's keyword arguments), one place for both
-train_throughput.py and speculators_throughput.py, so that the two measurements always share one."""
+train_step.py and speculators_throughput.py, so that the two measurements always share one."""
 
 LLAMA_8B = dict(
     hidden_size=4096,

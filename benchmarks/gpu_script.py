@@ -102,6 +102,25 @@ def plan_main(question: str, argv: list[str], plans: dict[str, tuple[list[str], 
     return run(question, a, script_args + a.script_args, variables)
 
 
+class PlanQuestion:
+    """A question that is only a GPU plan (its script beside it): `main` runs `gpu-plan PLAN`, `dry_run` checks
+    `dry_plan` with --stand-in. A module binds both: `main, dry_run = PlanQuestion(...).entry_points()`."""
+
+    def __init__(self, question: str, plans: dict[str, tuple[list[str], dict[str, str]]], default: str, dry_plan=None):
+        self.question, self.plans, self.default, self.dry_plan = question, plans, default, dry_plan or default
+
+    def main(self, argv: list[str] | None = None) -> int:
+        argv = sys.argv[1:] if argv is None else argv
+        argv = argv[1:] if argv[:1] == ["gpu-plan"] else argv
+        return plan_main(self.question, argv, self.plans, self.default)
+
+    def dry_run(self, work: Path) -> list[str]:
+        return ["gpu-plan", self.dry_plan, "--stand-in", "--work", str(work)]
+
+    def entry_points(self):
+        return self.main, self.dry_run
+
+
 def skip(what: str) -> int:
     """A dry run's stand-in for a part that cannot run here: says so in a row of its own."""
     print(json.dumps({"skipped": what}))

@@ -1,9 +1,9 @@
 """Our extracted states in a peer trainer's own offline format, so that SpecForge and speculators train on exactly
 the sequences, tokens, loss mask and hidden states that our trainer reads, with our train/validation split
-(benchmarks/h200/peers.sh).
+(benchmarks/questions/peers.sh).
 
-    python benchmarks/peer_data.py specforge   RUN_DIR/01_extract OUT_DIR
-    python benchmarks/peer_data.py speculators RUN_DIR/01_extract OUT_DIR --target TARGET_DIR
+    python -m benchmarks.peer_data specforge   RUN_DIR/01_extract OUT_DIR
+    python -m benchmarks.peer_data speculators RUN_DIR/01_extract OUT_DIR --target TARGET_DIR
 
 The states are the same tensors, rewritten in bf16 (as both peers store them), never recaptured:
 - specforge (0.2.0, `specforge train` with data.hidden_states_path / data.eval_hidden_states_path): OUT/train and

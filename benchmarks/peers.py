@@ -1,14 +1,14 @@
-"""The peer trainers, driven through their own CLIs on our data (benchmarks/h200/peers.sh runs these on an H200).
+"""The peer trainers, driven through their own CLIs on our data (benchmarks/questions/peers.sh runs these on an H200).
 
-    python benchmarks/peers.py specforge-setup TARGET_DIR FEATURES_DIR WORK --draft-vocab 16384 --epochs 4
+    python -m benchmarks.peers specforge-setup TARGET_DIR FEATURES_DIR WORK --draft-vocab 16384 --epochs 4
         writes WORK/target (the target folder with the weight index SpecForge's TargetHead needs), WORK/draft.json
         (its draft config from the target's, our aux layers) and WORK/run.yaml (its Llama-3.1-8B recipe: lr 1e-4,
         TTT 7, grad clip 0.5, cosine, warmup 0.015, batch 1), and prints the `specforge train` command
-    python benchmarks/peers.py speculators-train <speculators train flags>
+    python -m benchmarks.peers speculators-train <speculators train flags>
         speculators 0.9.0's own entry point (TrainConfig.resolve -> main), with the torch-2.11 autotuner fix that
         speculators_throughput.py applies (same kernels, configs and maths)
         (--recipe KEY=VALUE replaces one of the recipe's training keys, e.g. learning_rate=1e-3)
-    python benchmarks/peers.py measure OUT.json -- COMMAND...
+    python -m benchmarks.peers measure OUT.json -- COMMAND...
         runs COMMAND, polling every 0.25 s the GPU memory its processes hold (nvidia-smi's compute apps whose pid
         is COMMAND or one of its descendants, so that trainers running side by side are told apart):
         {command, rc, wall_s, peak_gib} in OUT.json

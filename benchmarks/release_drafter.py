@@ -1,12 +1,12 @@
-"""The released drafter's folder (drafters/<name>/) from what benchmarks/h200/release.sh brought back: the canonical
+"""The released drafter's folder (drafters/<name>/) from what benchmarks/questions/release.sh brought back: the canonical
 checkpoint stored in bf16, the ids of the conversations it saw, and provenance.json (params, commit, data hashes,
 tokens trained, GPU time, offline and served acceptance, each file's sha256), which tests/e2e/test_released_drafter.py
 checks the shipped files against.
 
-    python benchmarks/release_drafter.py UNPACKED --sharegpt benchmarks/h200/.cache/.gpu/data/sharegpt-7000.json.xz \
-        [benchmarks/h200/.cache/.gpu/data2/sharegpt-rest.json.xz] --out drafters/smollm2-135m-instruct
+    python -m benchmarks.release_drafter UNPACKED --sharegpt DATA_DIR/sharegpt-7000.json.xz \
+        [DATA_DIR/sharegpt-rest.json.xz] --out drafters/smollm2-135m-instruct
 
-(the second file where release.sh ran with MORE=1: every embedded record, as peers.sh gather cut them; --trainer twin
+(the second file where release.sh ran with MORE=1: every embedded record, as benchmarks/sharegpt_cuts.py cuts them; --trainer twin
 for the drafter of release.sh's TWIN_VOCAB training)
 
 UNPACKED: release.tgz unpacked (release-smollm2/{run.json,0*_*/result.json,02_train/drafter}, train.json,
@@ -90,8 +90,8 @@ def main() -> int:
             by_depth.setdefault(str(row["depth"]), {})[row["set"]] = round(row["served_al"], 4)
     provenance = {
         "what": "EAGLE-3 drafter for SmolLM2-135M-Instruct (the embedded target), trained on an H200 by "
-        "params/release-smollm2.yaml; params/tiny.yaml starts from it (train.init_from)",
-        "params_file": "params/release-smollm2.yaml",
+        "params/smollm2-135m-gpu-release.yaml; params/smollm2-135m-cpu.yaml starts from it (train.init_from)",
+        "params_file": "params/smollm2-135m-gpu-release.yaml",
         "command": measured["command"],
         "params": run_json["params"],
         "git": run_json["git"] | ({"note": args.git_note} if args.git_note else {}),
@@ -100,10 +100,10 @@ def main() -> int:
         "data": {
             "source": "embedded:sharegpt"
             + (", its first 7,000 records" if len(args.sharegpt) == 1 else ", every record")
-            + ", as benchmarks/h200/peers.sh gather writes them",
+            + ", as benchmarks/sharegpt_cuts.py writes them",
             "source_file_sha256": {f.name: sha256(f) for f in args.sharegpt},
             "read": {k: prepare["read"][k] for k in ("read", "kept", "skipped")},
-            "kept_unseen": "params/tiny.yaml's val and bench conversations, by id and by prompt: "
+            "kept_unseen": "params/smollm2-135m-cpu.yaml's val and bench conversations, by id and by prompt: "
             f"{sum(prepare['read']['kept_unseen'].values())} left out",
             "splits": prepare["splits"],
             "conversation_ids": "conversations.json",

@@ -89,6 +89,8 @@ def run(argv: list[str]) -> int:
         return 2
     rest = rest[1:] if rest[:1] == ["--"] else rest
     module = importlib.import_module(f"benchmarks.questions.{known.question}")
+    if "-h" in rest or "--help" in rest:  # the question's own options: nothing is run, so nothing is recorded
+        return module.main(rest) or 0
     root = known.out or (Path(tempfile.mkdtemp(prefix="benchmarks-dry-")) if known.dry_run else record.RESULTS)
     hardware_name, date = known.hardware or record.hardware(), record.today()
     where = record.folder(root, known.question, hardware_name, date)
@@ -108,6 +110,11 @@ def run(argv: list[str]) -> int:
         sys.stdout = stdout
     if os.environ.get("RANK", "0") != "0":
         return code
+    if code != 0:  # a failed run is no result: what it wrote stays in its folder, without a result.json
+        print(f"exit status {code}: no result written (its files, if any: {where})", file=sys.stderr)
+        if not any(where.rglob("*")):
+            where.rmdir()
+        return code
     rows = tee.rows()
     headline = module.headline(rows) if hasattr(module, "headline") and rows else {}
     skipped = [r["skipped"] for r in rows if "skipped" in r]
@@ -119,6 +126,40 @@ def run(argv: list[str]) -> int:
     )  # fmt: skip
     print(f"result: {path}", file=sys.stderr)
     return code
+
+
+class Parsed(Exception):
+    """Raised by a question's parser in place of running it (parse): the options it read."""
+
+    def __init__(self, options: argparse.Namespace):
+        super().__init__(options)
+        self.options = options
+
+
+def parse(argv: list[str]) -> tuple[str, argparse.Namespace]:
+    """The question and its options as `run` hands them to it, read by the question's own parser and nothing run
+    (a check of a command). A refused option raises SystemExit, as argparse does. --dry-run's own options are not
+    added."""
+    known, rest = parser().parse_known_args(argv)
+    if known.question not in names():
+        raise SystemExit(f"no question {known.question!r}; `python -m benchmarks list` names them")
+    rest = rest[1:] if rest[:1] == ["--"] else rest
+    module = importlib.import_module(f"benchmarks.questions.{known.question}")
+    if getattr(module, "OUT_FILE", None) and "--out" not in rest:
+        rest = rest + ["--out", module.OUT_FILE]
+    parse_args = argparse.ArgumentParser.parse_args
+
+    def parse_and_stop(self, args=None, namespace=None):
+        raise Parsed(parse_args(self, args, namespace))
+
+    argparse.ArgumentParser.parse_args = parse_and_stop
+    try:
+        module.main(rest)
+    except Parsed as parsed:
+        return known.question, parsed.options
+    finally:
+        argparse.ArgumentParser.parse_args = parse_args
+    raise SystemExit(f"{known.question}: its main returned without reading its options")
 
 
 def main(argv: list[str]) -> int:

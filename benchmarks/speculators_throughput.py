@@ -1,8 +1,8 @@
-"""The train_throughput.py measurement for vLLM's `speculators` (0.9.0) EAGLE-3 drafter.
+"""The train_step.py measurement for vLLM's `speculators` (0.9.0) EAGLE-3 drafter.
 
-    python benchmarks/train_throughput.py --impl speculators          # Llama-3.1-8B shape, GPU
-    python benchmarks/train_throughput.py --impl both                 # speculators and ours, alternating
-    python benchmarks/train_throughput.py --small --device cpu --impl both --seqs 256 --steps 2 --warmup 1
+    python -m benchmarks train_step --impl speculators          # Llama-3.1-8B shape, GPU
+    python -m benchmarks train_step --impl both                 # speculators and ours, alternating
+    python -m benchmarks train_step --small --device cpu --impl both --seqs 256 --steps 2 --warmup 1
 
 `measure_speculators` builds speculators' own `Eagle3DraftModel` from its own config classes
 (`Eagle3SpeculatorConfig`, `SpeculatorsConfig`, `VerifierConfig`, `GreedyTokenProposalConfig`) the way
@@ -12,7 +12,7 @@ every eagle3 default of its `TrainConfig`: a llama draft decoder of 1 layer, nor
 norm_before_fc and norm_output on, fc_norm off, frozen embed_tokens / lm_head / verifier_lm_head /
 verifier_norm, `simple_flex_attention`, loss `kl_div` through the fused Triton kernels
 (`loss_implementation="fused"`), ttt_step_loss_decay 1.0, AdamW lr 1e-3 weight decay 0.01 and a
-linear LR schedule. The shape is train_throughput.py's (drafter_shapes.py: LLAMA_8B / SMALL): hidden 4096,
+linear LR schedule. The shape is train_step.py's (drafter_shapes.py: LLAMA_8B / SMALL): hidden 4096,
 32 heads, 8 kv heads, head_dim 128, intermediate 14336, target vocab 128256, draft vocab 32000 (the same
 regular t2d/d2t mapping as ours), 3 aux states, default RoPE theta 500000, and full causal attention
 (layer_types=["full_attention"]; speculators' own default would be a 2048-token sliding window).
@@ -35,13 +35,13 @@ moment the batch is on the device (no data loader, no host-to-device copy):
 Left out: the trainer's per-step logging (with log_freq=1 its _StepTimer synchronizes at each phase
 and every metric is read with .item()), which ours leaves out too. Parameters stay float32 under
 bf16 autocast and the hidden states are bf16 on the GPU, as the single-GPU trainer has them (on the
-CPU: float32, no autocast, as train_throughput.py's `measure`).
+CPU: float32, no autocast, as train_step.py's `measure`).
 
 The batch is one packed row as speculators' data path makes it: a sample of seq + 1 random tokens
 with random aux hidden states [seq + 1, 3 * hidden] and random verifier last hidden states
 [seq + 1, hidden] goes through speculators' own `shift_batch` (seq tokens remain, positions 1..seq),
 then gets the batch dimension, document_ids = 0 (one document, no padding) and error_records = 0 as
-its collate function gives them. With train_throughput.py --docs the batches are its packed rows instead, laid
+its collate function gives them. With train_step.py --docs the batches are its packed rows instead, laid
 out as speculators' collate lays out several shifted samples (batch_of_row).
 
 Two things differ from a plain `import speculators`, neither touching what is measured:
@@ -70,10 +70,7 @@ import typing
 
 import torch
 
-try:
-    from benchmarks.drafter_shapes import LLAMA_8B, SMALL
-except ImportError:  # run as a script from benchmarks/
-    from drafter_shapes import LLAMA_8B, SMALL
+from benchmarks.drafter_shapes import LLAMA_8B, SMALL
 
 # speculators' eagle3 defaults (speculators.train.config.schema.TrainConfig), AdamW chosen.
 LR, WEIGHT_DECAY, GRAD_CLIP, TTT_STEP_LOSS_DECAY, LOSS_FN = 1e-3, 0.01, 1.0, 1.0, "kl_div"
@@ -186,7 +183,7 @@ def build_model(spec, shape: dict, ttt: int, device: str, attn_impl: str = "simp
     with torch.device(device):  # built in place rather than on the CPU and moved: same model, less time
         model = spec.Eagle3DraftModel(config)
     vocab, draft = shape["vocab_size"], shape["draft_vocab_size"]
-    d2t = torch.arange(draft) * (vocab // draft) - torch.arange(draft)  # the mapping of train_throughput.py
+    d2t = torch.arange(draft) * (vocab // draft) - torch.arange(draft)  # the mapping of train_step.py
     t2d = torch.zeros(vocab, dtype=torch.bool)
     t2d[torch.arange(draft) + d2t] = True
     model.load_vocab_mappings(t2d.to(device), d2t.to(device))
@@ -208,14 +205,14 @@ def build_model(spec, shape: dict, ttt: int, device: str, attn_impl: str = "simp
 
 
 def batch_of_row(row: dict, shape: dict, device: str, dtype) -> dict:
-    """A packed row of train_throughput.packed_rows as speculators' collate lays it out after shift_batch: the
+    """A packed row of train_step.packed_rows as speculators' collate lays it out after shift_batch: the
     same tokens, documents (document_ids -1 on padding) and loss mask, positions counted from 1 in each document
     (shift_batch drops each sample's first token), random hidden states of the same seed as ours."""
     g = torch.Generator(device="cpu").manual_seed(int(row["input_ids"].sum()))
     seq, hidden = row["input_ids"].shape[1], shape["target_hidden_size"]
     real = row["doc_ids"] >= 0
     batch = {
-        "input_ids": row["input_ids"] % shape["vocab_size"],  # as train_throughput.synthetic_states
+        "input_ids": row["input_ids"] % shape["vocab_size"],  # as train_step.synthetic_states
         "hidden_states": torch.randn(1, seq, 3 * hidden, generator=g).to(dtype),
         "verifier_last_hidden_states": torch.randn(1, seq, hidden, generator=g).to(dtype),
         "loss_mask": row["loss_mask"] * real,
@@ -261,7 +258,7 @@ def measure_speculators(
     rows: list[dict] | None = None,
 ) -> dict:
     """Median tokens/s (each step's real tokens over its time) of speculators' EAGLE-3 training step (module
-    docstring) and peak memory, on rows (train_throughput.packed_rows' layouts, cycled) or one synthetic row."""
+    docstring) and peak memory, on rows (train_step.packed_rows' layouts, cycled) or one synthetic row."""
     from transformers import get_linear_schedule_with_warmup
 
     shape = shape or (SMALL if small else LLAMA_8B)
@@ -286,7 +283,7 @@ def measure_speculators(
     opt = torch.optim.AdamW(model.named_parameters(), lr=LR, weight_decay=WEIGHT_DECAY)
     total = warmup + steps
     sched = get_linear_schedule_with_warmup(opt, num_warmup_steps=total // 100, num_training_steps=total)
-    # On the host until each one's step (as train_throughput.measure keeps them): the peak is one row's step.
+    # On the host until each one's step (as train_step.measure keeps them): the peak is one row's step.
     if rows:
         batches = [batch_of_row(r, shape, "cpu", dtype) for r in rows]
     else:

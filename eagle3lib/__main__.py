@@ -15,12 +15,13 @@ def _overrides(items: list[str]) -> dict:
     return dict(parse_override(s) for s in items)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line: run, params check, convert, verify."""
     parser = argparse.ArgumentParser(prog="python -m eagle3lib", description="EAGLE-3 workbook")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run the stage notebooks in order")
-    run.add_argument("params", help="params file, e.g. params/tiny.yaml")
+    run.add_argument("params", help="params file, e.g. params/smollm2-135m-cpu.yaml")
     group = run.add_mutually_exclusive_group()
     group.add_argument("--from", dest="from_stage", metavar="STAGE", help="force this stage and every later one")
     group.add_argument("--only", dest="only_stage", metavar="STAGE", help="run just this stage (forced)")
@@ -39,7 +40,9 @@ def main(argv: list[str] | None = None) -> int:
 
     params = sub.add_parser("params", help="params files")
     params_sub = params.add_subparsers(dest="params_command", required=True)
-    check = params_sub.add_parser("check", help="validate a params file and print it resolved")
+    check = params_sub.add_parser(
+        "check", help="validate a params file and print it resolved: every section, its bases and defaults included"
+    )
     check.add_argument("file")
     check.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
 
@@ -63,8 +66,11 @@ def main(argv: list[str] | None = None) -> int:
         "contract is built from it",
     )
     verify.add_argument("--python", help="interpreter with the engine (default: .venv-<engine>/bin/python)")
+    return parser
 
-    args = parser.parse_args(argv)
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     if args.command in ("convert", "verify"):
         return _export_command(args)
     from eagle3lib.params import ParamsError, dumps, load_params
@@ -73,41 +79,44 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "params":
             print(dumps(load_params(args.file, _overrides(args.set))), end="")
             return 0
-        import logging
-
-        from eagle3lib.run_folder import RunFolderBusy
-        from eagle3lib.workbook.pipeline import StageError, run_pipeline
-
-        if args.verbose:
-            logging.basicConfig(level=logging.INFO, format="%(message)s")
-        try:
-            out = run_pipeline(
-                args.params,
-                _overrides(args.set),
-                args.from_stage,
-                args.only_stage,
-                log_output=args.verbose,
-                to_stage=args.to_stage,
-            )
-        except StageError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 1
-        except RunFolderBusy as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 3
-        except KeyboardInterrupt as e:
-            print(
-                f"interrupted: {e or 'Ctrl-C'}; finished stages are kept, the next run redoes the rest", file=sys.stderr
-            )
-            return 130
-        print(f"run finished: {out / 'index.html'}")
-        return 0
+        return _run_command(args)
     except (ParamsError, ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except OSError as e:  # permissions, a full disk: the path and what to do, not a traceback
         print(f"error: {os_error_text(e)}", file=sys.stderr)
         return 2
+
+
+def _run_command(args) -> int:
+    """`run`: the stage notebooks in order; 1 when a stage failed, 3 when another run holds the folder."""
+    import logging
+
+    from eagle3lib.run_folder import RunFolderBusy
+    from eagle3lib.workbook.pipeline import StageError, run_pipeline
+
+    if args.verbose:
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        out = run_pipeline(
+            args.params,
+            _overrides(args.set),
+            args.from_stage,
+            args.only_stage,
+            log_output=args.verbose,
+            to_stage=args.to_stage,
+        )
+    except StageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except RunFolderBusy as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 3
+    except KeyboardInterrupt as e:
+        print(f"interrupted: {e or 'Ctrl-C'}; finished stages are kept, the next run redoes the rest", file=sys.stderr)
+        return 130
+    print(f"run finished: {out / 'index.html'}")
+    return 0
 
 
 def os_error_text(e: OSError) -> str:

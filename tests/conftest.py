@@ -117,11 +117,11 @@ def learned(embedded_target):
 # ---- the ci run (test_e2e.py, test_browser.py, test_lab.py) ---------------------------------
 @pytest.fixture(scope="session")
 def ci_run(tmp_path_factory, embedded_cache):
-    """The whole pipeline on params/ci.yaml, once per session (several minutes on 2 cores):
+    """The whole pipeline on tests/params/ci.yaml, once per session (several minutes on 2 cores):
     (run folder, the overrides it ran with)."""
     from eagle3lib.workbook import pipeline
 
     out_root = tmp_path_factory.mktemp("outputs")
     overrides = {"run.output_root": str(out_root), "run.cache_dir": str(embedded_cache[0])}
-    run_dir = pipeline.run_pipeline(ROOT / "params" / "ci.yaml", overrides, log_output=False)
+    run_dir = pipeline.run_pipeline(ROOT / "tests" / "params" / "ci.yaml", overrides, log_output=False)
     return run_dir, overrides

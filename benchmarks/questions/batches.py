@@ -1,7 +1,11 @@
-"""How fast the trainer's input pipeline turns extracted shards into micro-batches, without a model.
+"""The trainer's input pipeline: tokens/s of micro-batches made from bf16 and fp8 shards, no model.
 
-    python benchmarks/batch_throughput.py                       # SmolLM2-135M's widths, as params/tiny-h200.yaml trains
-    python benchmarks/batch_throughput.py --hidden 4096 --tokens 400000 --max-seq-len 8192 --batch-rows 1
+Prints one JSON line per store dtype and per prefetch setting.
+
+How fast the trainer's input pipeline turns extracted shards into micro-batches, without a model.
+
+    python -m benchmarks batches                       # SmolLM2-135M's widths, as params/smollm2-135m-gpu.yaml trains
+    python -m benchmarks batches --hidden 4096 --tokens 400000 --max-seq-len 8192 --batch-rows 1
 
 Writes synthetic shards (random lengths; the states in each --store-dtypes, from the same values) to a temp
 folder, then times train.micro_batches over them: tokens/s and bytes/s of finished micro-batches, for the batches made
@@ -18,8 +22,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import tempfile
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -27,7 +33,7 @@ import torch
 import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
 from eagle3lib.extract.shards import FORMAT, MANIFEST, ShardSet, store_states, write_shard
 from eagle3lib.target import torch_dtype
-from eagle3lib.train.batches import batch_states, micro_batches, shard_sequences
+from eagle3lib.train.runtime.batches import batch_states, micro_batches, shard_sequences
 
 
 def write_synthetic_shards(
@@ -116,12 +122,12 @@ def measure(
     }
 
 
-def main():
+def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--hidden", type=int, default=576, help="target hidden size (SmolLM2-135M: 576)")
     ap.add_argument("--tokens", type=int, default=1_000_000)
     ap.add_argument(
-        "--shard-tokens", type=int, default=262_144, help="as params/tiny-h200.yaml's extract.shard_max_tokens"
+        "--shard-tokens", type=int, default=262_144, help="as params/smollm2-135m-gpu.yaml's extract.shard_max_tokens"
     )
     ap.add_argument("--max-seq-len", type=int, default=4096)
     ap.add_argument("--batch-rows", type=int, default=4)
@@ -129,7 +135,7 @@ def main():
     ap.add_argument("--prefetch-shards", type=int, default=2)
     ap.add_argument("--step-ms", type=float, default=0.0, help="a stand-in training step per micro-batch (sleep)")
     ap.add_argument("--store-dtypes", nargs="+", default=["bfloat16", "float8_e4m3fn"], help="compared in this run")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     first = {}
     for name in args.store_dtypes:
         for r in run(args, torch_dtype(name)):
@@ -160,5 +166,14 @@ def run(args, store_dtype):
             )
 
 
+def dry_run(work: Path) -> list[str]:
+    return ["--tokens", "20000", "--hidden", "64", "--shard-tokens", "6000", "--max-seq-len", "512", "--epochs", "1"]
+
+
+def headline(rows: list[dict]) -> dict:
+    measured = [r for r in rows if "batch_prefetch" in r]
+    return {f"tokens_per_s {r['store_dtype']} prefetch {r['batch_prefetch']}": r["tokens_per_s"] for r in measured}
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -13,21 +13,13 @@ Prints the stage's headline and each set's AL, speedup and predicted AL per dept
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from benchmarks import gpu_script
+from benchmarks.gpu_script import PlanQuestion
 
 PLANS = {"prep": (["prep"], {}), "bench": (["bench"], {})}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    argv = argv[1:] if argv[:1] == ["gpu-plan"] else argv
-    return gpu_script.plan_main("bench_sets", argv, PLANS, "bench")
-
-
-def dry_run(work: Path) -> list[str]:
-    return ["gpu-plan", "bench", "--stand-in", "--work", str(work)]
+main, dry_run = PlanQuestion("bench_sets", PLANS, "bench").entry_points()
 
 
 if __name__ == "__main__":

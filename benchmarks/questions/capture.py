@@ -1,21 +1,30 @@
-"""Extraction throughput vs the target's plain forward, on a random Llama (no downloads).
+"""Extraction (capture) against the target's plain prefill: tokens/s of each, hf on the CPU, SGLang on a GPU.
 
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/extract_throughput.py --shape tiny
-    OMP_WAIT_POLICY=PASSIVE python benchmarks/extract_throughput.py --shape smollm2 --tokens 8192
+Prints tokens/s of the plain forward, the capture and extract(); on a GPU host `python -m benchmarks capture
+gpu-plan [check|long|levers|tp]` runs capture.sh (SGLang's in-process capture and server backend against hf).
+
+Extraction throughput vs the target's plain forward, on a random Llama (no downloads).
+
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks capture --shape tiny
+    OMP_WAIT_POLICY=PASSIVE python -m benchmarks capture --shape smollm2 --tokens 8192
 
 Prints tokens/s of: the plain forward (model.model, no hooks), capture_hidden_states alone,
 and extract() (forward + capture + bf16 shard writes, one run), on the same batches.
 """
 
 import argparse
+import json
 import os
+import sys
 import tempfile
 import time
+from pathlib import Path
 
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
+from benchmarks import gpu_script  # noqa: E402
 from eagle3lib.extract.hf import capture_hidden_states, extract, iter_batches, measure_forward_tokens_per_s
 from eagle3lib.extract.shards import default_shard_max_tokens
 
@@ -40,7 +49,10 @@ SHAPES = {
 }
 
 
-def main():
+def main(argv: list[str] | None = None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gpu-plan"]:
+        return gpu_script.plan_main("capture", argv[1:], PLANS, "check")
     ap = argparse.ArgumentParser()
     ap.add_argument("--shape", choices=sorted(SHAPES), default="tiny")
     ap.add_argument("--tokens", type=int, default=32768)
@@ -48,7 +60,7 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     ap.add_argument("--shard-max-tokens", type=int, help="default: what extract() picks (about 1 GiB a shard)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(**SHAPES[args.shape])
@@ -102,7 +114,21 @@ def main():
         f"{r['bytes_per_token']:,.0f} bytes/token on disk, {r['shards']} shards; capture {r['capture_s']} s, "
         f"of which waiting for the shard writer {r['write_wait_s']} s, in {r['seconds']:.2f} s)"
     )
+    row = {"shape": args.shape, "forward_tokens_per_s": round(fwd), "capture_tokens_per_s": round(cap)}
+    print(json.dumps(row | {"extract_tokens_per_s": round(r["tokens_per_s"]), "bytes_per_token": r["bytes_per_token"]}))
+
+
+PLANS = {mode: ([], {"MODE": mode}) for mode in ("check", "long", "levers", "tp", "server")}
+
+
+def headline(rows: list[dict]) -> dict:
+    r = rows[-1]
+    return {k: r[k] for k in ("forward_tokens_per_s", "capture_tokens_per_s", "extract_tokens_per_s") if k in r}
+
+
+def dry_run(work: Path) -> list[str]:
+    return ["--shape", "tiny", "--tokens", "2048", "--batch-tokens", "512", "--rounds", "1"]
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,55 +1,44 @@
 #!/usr/bin/env bash
-# Issue 20 on an H200: the sglang_inprocess extraction backend (eagle3lib/extract/sglang_inprocess.py, checked by
-# benchmarks/extract_check.py inprocess) with SGLang 0.5.17, one device call:
-#   smol-check   SmolLM2's config with random weights (the server check's target): against hf on the same tokens
-#                (per layer, the layer probe) and its capture over the same engine's plain prefill
+# capture's GPU plan (python -m benchmarks capture gpu-plan MODE): SGLang's in-process extraction backend
+# (eagle3lib/extract/sglang_inprocess.py, driven by benchmarks/capture_check.py inprocess in $SGLANG_PYTHON):
+#   smol-check   SmolLM2's config with random weights: against hf on the same tokens (per layer, the layer probe)
+#                and its capture over the same engine's plain prefill
 #   smol         the same target on every sequence, no reference: capture over plain prefill, bf16 shards
-#   8b-bf16/fp8  Llama-3.1-8B's config (as published, written below), weights random (--load-format dummy: nothing
-#                downloaded or saved), bf16 and fp8 shards: capture over plain prefill, bytes per token
+#   8b-bf16/fp8  Llama-3.1-8B's config (llama3.1-8b-config.json beside this script), weights random (--load-format
+#                dummy: nothing downloaded or saved), bf16 and fp8 shards: capture over plain prefill, bytes a token
 #   MODE=long: 8b fp8 and bf16 over every sequence, then the smol check again.
-#   MODE=tp TP=N: only the 8b fp8 capture on one GPU, then over N GPUs (benchmarks/h200/four_gpu.sh).
+#   MODE=tp TP=N: only the 8b fp8 capture on one GPU, then over N GPUs (multi_gpu.sh).
 #   MODE=levers: the host's disk and sha256 speeds, then 8b bf16 with 1, 2 and 4 writer threads, fp8 and smol with 2.
-#   TP=N (2, 4, 8 on a host with N GPUs) adds 8b-tpN: the 8b capture tensor parallel over N GPUs, against the same
-#   engine's plain prefill. (SmolLM2's 9 heads split over no N of these.) Agreement with the 1-GPU capture needs the
-#   same weights in both, which --load-format dummy does not give under tensor parallelism: not measured yet.
-# Prepare here (no GPU; .gpu = benchmarks/h200/.cache/.gpu, git-ignored):
-#   .venv/bin/python benchmarks/extract_check.py save-tokens .gpu/ip/tokens.safetensors --n 600 --max-seq-len 4096
-#   mkdir -p .gpu/ip/tok && cp ~/.cache/eagle3-workbook/smollm2-135m-instruct/{config,tokenizer,tokenizer_config}.json .gpu/ip/tok/
-# There: bash benchmarks/h200/extract_inprocess_check.sh   (carry .gpu/sglang-bundle and .gpu/ip); reports in $OUT.
+#   MODE=server: the server backend (extract/sglang.py) against hf on SmolLM2's config, 24 sequences.
+#   TP=N (2, 4, 8 on a host with N GPUs) adds 8b-tpN. Agreement with the 1-GPU capture needs the same weights in
+#   both, which --load-format dummy does not give under tensor parallelism: not measured yet.
+# The token file and the random targets are made in $WORK on the first run; reports in $OUT.
 set -uo pipefail
-G=benchmarks/h200/.cache/.gpu; OUT=${OUT:-$PWD/h200-out}; mkdir -p "$OUT"
-if [ ! -f /tmp/sglang-site/.complete ]; then
-  mkdir -p /tmp/sglang-site && for t in $G/sglang-bundle/site*.tar.xz; do tar -C /tmp/sglang-site -xJf "$t" || exit 3; done
-  touch /tmp/sglang-site/.complete
-fi
-export PYTHONPATH=/tmp/sglang-site:$PWD PATH=/tmp/sglang-site/bin:$PATH HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+mkdir -p "$OUT" "$WORK"
+T=$WORK/tokens.safetensors
+[ -f "$T" ] || "$E3_PYTHON" -m benchmarks.capture_check save-tokens "$T" --n 600 --max-seq-len 4096 > /dev/null || exit 3
+[ -f "$WORK/smol/config.json" ] || "$E3_PYTHON" -m benchmarks.capture_check random-target "$WORK/smol" > /dev/null || exit 3
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
-python3 - <<'PY' || exit 4
-import json, os, shutil, torch, transformers
-tok = "benchmarks/h200/.cache/.gpu/ip/tok"
-if not os.path.isfile("/tmp/smol/config.json"):  # SmolLM2's config, random weights, saved (hf loads the same)
-    cfg = json.load(open(f"{tok}/config.json"))
-    keep = {k: v for k, v in cfg.items() if k not in ("architectures", "transformers_version", "_model_name_or_path", "dtype")}
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(transformers.LlamaConfig(**keep)).to(torch.bfloat16).save_pretrained("/tmp/smol")
-# meta-llama/Llama-3.1-8B-Instruct's config.json (benchmarks/h200/llama3.1-8b-config.json); SGLang's dummy
+WORK=$WORK "$E3_PYTHON" - <<'PY' || exit 4
+import json, os, shutil
+work = os.environ["WORK"]
+tok = f"{work}/smol"
+# meta-llama/Llama-3.1-8B-Instruct's config.json (benchmarks/questions/llama3.1-8b-config.json); SGLang's dummy
 # loader makes the weights on the GPU
-llama8b = json.load(open("benchmarks/h200/llama3.1-8b-config.json"))
-os.makedirs("/tmp/llama8b", exist_ok=True)
-json.dump(llama8b, open("/tmp/llama8b/config.json", "w"), indent=1)
-for d in ("/tmp/smol", "/tmp/llama8b"):  # tokenizer files: SGLang loads one; the ids come from the token file
-    for f in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(f"{tok}/{f}", d)
+llama8b = json.load(open("benchmarks/questions/llama3.1-8b-config.json"))
+os.makedirs(f"{work}/llama8b", exist_ok=True)
+json.dump(llama8b, open(f"{work}/llama8b/config.json", "w"), indent=1)
+for f in ("tokenizer.json", "tokenizer_config.json"):  # SGLang loads one; the ids come from the token file
+    shutil.copy(f"{tok}/{f}", f"{work}/llama8b")
 PY
 FLAGS="--attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.5"
-T=$G/ip/tokens.safetensors
 check() {  # NAME SECONDS ARGS...
   local name=$1 secs=$2; shift 2
   echo "=== $name"; local t0=$(date +%s)
-  timeout "$secs" python3 benchmarks/extract_check.py inprocess --tokens $T --out /tmp/ip-$name "$@" \
+  timeout "$secs" "$SGLANG_PYTHON" -m benchmarks.capture_check inprocess --tokens "$T" --out "$WORK/ip-$name" "$@" \
     > "$OUT/$name.log" 2>&1; local rc=$?
-  cp /tmp/ip-$name/compare.json "$OUT/$name.json" 2>/dev/null
-  python3 - "$OUT/$name.json" "$name" "$rc" "$(( $(date +%s) - t0 ))" <<'PY'
+  cp "$WORK/ip-$name/compare.json" "$OUT/$name.json" 2>/dev/null
+  "$E3_PYTHON" - "$OUT/$name.json" "$name" "$rc" "$(( $(date +%s) - t0 ))" <<'PY'
 import json, sys
 path, name, rc, wall = sys.argv[1:]
 try:
@@ -65,14 +54,14 @@ print(json.dumps({"check": name, "rc": int(rc), "wall_s": int(wall), "ok": r.get
                   "probe": [s.get("best") for s in (r.get("layer_probe") or {}).get("slots", [])]}))
 PY
   [ $rc -ne 0 ] && tail -25 "$OUT/$name.log"
-  rm -rf /tmp/ip-$name
+  rm -rf "$WORK/ip-$name"
 }
 disk() {  # the host's own limits: a 4 GB write with fsync, sha256 of 1 GB in memory, one 1 GB shard through write_shard
   echo "=== disk"
-  python3 - <<'PY' | tee "$OUT/disk.json"
+  WORK=$WORK "$E3_PYTHON" - <<'PY' | tee "$OUT/disk.json"
 import hashlib, json, os, time, torch
 from eagle3lib.extract import shards
-d = "/tmp/disk-probe"; os.makedirs(d, exist_ok=True)
+d = os.environ["WORK"] + "/disk-probe"; os.makedirs(d, exist_ok=True)
 buf = os.urandom(1 << 26)
 t = time.perf_counter()
 with open(f"{d}/raw", "wb") as f:
@@ -94,29 +83,36 @@ print(json.dumps({"raw_write_fsync_GB_s": round(raw / 1e9, 3), "sha256_GB_s": ro
                   "write_shard_GB_s": round(e["bytes"] / s / 1e9, 3), "shard_GB": round(e["bytes"] / 1e9, 2)}))
 PY
 }
-E8="--target /tmp/llama8b --n 240 --no-reference --dtype bfloat16 --batch-tokens 32768"
+E8="--target $WORK/llama8b --n 240 --no-reference --dtype bfloat16 --batch-tokens 32768"
 if [ "${MODE:-check}" = long ]; then  # every sequence (850k tokens): the last shards' write is a smaller share
-  check 8b-fp8-long 200 --target /tmp/llama8b --no-reference --dtype bfloat16 --batch-tokens 32768 --store-dtype float8_e4m3fn -- $FLAGS --load-format dummy
-  check 8b-bf16-long 200 --target /tmp/llama8b --no-reference --dtype bfloat16 --batch-tokens 32768 -- $FLAGS --load-format dummy
-  check smol-check 150 --target /tmp/smol --n 64 --dtype bfloat16 -- $FLAGS
+  check 8b-fp8-long 200 --target $WORK/llama8b --no-reference --dtype bfloat16 --batch-tokens 32768 --store-dtype float8_e4m3fn -- $FLAGS --load-format dummy
+  check 8b-bf16-long 200 --target $WORK/llama8b --no-reference --dtype bfloat16 --batch-tokens 32768 -- $FLAGS --load-format dummy
+  check smol-check 150 --target "$WORK/smol" --n 64 --dtype bfloat16 -- $FLAGS
   exit 0
 fi
 if [ "${MODE:-check}" = tp ]; then  # tensor parallel against one GPU, the 8b target only (four_gpu.sh)
-  check 8b-fp8 140 --target /tmp/llama8b --n 240 --no-reference --dtype bfloat16 --batch-tokens 32768 --store-dtype float8_e4m3fn -- $FLAGS --load-format dummy
-  check 8b-fp8-tp$TP 240 --target /tmp/llama8b --n 240 --no-reference --dtype bfloat16 --batch-tokens 32768 --store-dtype float8_e4m3fn -- $FLAGS --load-format dummy --tp $TP
+  check 8b-fp8 140 --target $WORK/llama8b --n 240 --no-reference --dtype bfloat16 --batch-tokens 32768 --store-dtype float8_e4m3fn -- $FLAGS --load-format dummy
+  check 8b-fp8-tp$TP 240 --target $WORK/llama8b --n 240 --no-reference --dtype bfloat16 --batch-tokens 32768 --store-dtype float8_e4m3fn -- $FLAGS --load-format dummy --tp $TP
+  exit 0
+fi
+if [ "${MODE:-check}" = server ]; then  # the server backend: two servers, then hf in this process
+  timeout "${CHECK_S:-430}" "$SGLANG_PYTHON" -m benchmarks.capture_check sglang --target "$WORK/smol" --tokens "$T" \
+    --n "${N:-24}" --out "$WORK/sglang-check" --dtype bfloat16 --engine-python "$SGLANG_PYTHON" \
+    --extra-args "--attention-backend triton --sampling-backend pytorch --mem-fraction-static 0.3 --disable-decode-cuda-graph"
+  cp "$WORK"/sglang-check/compare.json "$WORK"/sglang-check/*.log "$OUT/" 2>/dev/null
   exit 0
 fi
 if [ "${MODE:-check}" = levers ]; then  # what bounds the capture: the disk, the writer threads, the store dtype
   disk
   for w in 1 2 4; do check 8b-bf16-w$w 140 $E8 --writers $w -- $FLAGS --load-format dummy; done
   check 8b-fp8-w2 140 $E8 --writers 2 --store-dtype float8_e4m3fn -- $FLAGS --load-format dummy
-  check smol-w2 100 --target /tmp/smol --no-reference --dtype bfloat16 --writers 2 -- $FLAGS
+  check smol-w2 100 --target "$WORK/smol" --no-reference --dtype bfloat16 --writers 2 -- $FLAGS
   exit 0
 fi
-check smol-check 150 --target /tmp/smol --n 64 --dtype bfloat16 -- $FLAGS
-check smol 100 --target /tmp/smol --no-reference --dtype bfloat16 -- $FLAGS
-check 8b-bf16 140 --target /tmp/llama8b --n 240 --no-reference --dtype bfloat16 --batch-tokens 32768 -- $FLAGS --load-format dummy
-check 8b-fp8 140 --target /tmp/llama8b --n 240 --no-reference --dtype bfloat16 --batch-tokens 32768 --store-dtype float8_e4m3fn -- $FLAGS --load-format dummy
+check smol-check 150 --target "$WORK/smol" --n 64 --dtype bfloat16 -- $FLAGS
+check smol 100 --target "$WORK/smol" --no-reference --dtype bfloat16 -- $FLAGS
+check 8b-bf16 140 --target $WORK/llama8b --n 240 --no-reference --dtype bfloat16 --batch-tokens 32768 -- $FLAGS --load-format dummy
+check 8b-fp8 140 --target $WORK/llama8b --n 240 --no-reference --dtype bfloat16 --batch-tokens 32768 --store-dtype float8_e4m3fn -- $FLAGS --load-format dummy
 if [ "${TP:-1}" != 1 ]; then
-  check 8b-tp$TP 240 --target /tmp/llama8b --n 240 --no-reference --dtype bfloat16 --batch-tokens 32768 -- $FLAGS --load-format dummy --tp $TP
+  check 8b-tp$TP 240 --target $WORK/llama8b --n 240 --no-reference --dtype bfloat16 --batch-tokens 32768 -- $FLAGS --load-format dummy --tp $TP
 fi

@@ -1,12 +1,17 @@
 """The cost model replayed on a finished benchmark: what it would have predicted for each measured depth.
 
+Prints one JSON line per measured depth (predicted against measured). On a GPU host `python -m benchmarks
+cost_model gpu-plan` runs the GPU recipe through 05_benchmark first (cost_model.sh).
+
+The cost model replayed on a finished benchmark: what it would have predicted for each measured depth.
+
 05_benchmark records the baseline, the in-process timings, the training eval's acceptance and every measured
 row. This script feeds them back through bench.plan.choose_and_measure, with a stand-in sweep that returns
-the recorded rows, so a change to bench/cost.py can be judged against real engine measurements without
+the recorded rows, so a change to speedup/cost.py can be judged against real engine measurements without
 restarting an engine. Each depth is predicted by the model calibrated on the depths measured before it, as in
 the live sweep; depths the new model plans but the run never measured are listed and skipped.
 
-    python benchmarks/cost_model_replay.py benchmarks/results/cpu-tiny-default-run
+    python -m benchmarks cost_model benchmarks/results/cost_model/cpu-epyc-avx2-2c-2026-12-01
 
 The folder holds 02_train_result.json and 05_benchmark_result.json (a run folder's stage result.json files,
 or copies named so).
@@ -19,11 +24,12 @@ import json
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from eagle3lib.bench import plan  # noqa: E402
+from benchmarks import gpu_script  # noqa: E402
 from eagle3lib.params import BenchParams  # noqa: E402
+from eagle3lib.speedup import plan  # noqa: E402
 
 
 def result(folder: Path, stage: str) -> dict:
@@ -93,11 +99,14 @@ def replay(folder: Path, tolerance: float = 0.15) -> dict:
     return {"plan": model["plan"], "not_measured": engine.missing, "rows": table, "costs": model["costs"]}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gpu-plan"]:
+        return gpu_script.plan_main("cost_model", argv[1:], PLANS, "gpu")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("folder", type=Path)
     ap.add_argument("--tolerance", type=float, default=0.15)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     out = replay(args.folder, args.tolerance)
     print(f"plan {out['plan']}; planned but never measured: {out['not_measured'] or 'none'}")
     print(f"{'depth':>5} {'conc':>4} {'measured':>9} {'predicted':>9} {'error':>7}")
@@ -110,7 +119,27 @@ def main() -> None:
     print(f"within ±{args.tolerance:.0%}: {inside} of {len(out['rows'])}")
     overhead = {c: round(v, 1) for c, v in out["costs"]["overhead_ms"].items()}
     print(f"fitted overhead per speculative step (ms, per concurrency): {overhead}")
+    for r in out["rows"]:
+        print(json.dumps({k: v for k, v in r.items() if isinstance(v, (int, float, str, bool, type(None)))}))
+    print(json.dumps({"within": inside, "depths_measured": len(out["rows"]), "overhead_ms": overhead}))
+
+
+PLANS = {"gpu": ([], {})}
+
+
+def dry_run(work: Path) -> list[str]:
+    return [str(recorded_run())]
+
+
+def headline(rows: list[dict]) -> dict:
+    last = next((r for r in reversed(rows) if "within" in r and "depths_measured" in r), {})
+    return {"depths within the tolerance": last.get("within"), "depths measured": last.get("depths_measured")}
+
+
+def recorded_run() -> Path:
+    """The recorded default CPU run whose 02_train and 05_benchmark results the dry run replays."""
+    return ROOT / "benchmarks/results/cost_model/cpu-epyc-avx2-2c-2026-12-01"
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

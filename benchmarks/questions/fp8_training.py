@@ -1,9 +1,13 @@
-"""Does training on fp8 shards cost acceptance? The same training on a run's bf16 shards and on the same shards
+"""Does training on fp8 shards cost acceptance: one run trained on its bf16 and on its fp8 shards.
+
+Prints one JSON line per store dtype (shard bytes, tokens trained, estimated AL per depth).
+
+Does training on fp8 shards cost acceptance? The same training on a run's bf16 shards and on the same shards
 rewritten in fp8 (shards.convert_store_dtype: what an fp8 extraction writes, as both quantize the backend's
 bf16), same params, seed and token budget; prints each one's validation AL per depth, bytes per token and
 tokens/s, and fp8 / bf16.
 
-    python benchmarks/fp8_training_al.py outputs/tiny-s9 --params params/tiny.yaml --max-tokens 150000
+    python -m benchmarks fp8_training outputs/tiny-s9 --params params/smollm2-135m-cpu.yaml --max-tokens 150000
 
 RUN_DIR needs a finished 00_prepare and a bf16 01_extract; the two trainings write under
 RUN_DIR-<tag>/<store dtype>/ (01_extract linked or converted, 02_train). train.max_minutes is lifted so
@@ -16,13 +20,15 @@ import argparse
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
+from benchmarks import gpu_script
 from eagle3lib.extract import shards
 from eagle3lib.params import load_params
 from eagle3lib.target import torch_dtype
-from eagle3lib.train import launch
+from eagle3lib.train.runtime import launch
 
 
 def prepare_run(src: Path, out: Path, store_dtype: str) -> dict:
@@ -46,15 +52,18 @@ def prepare_run(src: Path, out: Path, store_dtype: str) -> dict:
     return {"run_dir": run, "bytes_per_token": round(figures["train"]["bytes_per_token"], 1)}
 
 
-def main():
+def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("run_dir", type=Path)
-    ap.add_argument("--params", default="params/tiny.yaml")
+    ap.add_argument("--params", default="params/smollm2-135m-cpu.yaml")
     ap.add_argument("--max-tokens", type=int, default=150_000)
     ap.add_argument("--set", action="append", default=[], help="more overrides, KEY=VALUE (YAML values)")
     ap.add_argument("--store-dtypes", nargs="+", default=["bfloat16", "float8_e4m3fn"])
     ap.add_argument("--tag", default="fp8-al", help="the runs go under RUN_DIR-TAG/")
-    args = ap.parse_args()
+    ap.add_argument("--stand-in", action="store_true", help="check the options, run nothing (dry run)")
+    args = ap.parse_args(argv)
+    if args.stand_in:
+        return gpu_script.skip("the two trainings: they need a run folder with a finished bf16 01_extract")
     import yaml
 
     overrides = {"train.max_tokens": args.max_tokens, "train.max_minutes": 10_000}
@@ -89,5 +98,9 @@ def main():
     )
 
 
+def dry_run(work: Path) -> list[str]:
+    return [str(work / "run"), "--stand-in"]
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

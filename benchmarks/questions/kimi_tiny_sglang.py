@@ -15,21 +15,13 @@ Prints one JSON line per mode (output ids, verify steps, acceptance) and whether
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from benchmarks import gpu_script
+from benchmarks.gpu_script import PlanQuestion
 
 PLANS = {"prep": (["prep"], {}), "serve": (["serve"], {})}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    argv = argv[1:] if argv[:1] == ["gpu-plan"] else argv
-    return gpu_script.plan_main("kimi_tiny_sglang", argv, PLANS, "serve")
-
-
-def dry_run(work: Path) -> list[str]:
-    return ["gpu-plan", "serve", "--stand-in", "--work", str(work)]
+main, dry_run = PlanQuestion("kimi_tiny_sglang", PLANS, "serve").entry_points()
 
 
 if __name__ == "__main__":

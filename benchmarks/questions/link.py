@@ -1,10 +1,14 @@
-"""The process placement's link alone (train/sources/capture_link.py): how many tokens/s of hidden states it carries
+"""The process placement's link alone: tokens/s of hidden states from a capture process to a trainer process.
+
+Prints one JSON line of figures (tokens/s, GB/s, intact).
+
+The process placement's link alone (train/sources/capture_link.py): how many tokens/s of hidden states it carries
 from a capture process to a trainer process for a target's shape, nothing captured or trained. What the wire allows
 beside what online training needs (the take-turns bound's tokens/s times the states' bytes a token).
 
-    python benchmarks/link_throughput.py --hidden 4096 --seq 4096 --batches 24            # Llama-3.1-8B's shape
-    python benchmarks/link_throughput.py --hidden 576 --seq 4096 --batches 48             # SmolLM2-135M's
-    python benchmarks/link_throughput.py --hidden 4096 --device cuda --through-host       # one GPU, both sides
+    python -m benchmarks link --hidden 4096 --seq 4096 --batches 24            # Llama-3.1-8B's shape
+    python -m benchmarks link --hidden 576 --seq 4096 --batches 48             # SmolLM2-135M's
+    python -m benchmarks link --hidden 4096 --device cuda --through-host       # one GPU, both sides
 
 Each micro-batch goes as the placement sends it: a header over the link's control group, then the ids, the aux
 states (--aux-layers x hidden) and the final state over its data group, the sender --queue micro-batches ahead of
@@ -24,7 +28,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
@@ -129,7 +133,8 @@ def side(args) -> None:
         link.close()
 
 
-def main():
+def main(argv: list[str] | None = None):
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--hidden", type=int, default=4096, help="the target's hidden size")
     ap.add_argument("--aux-layers", type=int, default=3, help="aux layers captured (EAGLE-3: 3)")
@@ -143,7 +148,7 @@ def main():
     ap.add_argument("--through-host", action="store_true", help="gloo through host memory whatever NCCL says")
     ap.add_argument("--out", default=None, help="JSONL file the figures are appended to")
     ap.add_argument("--side", action="store_true", help=argparse.SUPPRESS)  # a child's part
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.batches <= args.warmup:
         sys.exit(f"--batches {args.batches} leaves nothing timed after --warmup {args.warmup}")
     if args.side:
@@ -152,7 +157,8 @@ def main():
     env = os.environ | capture_link.link_env(store, 1, args.through_host) | {"OMP_NUM_THREADS": "1"}
     children = [
         subprocess.Popen(
-            [sys.executable, __file__, *sys.argv[1:], "--side"],
+            [sys.executable, "-m", __spec__.name, *argv, "--side"],
+            cwd=ROOT,
             env=env | {SIDE_ENV: str(rank)},
             stdout=subprocess.PIPE,
             text=True,
@@ -172,5 +178,16 @@ def main():
             f.write(json.dumps(row) + "\n")
 
 
+OUT_FILE = "rows.jsonl"
+
+
+def dry_run(work: Path) -> list[str]:
+    return ["--hidden", "64", "--seq", "256", "--batches", "6", "--rows", "2", "--queue", "2"]
+
+
+def headline(rows: list[dict]) -> dict:
+    return {k: rows[-1].get(k) for k in ("tokens_per_s", "state_gb_per_s", "intact")}
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

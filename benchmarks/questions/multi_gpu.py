@@ -14,21 +14,13 @@ Prints one JSON line of the training's scaling and the capture's rows.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from benchmarks import gpu_script
+from benchmarks.gpu_script import PlanQuestion
 
 PLANS = {str(n): ([], {"N": str(n)}) for n in (2, 4, 8)}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    argv = argv[1:] if argv[:1] == ["gpu-plan"] else argv
-    return gpu_script.plan_main("multi_gpu", argv, PLANS, "4")
-
-
-def dry_run(work: Path) -> list[str]:
-    return ["gpu-plan", "4", "--stand-in", "--work", str(work)]
+main, dry_run = PlanQuestion("multi_gpu", PLANS, "4").entry_points()
 
 
 if __name__ == "__main__":

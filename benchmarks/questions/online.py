@@ -1,6 +1,11 @@
-"""Online training against its two parts and against shards on one host (issue 33), in one process and one run:
+"""Online training against its take-turns bound: capture alone, train alone, online (thread, process, Ray).
 
-    capture alone        online mode's capture (train/online.py, extract.batch_tokens a call) over the training
+Prints one JSON line per mode. On a GPU host `python -m benchmarks online gpu-plan [smol|8b]` runs online.sh
+(prepare and extract in .venv-sglang, then the modes).
+
+Online training against its two parts and against shards on one host, in one process and one run:
+
+    capture alone        online mode's capture (train/sources/online.py, extract.batch_tokens a call) over the training
                          split's first epoch in order, nothing trained; what it captures is kept in memory
     train alone          the same training as online, fed from that memory (no capture, no disk): the trainer's rate
     online thread        the same training, the capture in a thread of the trainer, through the same loaded target
@@ -13,11 +18,11 @@
                          each takes half of it; with sglang_inprocess the capture actor runs in engine.python)
 and the take-turns bound 1 / (1/capture + 1/train alone): what the two parts allow when they take turns.
 
-    python -m eagle3lib run params/ci.yaml --to extract --set run.output_root=/tmp/bench-online
-    python benchmarks/online_throughput.py --run-dir /tmp/bench-online/ci --params params/ci.yaml --tokens 8000
+    python -m eagle3lib run tests/params/ci.yaml --to extract --set run.output_root=/tmp/bench-online
+    python -m benchmarks online --run-dir /tmp/bench-online/ci --params tests/params/ci.yaml --tokens 8000
 
 --backend sglang_inprocess captures with SGLang's model runner (run this in SGLang's interpreter, on a GPU host:
-benchmarks/h200/online.sh). The target is loaded once, in a child process, for the capture, train-alone and online
+benchmarks/questions/online.sh). The target is loaded once, in a child process, for the capture, train-alone and online
 thread rows; the modes after them start their own capture once that child has ended and freed its memory. Every mode
 trains from scratch with the same params and token budget into its own copy of the run folder (the shards run reads
 the run's 01_extract). One JSON line per mode goes to --out as it is made; a mode that fails leaves a row with its
@@ -35,12 +40,14 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import gpu_script  # noqa: E402
 from eagle3lib.params import load_params, parse_override  # noqa: E402
 from eagle3lib.prepare import conversations  # noqa: E402
-from eagle3lib.train import launch, online  # noqa: E402
+from eagle3lib.train.runtime import launch  # noqa: E402
+from eagle3lib.train.sources import online  # noqa: E402
 from eagle3lib.train.sources.base import CAPTURE_SUMMARY  # noqa: E402
 
 
@@ -99,7 +106,7 @@ def reader_alone(p, run_dir: Path, tokens: int, verify: bool = True, to_device: 
     import torch
 
     from eagle3lib.extract.shards import ShardSet
-    from eagle3lib.train.batches import batch_to, micro_batches, shard_sequences
+    from eagle3lib.train.runtime.batches import batch_to, micro_batches, shard_sequences
 
     shard_set = ShardSet(run_dir / "01_extract" / "train", verify=verify)
 
@@ -174,7 +181,10 @@ def append(path, rows: list[dict]) -> None:
             f.write(json.dumps(r) + "\n")
 
 
-def main():
+def main(argv: list[str] | None = None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gpu-plan"]:
+        return gpu_script.plan_main("online", argv[1:], PLANS, "smol")
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--run-dir", required=True, help="a run folder whose 00_prepare and 01_extract finished")
     ap.add_argument("--params", required=True, help="that run's params file")
@@ -194,7 +204,7 @@ def main():
     )
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="more params overrides")
     ap.add_argument("--in-process-part", action="store_true", help=argparse.SUPPRESS)  # the child's part
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     run_dir = Path(args.run_dir)
     common = {
         "train.max_tokens": args.tokens,
@@ -232,7 +242,9 @@ def main():
         # before the modes that load their own (an 8B shape's second SGLang engine did not fit an 80 GB H100
         # beside the first)
         part = Path(scratch) / "in-process.jsonl"
-        code = subprocess.call([sys.executable, __file__, *sys.argv[1:], "--in-process-part", "--out", str(part)])
+        code = subprocess.call(
+            [sys.executable, "-m", __spec__.name, *argv, "--in-process-part", "--out", str(part)], cwd=ROOT
+        )
         rows += [json.loads(line) for line in part.read_text().splitlines()] if part.is_file() else []
         if args.out:
             append(args.out, rows)
@@ -278,5 +290,12 @@ def main():
         sys.exit(f"failed: {', '.join(failed)} (the other rows are in {args.out or 'the output above'})")
 
 
+PLANS = {"smol": ([], {"MODE": "smol"}), "8b": ([], {"MODE": "8b"})}
+
+
+def dry_run(work: Path) -> list[str]:
+    return ["gpu-plan", "smol", "--stand-in", "--work", str(work)]
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -17,22 +17,14 @@ Prints the script's lines; the serving step's summary is served_al's.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from benchmarks import gpu_script
+from benchmarks.gpu_script import PlanQuestion
 
 STEPS = ("data", "launch", "wait", "ours", "specforge", "speculators", "offline", "pick", "serve", "bring", "restore")
 PLANS = {step: ([step], {}) for step in STEPS}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    argv = argv[1:] if argv[:1] == ["gpu-plan"] else argv
-    return gpu_script.plan_main("peers", argv, PLANS, "serve")
-
-
-def dry_run(work: Path) -> list[str]:
-    return ["gpu-plan", "data", "--stand-in", "--work", str(work)]
+main, dry_run = PlanQuestion("peers", PLANS, "serve", dry_plan="data").entry_points()
 
 
 if __name__ == "__main__":

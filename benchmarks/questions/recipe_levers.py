@@ -1,10 +1,14 @@
-"""Acceptance per CPU-minute: 02_train on one run's data and budget, once per lever, side by side.
+"""Acceptance per CPU-minute of training recipe levers: 02_train once per lever on one run's data and budget.
+
+Prints one JSON line per lever (tokens trained, estimated AL per depth).
+
+Acceptance per CPU-minute: 02_train on one run's data and budget, once per lever, side by side.
 
 Each lever is a set of params overrides; every lever trains from scratch on the same run folder's shards
 (00_prepare and 01_extract must have finished) with the same time budget, into a scratch folder, and prints the
 tokens it trained on and the validation's estimated acceptance length per depth (docs/design.md §5).
 
-    python benchmarks/recipe_levers.py --run-dir outputs/tiny --minutes 4 \
+    python -m benchmarks recipe_levers --run-dir outputs/tiny --minutes 4 \
         --lever default \
         --lever 'ttt3:train.ttt_steps=3' \
         --lever 'lr2e-3:train.lr=2e-3' \
@@ -22,12 +26,13 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import gpu_script  # noqa: E402
 from eagle3lib.params import load_params, parse_override  # noqa: E402
 from eagle3lib.train import loop  # noqa: E402
-from eagle3lib.train.setup import build_setup  # noqa: E402
+from eagle3lib.train.runtime.setup import build_setup  # noqa: E402
 
 
 def parse_lever(text: str) -> tuple[str, dict]:
@@ -72,16 +77,19 @@ def run_lever(
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--params", default=str(ROOT / "params" / "tiny.yaml"))
+    ap.add_argument("--params", default=str(ROOT / "params" / "smollm2-135m-cpu.yaml"))
     ap.add_argument("--run-dir", required=True, help="a run folder whose 00_prepare and 01_extract finished")
     ap.add_argument("--minutes", type=float, default=4.0, help="training budget per lever")
     ap.add_argument("--tokens", type=int, default=None, help="a token budget per lever instead of the minutes")
     ap.add_argument("--lever", action="append", required=True, help="name:key=value,... (repeatable)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", help="append one JSON line per lever here")
-    a = ap.parse_args()
+    ap.add_argument("--stand-in", action="store_true", help="check the options, run nothing (dry run)")
+    a = ap.parse_args(argv)
+    if a.stand_in:
+        return gpu_script.skip("the trainings: they need a run folder whose 00_prepare and 01_extract finished")
     print(f"{'lever':<24} {'tokens':>8} {'tok/s':>6} {'AL@1':>5} {'AL@2':>5} {'AL@3':>5} {'AL@5':>5}  cond_acc")
     for text in a.lever:
         name, overrides = parse_lever(text)
@@ -97,5 +105,12 @@ def main() -> None:
                 f.write(json.dumps(r) + "\n")
 
 
+OUT_FILE = "levers.jsonl"
+
+
+def dry_run(work: Path) -> list[str]:
+    return ["--run-dir", str(work / "run"), "--lever", "default", "--lever", "ttt3:train.ttt_steps=3", "--stand-in"]
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,8 +1,12 @@
 """Regeneration through a serving engine: conversations in a window against hf-style waves, one server.
 
-    python benchmarks/regenerate_throughput.py                       # vLLM's CPU build, the embedded default
-    python benchmarks/regenerate_throughput.py --params params/tiny-h200.yaml --conversations 2000  # SGLang, GPU
-    python benchmarks/regenerate_throughput.py --params params/release-smollm2.yaml --conversations 2000 \
+Prints tokens/s of each mode, their ratio and whether their records are identical.
+
+Regeneration through a serving engine: conversations in a window against hf-style waves, one server.
+
+    python -m benchmarks regenerate                       # vLLM's CPU build, the embedded default
+    python -m benchmarks regenerate --params params/smollm2-135m-gpu.yaml --conversations 2000  # SGLang, GPU
+    python -m benchmarks regenerate --params params/smollm2-135m-gpu-release.yaml --conversations 2000 \
         --max-new-tokens 256 --window 1024 --modes window --drop-flag=--disable-cuda-graph \
         --engine-flag=--cuda-graph-max-bs-decode=512 --engine-flag=--disable-prefill-cuda-graph
         (the release's regeneration with two of its rate's levers: conversations in flight, decode CUDA graphs)
@@ -17,12 +21,14 @@ as its reply is back. Prints generated tokens/s of each, their ratio, and whethe
 
 import argparse
 import json
+import sys
 import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from benchmarks import gpu_script
 from eagle3lib import engines, target
 from eagle3lib.params import cache_dir, load_params
 from eagle3lib.prepare import regenerate, sources
@@ -39,9 +45,9 @@ def wave_generator(server, tokenizer, max_new_tokens, eos_ids, window):
     return generate
 
 
-def main():
+def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser()
-    ap.add_argument("--params", default="params/tiny.yaml")
+    ap.add_argument("--params", default="params/smollm2-135m-cpu.yaml")
     ap.add_argument("--conversations", type=int, default=48)
     ap.add_argument("--window", type=int, default=16, help="requests in flight (data.regenerate.batch_size)")
     ap.add_argument("--max-new-tokens", type=int, default=64)
@@ -53,7 +59,12 @@ def main():
     ap.add_argument("--modes", default="waves,window", help="which of waves,window to measure")
     ap.add_argument("--engine-flag", action="append", default=[], help="an engine flag added (repeatable)")
     ap.add_argument("--drop-flag", action="append", default=[], help="a params engine flag removed (repeatable)")
-    args = ap.parse_args()
+    ap.add_argument("--stand-in", action="store_true", help="check the options, run nothing (dry run)")
+    args = ap.parse_args(argv)
+    if args.stand_in:
+        return gpu_script.skip(
+            "the serving engine's regeneration (an engine server: vLLM's CPU build or SGLang on a GPU)"
+        )
     modes = [m for m in args.modes.split(",") if m]
     if not modes or set(modes) - {"waves", "window"}:
         ap.error(f"--modes: a comma-separated subset of waves,window, not {args.modes!r}")
@@ -139,5 +150,9 @@ def drop_flags(args: list[str], names: list[str]) -> list[str]:
     return out
 
 
+def dry_run(work: Path) -> list[str]:
+    return ["--stand-in"]
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -17,22 +17,14 @@ Prints the script's lines and served_al's tables.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-from benchmarks import gpu_script
+from benchmarks.gpu_script import PlanQuestion
 
 STEPS = ("train", "wait", "serve", "compare", "shipped", "bring", "bring-prepared")
 PLANS = {step: ([step], {}) for step in STEPS}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    argv = argv[1:] if argv[:1] == ["gpu-plan"] else argv
-    return gpu_script.plan_main("release", argv, PLANS, "train")
-
-
-def dry_run(work: Path) -> list[str]:
-    return ["gpu-plan", "train", "--stand-in", "--work", str(work)]
+main, dry_run = PlanQuestion("release", PLANS, "train").entry_points()
 
 
 if __name__ == "__main__":

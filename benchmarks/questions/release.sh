@@ -1,51 +1,33 @@
 #!/usr/bin/env bash
-# Issue 32 on one H200: the released drafter for the embedded target (params/release-smollm2.yaml), trained from
-# the embedded ShareGPT data less params/tiny.yaml's val and bench conversations, then served by SGLang 0.5.17 at
-# depths 1-5 for its provenance, and brought back as the canonical checkpoint and the records behind provenance.json.
-#
-# Here, once: bash benchmarks/h200/peers.sh gather   (-> $G = benchmarks/h200/.cache/.gpu)
-# The H200, back to back (one device call each): peers.sh stage1, stage2, stage3 (their carries: peers.sh), then
-#   bash benchmarks/h200/release.sh train    the run (regeneration, extraction, training: ~15 min) in its own
-#                                            session, so that it outlives the call
-#                                            (TO=prepare: only the regeneration, for a session too short for all)
-#   bash benchmarks/h200/release.sh wait     until it ends (WAIT_S at most; exit 9 while it runs), then `bring`'s
-#                                            archive into that call's $OUT
-#   bash benchmarks/h200/release.sh bring-prepared   after TO=prepare: 00_prepare into $OUT; a later session
-#                                            carries it as $G/release-prepared and its train skips the regeneration
-#   bash benchmarks/h200/release.sh serve    served and predicted AL per set at depths 1, 2, 3, 5 (summary.json)
-#   bash benchmarks/h200/release.sh shipped  the shipped drafter's served AL at depth 3 on compare's prompts, in the
-#                                            background once train's 00_prepare has ended (the GPU has room for
-#                                            one more server beside the training)
-#   bash benchmarks/h200/release.sh compare  served AL at depth 3 against the shipped drafter, seven sets
-#                                            (summary-compare.json; the shipped drafter's rows from `shipped` where
-#                                            it ran, else served here too; here: benchmarks/al_interval.py)
-#   bash benchmarks/h200/release.sh bring    the drafter and its records, one archive, into $OUT
-# The remake (MORE=1, issue 43): peers.sh stage1-4 (stage1 without $G/pyd, stage2 without $G/peers, stage4 with
-# $G/pyd and without $G/data); `peers.sh stage5 && MORE=1 release.sh train; release.sh shipped` carrying $G/data2 and
-# $G/data; `release.sh wait` until it brings the archive; `release.sh compare` (and `serve` beside it where time is
-# left); about 1,500 s of one GPU. VOCAB=N and TWIN_VOCAB=M (on train) make two drafters of the one
-# regeneration, draft vocabularies N and M, which compare serves side by side; release_drafter.py --trainer twin
-# writes the second. SHIPPED_FROM=SUMMARY (on compare and shipped): the shipped drafter's rows from an earlier
-# session's summary-compare.json on the same GPU kind instead of serving it again (a quarter of compare's servers).
-# REGEN_BS, REGEN_GRAPHS (on train): the regeneration's conversations in flight and CUDA graphs (its rate's levers);
-# REGEN_ONLY=1: train on the target's own replies alone.
-# TO=prepare, bring-prepared and a carried $G/release-prepared
-# split it in two within a session; across sessions they hold only if $G does (a new checkout starts without it).
-# Here: python benchmarks/release_drafter.py ARCHIVE writes drafters/smollm2-135m-instruct/ (provenance.json);
-# an archive over 15 MB comes back in parts: cat release.tgz.part-* > release.tgz first.
-#
-# The H200 reads ShareGPT from $G/data/sharegpt-7000.json.xz (the embedded set's first 7,000 records, as gather
-# writes it), so tiny.yaml is read there with that file as its source: its first 320 conversations are the
-# embedded set's, and so are its val and bench, which the release leaves out.
+# release's GPU plan (python -m benchmarks release gpu-plan STEP): the released drafter for the embedded target
+# (params/smollm2-135m-gpu-release.yaml), trained from the embedded ShareGPT data less params/smollm2-135m-cpu.yaml's
+# val and bench conversations, served by SGLang at depths 1-5 for its provenance, and packed as the canonical
+# checkpoint and the records behind provenance.json. Steps:
+#   train           the run (regeneration, extraction, training) in the background (TO=prepare: the regeneration only)
+#   wait            until it ends (WAIT_S at most; exit 9 while it runs), then `bring`'s archive into $OUT
+#   bring-prepared  after TO=prepare: 00_prepare into $OUT; carried back as $G/release-prepared, train skips it
+#   serve           served and predicted AL per set at depths 1, 2, 3, 5 (summary.json)
+#   shipped         the shipped drafter's served AL at depth 3 on compare's prompts, once train's 00_prepare ended
+#   compare         served AL at depth 3 against the shipped drafter, seven sets (summary-compare.json, and the ratio
+#                   with its interval from benchmarks/al_interval.py)
+#   bring           the drafter and its records, one archive (release.tgz), into $OUT
+# MORE=1: every embedded conversation less the default run's val and bench, REGEN_MIN minutes of regeneration,
+# TRAIN_MIN of training, online (ONLINE=0: fp8 shards). VOCAB=N and TWIN_VOCAB=M make two drafters of one
+# regeneration, which compare serves side by side. SHIPPED_FROM=SUMMARY: the shipped drafter's rows from an earlier
+# summary-compare.json on the same GPU kind. REGEN_BS, REGEN_GRAPHS: the regeneration's levers; REGEN_ONLY=1 trains
+# on the target's own replies alone. Then, here: python -m benchmarks.release_drafter UNPACKED --sharegpt
+# $DATA_DIR/sharegpt-7000.json.xz [--sharegpt $DATA_DIR/sharegpt-rest.json.xz] --out drafters/smollm2-135m-instruct.
 set -uo pipefail
-G=benchmarks/h200/.cache/.gpu; W=/tmp/release; OUT=${OUT:-$PWD/h200-out}; mkdir -p "$OUT" $W
-SHAREGPT=/tmp/data/sharegpt-7000.json.xz
+mkdir -p "$WORK"
+DATA_DIR=${DATA_DIR:-$WORK/data}  # the embedded ShareGPT cut (benchmarks/sharegpt_cuts.py), EAGLE's sets beside it
+[ -f "$DATA_DIR/sharegpt-7000.json.xz" ] || "$E3_PYTHON" -m benchmarks.sharegpt_cuts "$DATA_DIR" --benchsets "${BENCHSETS:-../shared/benchsets}" > /dev/null || exit 3
+G=$WORK/carried; W=$WORK; mkdir -p "$OUT" "$WORK" $W
+SHAREGPT=$DATA_DIR/sharegpt-7000.json.xz
 # MORE as `train` ran it, for the calls after it (wait, bring: the splits it draws again are that run's)
 MORE=${MORE:-$(cat $W/more 2> /dev/null || echo 0)}
-SOURCES=$SHAREGPT; [ "$MORE" = 1 ] && SOURCES="$SHAREGPT,/tmp/data/sharegpt-rest.json.xz"  # peers.sh stage5's
+SOURCES=$SHAREGPT; [ "$MORE" = 1 ] && SOURCES="$SHAREGPT,$DATA_DIR/sharegpt-rest.json.xz"  # peers.sh stage5's
 ours_env() {
-  export PYTHONPATH=$PWD:/tmp/e3site:/tmp/pm-site:/tmp/extra-site JUPYTER_PATH=/tmp/pm-site/share/jupyter \
-    HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+  export PYTHONPATH=$PWD HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 }
 RUN=$W/release-smollm2
 shipped_status() {  # N: what `shipped` has done so far, its log's last N lines
@@ -57,60 +39,60 @@ in_parts() {  # a file over 16 MiB does not come back from the device: FILE.part
   split -b 15000000 "$1" "$1.part-" && rm "$1"
 }
 compared() {  # served AL at depth 3, 30 prompts of each of seven sets: the same prompts for every drafter
-  timeout -k 20 "${BUDGET_S:-540}" python3 benchmarks/served_al.py $RUN --params params/release-smollm2.yaml \
+  timeout -k 20 "${BUDGET_S:-540}" "$E3_PYTHON" -m benchmarks.questions.served_al $RUN --params params/smollm2-135m-gpu-release.yaml \
     --depths "${DEPTHS:-3}" --per-set "${PER_SET:-30}" --no-offline --parallel "${PARALLEL:-2}" --mem-fraction 0.12 \
-    --sets "held_out,mt_bench,humaneval,/tmp/data/gsm8k.jsonl,/tmp/data/alpaca.jsonl,/tmp/data/sum.jsonl,/tmp/data/qa.jsonl" \
+    --sets "held_out,mt_bench,humaneval,$DATA_DIR/gsm8k.jsonl,$DATA_DIR/alpaca.jsonl,$DATA_DIR/sum.jsonl,$DATA_DIR/qa.jsonl" \
     --engine-flag=--disable-cuda-graph "$@"
 }
 
 case "${1:-}" in
   train)
     ours_env
-    python3 -c "
+    "$E3_PYTHON" -c "
 import yaml
 import os
-p = yaml.safe_load(open('params/tiny.yaml'))
+p = yaml.safe_load(open('params/smollm2-135m-cpu.yaml'))
 p['data']['sources'] = ['$SHAREGPT']
 # its paths are relative to params/, and this copy lives in $W: the released drafter it starts from, by full path
 p['train']['init_from'] = os.path.abspath(os.path.join('params', p['train']['init_from']))
 yaml.safe_dump(p, open('$W/tiny-unseen.yaml', 'w'))" || exit 3
     rm -f $W/train.done $W/twin.done; echo "$MORE" > $W/more
-    # an earlier session's 00_prepare (its `bring-prepared`), carried as $G/release-prepared: the run skips the
+    # an earlier run's 00_prepare (its `bring-prepared`), carried as $G/release-prepared: the run skips the
     # regeneration where params and notebook are the same (the stage's hash), and prepares afresh otherwise
     if ls $G/release-prepared/release-prepared.tgz* > /dev/null 2>&1; then
       cat $G/release-prepared/release-prepared.tgz* | tar -C $W -xzf - && echo "train: 00_prepare restored" || exit 3
     fi
-    # MORE=1 (issue 43 item 2): every embedded conversation less tiny.yaml's val and bench, as many of their
+    # MORE=1: every embedded conversation less smollm2-135m-cpu.yaml's val and bench, as many of their
     # replies regenerated as REGEN_MIN minutes allow (a carried 00_prepare's value, else it prepares afresh),
-    # TRAIN_MIN minutes of training; params/release-smollm2.yaml takes these values
+    # TRAIN_MIN minutes of training; params/smollm2-135m-gpu-release.yaml takes these values
     # in the commit that ships the drafter they make (its provenance test draws the shipped splits again)
     MORE_SET=""; [ "${MORE:-0}" = 1 ] && MORE_SET="--set data.max_conversations=100000 \
       --set data.regenerate.budget_tokens=4000000 --set data.regenerate.max_minutes=${REGEN_MIN:-2} \
       --set train.max_minutes=${TRAIN_MIN:-7}"
     # online (ONLINE=1, MORE's default): the states captured beside the trainer, never written. On the H100 the
     # extraction of 12.9 M tokens as fp8 shards took 226 s (0.22x the plain forward: 30 GB written), and on the
-    # H200 online training ran at 1.7-1.8x the tokens/s of training from shards (benchmarks/README.md)
+    # H200 online training ran at 1.7-1.8x the tokens/s of training from shards (benchmarks/results/online/h200-2026-12-03/)
     # shards (ONLINE=0): fp8, ~10 M tokens at 4.6 KB a token in bf16 would be 46 of the machine's 64 GB free
     if [ "${MORE:-0}" = 1 ] && [ "${ONLINE:-1}" = 1 ]; then MORE_SET="$MORE_SET --set train.source=online"
     elif [ "${MORE:-0}" = 1 ]; then MORE_SET="$MORE_SET --set extract.store_dtype=float8_e4m3fn"; fi
-    # VOCAB=N: a draft vocabulary of N tokens (release-smollm2.yaml's 2,048 covers 78% of the embedded replies'
-    # tokens, 8,192 91%); params/tiny.yaml's fine-tune must then take the same
+    # VOCAB=N: a draft vocabulary of N tokens (smollm2-135m-gpu-release.yaml's 2,048 covers 78% of the embedded replies'
+    # tokens, 8,192 91%); params/smollm2-135m-cpu.yaml's fine-tune must then take the same
     [ -n "${VOCAB:-}" ] && MORE_SET="$MORE_SET --set train.draft_vocab_size=$VOCAB"
-    # the regeneration's rate, its levers (their rates: benchmarks/README.md): REGEN_BS=N conversations in flight,
+    # the regeneration's rate, its levers (their rates: benchmarks/results/regenerate/): REGEN_BS=N conversations in flight,
     # REGEN_GRAPHS=N SGLang's decode CUDA graphs up to batch N in place of --disable-cuda-graph (SGLang 0.5.17's
     # flag; prefill's graphs stay off: their default backends compile)
     [ -n "${REGEN_BS:-}" ] && MORE_SET="$MORE_SET --set data.regenerate.batch_size=$REGEN_BS"
     # REGEN_ONLY=1: train and val keep only the conversations the target answered itself
     [ "${REGEN_ONLY:-0}" = 1 ] && MORE_SET="$MORE_SET --set data.regenerate.only_regenerated=true"
     if [ -n "${REGEN_GRAPHS:-}" ]; then  # the params' flags, --disable-cuda-graph replaced (no spaces: one word)
-      ARGS=$(python3 -c "import json, sys, yaml
-a = [f for f in yaml.safe_load(open('params/release-smollm2.yaml'))['engine']['extra_args'] if f != '--disable-cuda-graph']
+      ARGS=$("$E3_PYTHON" -c "import json, sys, yaml
+a = [f for f in yaml.safe_load(open('params/smollm2-135m-gpu-release.yaml'))['engine']['extra_args'] if f != '--disable-cuda-graph']
 print(json.dumps(a + ['--cuda-graph-max-bs-decode', sys.argv[1], '--disable-prefill-cuda-graph'], separators=(',', ':')))" \
         "$REGEN_GRAPHS") || exit 3
       MORE_SET="$MORE_SET --set engine.extra_args=$ARGS"
     fi
-    setsid -f bash -c 'python3 benchmarks/peers.py measure "$1/train.json" -- python3 -m eagle3lib run \
-        params/release-smollm2.yaml --to "$4" --set run.output_root="$1" --set "data.sources=[$2]" \
+    setsid -f bash -c '"$E3_PYTHON" -m benchmarks.peers measure "$1/train.json" -- "$E3_PYTHON" -m eagle3lib run \
+        params/smollm2-135m-gpu-release.yaml --to "$4" --set run.output_root="$1" --set "data.sources=[$2]" \
         --set "data.keep_unseen=[$1/tiny-unseen.yaml]" $3 > "$1/train.log" 2>&1 < /dev/null; echo "rc $?" > "$1/train.done"' \
       _ "$W" "$SOURCES" "$MORE_SET" "${TO:-train}" > /dev/null 2>&1 < /dev/null  # nothing of the call's pipes held: the call returns
     # TWIN_VOCAB=N: a second training beside the first, on the same 00_prepare (linked once the first run's
@@ -120,7 +102,7 @@ print(json.dumps(a + ['--cuda-graph-max-bs-decode', sys.argv[1], '--disable-pref
       setsid -f bash -c 'until [ -f "$1/release-smollm2/01_extract/result.json" ] || [ -f "$1/train.done" ]; do sleep 10; done
         [ -f "$1/release-smollm2/01_extract/result.json" ] || { echo "rc 8 (the first run ended before its extraction)" > "$1/twin.done"; exit; }
         mkdir -p "$1/twin/release-smollm2" && for s in 00_prepare 01_extract; do ln -sfn "$1/release-smollm2/$s" "$1/twin/release-smollm2/$s"; done
-        python3 benchmarks/peers.py measure "$1/twin.json" -- python3 -m eagle3lib run params/release-smollm2.yaml \
+        "$E3_PYTHON" -m benchmarks.peers measure "$1/twin.json" -- "$E3_PYTHON" -m eagle3lib run params/smollm2-135m-gpu-release.yaml \
           --only train --set run.output_root="$1/twin" --set "data.sources=[$2]" \
           --set "data.keep_unseen=[$1/tiny-unseen.yaml]" $3 --set train.draft_vocab_size="$4" > "$1/twin.log" 2>&1 < /dev/null
         echo "rc $?" > "$1/twin.done"' _ "$W" "$SOURCES" "$MORE_SET" "$TWIN_VOCAB" > /dev/null 2>&1 < /dev/null
@@ -138,13 +120,13 @@ print(json.dumps(a + ['--cuda-graph-max-bs-decode', sys.argv[1], '--disable-pref
     [ -f $W/twin.done ] && { echo "twin: $(cat $W/twin.done)"; tail -n 6 $W/twin.log; }
     shipped_status 8
     # the drafter comes back in the call that saw it made: a device taken back during a later call (serving) then
-    # loses only the serving (2026-12-06: the whole remake was lost that way)
+    # loses only the serving
     grep -q "rc 0" $W/train.done && [ -d $RUN/02_train/drafter ] && { bash "$0" bring || exit $?; }  # not after TO=prepare
     exit 0 ;;
   serve)
     ours_env
-    timeout -k 20 "${BUDGET_S:-540}" python3 benchmarks/served_al.py $RUN --params params/release-smollm2.yaml \
-      --drafter release=$RUN/02_train/drafter --depths "${DEPTHS:-1,2,3,5}" --sets "held_out,mt_bench,humaneval,$G/data/gsm8k.jsonl" \
+    timeout -k 20 "${BUDGET_S:-540}" "$E3_PYTHON" -m benchmarks.questions.served_al $RUN --params params/smollm2-135m-gpu-release.yaml \
+      --drafter release=$RUN/02_train/drafter --depths "${DEPTHS:-1,2,3,5}" --sets "held_out,mt_bench,humaneval,$DATA_DIR/gsm8k.jsonl" \
       --per-set "${PER_SET:-10}" --parallel "${PARALLEL:-4}" --mem-fraction 0.12 --engine-flag=--disable-cuda-graph \
       --work $W/served --out "$OUT/summary.json" > "$OUT/serve.log" 2>&1; rc=$?; tail -n 25 "$OUT/serve.log"
     cp "$OUT/summary.json" $W/ 2>/dev/null; exit $rc ;;  # for bring, in this call or the next ($OUT is each call's)
@@ -154,10 +136,10 @@ print(json.dumps(a + ['--cuda-graph-max-bs-decode', sys.argv[1], '--disable-pref
     # the shipped drafter may have trained on: it saw 5,816 of the first 6,000 conversations)
     ours_env
     DRAFTERS=(--drafter release=$RUN/02_train/drafter)
-    # SHIPPED_FROM=SUMMARY: the shipped drafter's rows from an earlier session's summary on the same GPU kind, not
-    # served again (on the H100 they were the same to the last digit, prompt by prompt, in three sessions)
+    # SHIPPED_FROM=SUMMARY: the shipped drafter's rows from an earlier run's summary on the same GPU kind, not
+    # served again (on the H100 they were the same to the last digit, prompt by prompt, in three runs)
     if [ -n "${SHIPPED_FROM:-}" ]; then
-      python3 -c "
+      "$E3_PYTHON" -c "
 import json, sys
 d = json.load(open(sys.argv[1]))
 d['rows'] = [r for r in d['rows'] if r['trainer'] == 'shipped' and r['set'] != 'val']
@@ -174,7 +156,7 @@ json.dump(d, open(sys.argv[2], 'w'))" "$SHIPPED_FROM" $W/summary-shipped.json &&
     compared "${DRAFTERS[@]}" --work $W/compared --out "$OUT/summary-compare.json" > "$OUT/compare.log" 2>&1
     rc=$?; tail -n 25 "$OUT/compare.log"; cp "$OUT/summary-compare.json" $W/ 2>/dev/null  # for bring
     if [ $SHIPPED_ROWS = 1 ] && [ $rc = 0 ]; then
-      cp $W/summary-shipped.json "$OUT/" && python3 benchmarks/al_interval.py "$OUT/summary-compare.json" \
+      cp $W/summary-shipped.json "$OUT/" && "$E3_PYTHON" -m benchmarks.al_interval "$OUT/summary-compare.json" \
         "$OUT/summary-shipped.json" --base shipped:defaults | tee "$OUT/compare-ratio.txt"; cp "$OUT/compare-ratio.txt" $W/
     fi
     exit $rc ;;
@@ -191,7 +173,7 @@ json.dump(d, open(sys.argv[2], 'w'))" "$SHIPPED_FROM" $W/summary-shipped.json &&
     [ -f $RUN/00_prepare/result.json ] || { echo "no 00_prepare in $RUN"; exit 3; }
     compared --drafter shipped=drafters/smollm2-135m-instruct --work $W/compared-shipped --out $W/summary-shipped.json ;;
   bring-prepared)
-    # the regenerated conversations (00_prepare, after `TO=prepare train` and `wait`), for a later session's train:
+    # the regenerated conversations (00_prepare, after `TO=prepare train` and `wait`), for a later run's train:
     # there, carry them as $G/release-prepared (cat release-prepared.tgz.part-* > release-prepared.tgz is not needed)
     grep -q "rc 0" $W/train.done || { echo "00_prepare has not ended well: $(cat $W/train.done 2>/dev/null)"; exit 3; }
     tar -C $W -czf "$OUT/release-prepared.tgz" release-smollm2/00_prepare || exit 4
@@ -201,20 +183,20 @@ json.dump(d, open(sys.argv[2], 'w'))" "$SHIPPED_FROM" $W/summary-shipped.json &&
     ours_env
     # the ids of each split, as 00_prepare drew them (load_pool, split_conversations): the disjointness check here
     # draws them again from the embedded data and compares
-    python3 -c "
+    "$E3_PYTHON" -c "
 import json
 from eagle3lib.params import load_params
-from eagle3lib.prepare import conversations, steps
+from eagle3lib.prepare import conversations, notebook
 more = {'data.max_conversations': 100000} if '${MORE:-0}' == '1' else {}  # as train's MORE_SET
-p = load_params('params/release-smollm2.yaml', {'data.sources': '$SOURCES'.split(','), 'data.keep_unseen': ['$W/tiny-unseen.yaml']} | more)
-pool, stats = steps.load_pool(p)
+p = load_params('params/smollm2-135m-gpu-release.yaml', {'data.sources': '$SOURCES'.split(','), 'data.keep_unseen': ['$W/tiny-unseen.yaml']} | more)
+pool, stats = notebook.load_pool(p)
 splits = conversations.split_conversations(pool, p.data.val_fraction, p.data.bench_count, p.run.seed)
 json.dump({k: [c['id'] for c in v] for k, v in splits.items()} | {'kept_unseen': list(stats['kept_unseen'].values())},
           open('$W/conversation_ids.json', 'w'))
 print({k: len(v) for k, v in splits.items()}, stats['kept_unseen'])" || exit 3
     # each drafter's weights in bf16, as release_drafter.py stores them (half the bytes: a call brings back 64 MiB,
     # and the twin's larger vocabulary with them); its sha256.json stays behind, release_drafter.py hashes anew
-    python3 -c "
+    "$E3_PYTHON" -c "
 import pathlib, shutil
 from safetensors.torch import load_file, save_file
 for run in ('release-smollm2', 'twin/release-smollm2'):

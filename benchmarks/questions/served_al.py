@@ -1,7 +1,11 @@
-"""Served acceptance of several drafters in one engine, beside our offline prediction of each: the same target,
+"""Served AL of several drafters in one engine, beside the offline prediction, with 95% intervals of their ratios.
+
+Writes summary.json (rows per drafter, depth and set; ratios with --base) and prints its tables.
+
+Served acceptance of several drafters in one engine, beside our offline prediction of each: the same target,
 prompts, depths and greedy decoding at batch size 1 for every drafter, so that two trainers' drafters compare.
 
-    python benchmarks/served_al.py RUN_DIR --params params/tiny-h200.yaml \
+    python benchmarks/questions/served_al RUN_DIR --params params/smollm2-135m-gpu.yaml \
         --drafter ours=RUN_DIR/02_train/drafter --drafter speculators=DIR --drafter specforge=DIR \
         --depths 3,5 --sets held_out,mt_bench,humaneval,../shared/benchsets/gsm8k/question.jsonl \
         --per-set 20 --out summary.json
@@ -34,16 +38,15 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import al_interval
-
 import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
+from benchmarks import al_interval, gpu_script
 from eagle3lib import engines, target
-from eagle3lib.bench import measurement, predict
-from eagle3lib.bench import steps as bench_steps
 from eagle3lib.convert import layouts
 from eagle3lib.params import cache_dir, load_params
 from eagle3lib.prepare.conversations import load_bench_prompts
-from eagle3lib.train.checkpoint import load_drafter
+from eagle3lib.speedup import measurement, predict
+from eagle3lib.speedup import notebook as speedup_notebook
+from eagle3lib.train.runtime.checkpoint import load_drafter
 
 MEM_FLAG = "--mem-fraction-static"
 
@@ -111,7 +114,7 @@ def prepare_drafters(drafters: dict[str, str], target_dir: str, cache, engine: s
 def offline_al(p, run_dir: Path, canonical: str, steps: int) -> dict:
     """Our trainer's validation of a drafter (any trainer's, imported): {depth: estimated AL}, step_acc, cond_acc."""
     from eagle3lib.train import loop
-    from eagle3lib.train.setup import build_setup
+    from eagle3lib.train.runtime.setup import build_setup
 
     setup, _ = build_setup(p, run_dir, p.target.device)
     setup.drafter = load_drafter(Path(canonical), device=p.target.device)
@@ -136,7 +139,7 @@ def serve_all(
     # One server starts at a time; the others serve meanwhile. SGLang measures the free memory before it loads and
     # again after, and picks its NCCL port by checking it is free, then binding it later: a server that allocated
     # its KV cache in between made the other fail ("Raise --mem-fraction-static above 0.202"; EADDRINUSE on that
-    # port; issue 40's fifth run), each failure a retry of a minute or more. Servers that start beside running
+    # port), each failure a retry of a minute or more. Servers that start beside running
     # ones started fine in every run.
     starting = threading.Lock()
 
@@ -256,7 +259,7 @@ def mean_over_sets(rows: list[dict]) -> list[dict]:
     return out
 
 
-def main(argv=None) -> int:
+def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", type=Path, help="a run folder with a finished 00_prepare")
     ap.add_argument("--params", required=True, help="the run's params file (target, engine, bench)")
@@ -278,7 +281,12 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default=None, help="the engine's dtype for target and drafter (default: target.dtype)")
     ap.add_argument("--work", type=Path, default=None, help="exports and logs (default: OUT's folder/served)")
     ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--stand-in", action="store_true", help="check the options, run nothing (dry run)")
     a = ap.parse_args(argv)
+    if a.stand_in:
+        return gpu_script.skip(
+            "serving: each drafter's engine server (SGLang on a GPU) and the offline evaluation of a run's 02_train"
+        )
 
     drafters = named(a.drafter, "drafter")
     if not drafters:
@@ -296,7 +304,7 @@ def main(argv=None) -> int:
     if not a.offline_only:
         tokenizer = target.load_tokenizer(target_dir, p.target.trust_remote_code)
         held_out = load_bench_prompts(a.run_dir / "00_prepare" / "bench.jsonl")
-        for pr in bench_steps.bench_prompts(p, tokenizer, held_out):
+        for pr in speedup_notebook.bench_prompts(p, tokenizer, held_out):
             if pr.get("turn", 1) == 1:
                 by_set.setdefault(pr["set"], []).append(pr)
         print({s: len(v) for s, v in by_set.items()}, flush=True)
@@ -376,6 +384,14 @@ def main(argv=None) -> int:
     if a.base:
         print(al_interval.table(summary["ratios"]), flush=True)
     return 1 if errors or predict_errors else 0
+
+
+OUT_FILE = "summary.json"
+
+
+def dry_run(work: Path) -> list[str]:
+    return [str(work / "run"), "--params", "params/smollm2-135m-gpu.yaml", "--drafter",
+            "shipped=drafters/smollm2-135m-instruct", "--stand-in"]  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -1,7 +1,11 @@
-"""What the remaining training-speed levers are worth, measured kernel by kernel on one row (no training).
+"""What each training-speed lever is worth, kernel by kernel (bf16 and fp8 GEMMs, attention paths, per layer).
 
-    python benchmarks/train_levers.py                          # Llama-3.1-8B shape on a GPU, seq 8192
-    python benchmarks/train_levers.py --small --device cpu     # a dry run of the same code
+Prints one JSON line of figures.
+
+What the remaining training-speed levers are worth, measured kernel by kernel on one row (no training).
+
+    python -m benchmarks train_levers                          # Llama-3.1-8B shape on a GPU, seq 8192
+    python -m benchmarks train_levers --small --device cpu     # a dry run of the same code
 
 One TTT step of our drafter with a frozen lm_head (the work speculators' step does) multiplies, per linear layer:
 forward Y = X Wᵀ, input gradient dX = dY W, weight gradient dW = dYᵀ X (none for the frozen head), and attends
@@ -14,7 +18,7 @@ over T queries. Printed, in ms per training row of --seq tokens (--ttt steps, pl
   log-sum-exp merging would hand to it (the k diagonal keys per query are O(T·k·d) on top, not timed).
 fp8_saves_ms counts each quantization as a pass of its own, weights requantized every TTT step (fused into the
 producers or amortized over the steps they cost less); the cuDNN figure leaves out the diagonal keys. The step's
-total (train_throughput.py --profile) is the context.
+total (train_step.py --profile) is the context.
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -173,14 +179,14 @@ def attention(shape: dict, seq: int, ttt: int, iters: int, device: str) -> dict:
     return result
 
 
-def main():
+def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="a small shape, for a CPU dry run")
     ap.add_argument("--seq", type=int, default=8192)
     ap.add_argument("--ttt", type=int, default=5)
     ap.add_argument("--iters", type=int, default=10)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     shape = SMALL if args.small else LLAMA_8B
     result = {
         "device": torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu",
@@ -195,5 +201,13 @@ def main():
     print(json.dumps(result))
 
 
+def dry_run(work: Path) -> list[str]:
+    return ["--small", "--device", "cpu", "--seq", "128", "--iters", "1"]
+
+
+def headline(rows: list[dict]) -> dict:
+    return {k: rows[-1].get(k) for k in ("gemm_bf16_ms", "gemm_fp8_ms", "quantize_fp8_ms") if k in rows[-1]}
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,12 +1,18 @@
-"""Drafter training throughput and peak memory (one packed row per step, random hidden states).
+"""Our drafter's training step against speculators 0.9.0's: tokens/s and peak memory per row length, and DDP scaling.
 
-    python benchmarks/train_throughput.py                      # Llama-3.1-8B shape, GPU, seq 8192..131072
-    python benchmarks/train_throughput.py --small --device cpu # a dry run of the same code on the CPU
-    python benchmarks/train_throughput.py --docs tokens.safetensors --impl both --seqs 8192   # packed rows
+Prints one JSON line of figures (config, results per length); --profile adds a kernel breakdown line.
+On a GPU host: `python -m benchmarks train_step gpu-plan ablation|sweep` runs train_step.sh (speculators in
+.venv-speculators, DDP over the host's GPUs).
+
+Drafter training throughput and peak memory (one packed row per step, random hidden states).
+
+    python -m benchmarks train_step                      # Llama-3.1-8B shape, GPU, seq 8192..131072
+    python -m benchmarks train_step --small --device cpu # a dry run of the same code on the CPU
+    python -m benchmarks train_step --docs tokens.safetensors --impl both --seqs 8192   # packed rows
 
 Rows: by default one document of random tokens filling the row. With --docs, the rows real training sees: the
 sequences of a prepare-stage token file (their lengths, token ids and loss masks; e.g. the embedded ShareGPT
-split through SmolLM2's chat template, `python benchmarks/extract_check.py save-tokens FILE --n 600
+split through SmolLM2's chat template, `python -m benchmarks.capture_check save-tokens FILE --n 600
 --max-seq-len 4096`) in a seeded order, packed greedily into rows of the length as the trainer packs them
 (train.batches.pack_rows: whole sequences, the rest of a row padding). --impl both runs speculators on the same
 rows (its document_ids, position_ids and loss mask from the same layout).
@@ -23,22 +29,21 @@ import json
 import os
 import re
 import statistics
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 import eagle3lib  # noqa: F401  (OMP_WAIT_POLICY before torch)
+from benchmarks import gpu_script
+from benchmarks.drafter_shapes import LLAMA_8B, SHAPES, SMALL
 from eagle3lib.drafter import Drafter, DrafterConfig
-from eagle3lib.train.batches import batch_to
-from eagle3lib.train.distributed import all_reduce_grads, check_same_weights
-from eagle3lib.train.speedups import compile_decoder_layer, convert_to_float8
+from eagle3lib.train.runtime.batches import batch_to
+from eagle3lib.train.runtime.distributed import all_reduce_grads, check_same_weights
+from eagle3lib.train.runtime.speedups import compile_decoder_layer, convert_to_float8
 from eagle3lib.train.ttt_step import ttt_loss_sums, with_host_layout
-
-try:
-    from benchmarks.drafter_shapes import LLAMA_8B, SHAPES, SMALL
-except ImportError:  # run as a script from benchmarks/
-    from drafter_shapes import LLAMA_8B, SHAPES, SMALL
 
 LABELS = {"llama-8b": "llama-3.1-8b", "kimi-gqa": "kimi-k2.5 gqa", "kimi-mla": "kimi-k2.5 mla"}  # summaries' "config"
 
@@ -62,7 +67,7 @@ def packed_rows(path: str, seq: int, count: int, seed: int = 0) -> list[dict]:
     prepare-stage token file in a seeded order: input_ids, loss_mask, doc_ids, position_ids, tokens (real ones).
     The states are left out (width 0); synthetic_states fills them."""
     from eagle3lib.prepare.conversations import load_tokens
-    from eagle3lib.train.batches import Sequence, make_batch, pack_rows
+    from eagle3lib.train.runtime.batches import Sequence, make_batch, pack_rows
 
     tokens = load_tokens(path)
     starts = tokens["seq_starts"].tolist()
@@ -150,7 +155,7 @@ def measure(
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size, device=device, dtype=dtype) * 0.02
     head = torch.randn(cfg.vocab_size, cfg.target_hidden_size, device=device, dtype=dtype) * 0.02
     params = [p for p in drafter.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)  # as eagle3lib.train.optimizer makes it
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=cuda)  # as eagle3lib.train.runtime.optimizer makes it
     # Rows wait on the host and each goes to the device before its step (untimed), so the peak memory is that of
     # one row's step, as in training.
     # with_host_layout: the rows' layout and valid rows made on the host, as the trainer makes them (device_layout:
@@ -321,7 +326,10 @@ def measure_or_oom(
     return {"seq": seq, "compile_layer": compile_layer, "error": "; ".join(errors)}
 
 
-def main():
+def main(argv: list[str] | None = None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gpu-plan"]:
+        return gpu_script.plan_main("train_step", argv[1:], PLANS, "ablation")
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--small", action="store_true", help="a small config of the shape, for a CPU dry run")
@@ -383,7 +391,7 @@ def main():
         help="whose training step: ours, vLLM speculators' EAGLE-3 (benchmarks/speculators_throughput.py),"
         " or both, alternating at each length",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.impl != "ours" and int(os.environ.get("WORLD_SIZE", "1")) > 1:
         ap.error("--impl speculators/both measures one GPU: run it without torchrun")
     rank = 0
@@ -406,10 +414,8 @@ def main():
         import gc
         import traceback
 
-        try:
-            from benchmarks.speculators_throughput import measure_speculators
-        except ImportError:
-            from speculators_throughput import measure_speculators
+        from benchmarks.speculators_throughput import measure_speculators
+
         try:
             return measure_speculators(
                 seq,
@@ -493,5 +499,18 @@ def main():
         dist.destroy_process_group()
 
 
+PLANS = {"ablation": ([], {"PART": "all"}), "ablation-1": ([], {"PART": "1"}), "ablation-2": ([], {"PART": "2"}),
+         "sweep": ([], {"PART": "sweep"}), "ddp": ([], {"PART": "ddp"})}  # fmt: skip
+
+
+def dry_run(work: Path) -> list[str]:
+    return ["--small", "--device", "cpu", "--seqs", "128", "--steps", "1", "--warmup", "1"]
+
+
+def headline(rows: list[dict]) -> dict:
+    last = next((r for r in reversed(rows) if "results" in r), {})
+    return {f"tokens_per_s@{r['seq']}": r.get("tokens_per_s") for r in last.get("results", [])}
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

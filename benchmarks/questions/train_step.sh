@@ -1,45 +1,48 @@
 #!/usr/bin/env bash
-# Training throughput on one H200: speculators 0.9.0 and our drafter's training step at seq 8192, one after the
-# other on the same GPU, on rows of one document and on packed rows of real documents (train_throughput.py --docs:
-# the embedded ShareGPT split's sequences, packed as the trainer packs them), then what each of our switches is
-# worth there, and long rows.
-# Run from the repo root. $WHEELS (default .whl) holds speculators 0.9.0 and the pure-Python packages it needs
-# (benchmarks/README.md); $DOCS a prepare-stage token file (default: the one extract_inprocess_check.sh carries,
-# 600 ShareGPT conversations through SmolLM2's chat template). JSON lines go to $OUT/ablation.jsonl, errors to
-# $OUT/ablation.err. PART=1: the GPU-only tests and the headline table (speculators and ours on both kinds of
-# rows, a profile of ours on packed rows); PART=2: the ablations and the long row (SEQS_LONG, default 131072);
-# PART=all (default) both, which takes longer than one 600 s device call.
+# train_step's GPU plan (python -m benchmarks train_step gpu-plan PLAN): speculators 0.9.0's training step and ours
+# at seq 8192 on the same GPU, on rows of one document and on packed rows of real documents (--docs: a prepare-stage
+# token file, default made here from the embedded ShareGPT split), what each of our switches is worth, long rows,
+# and data parallel over the host's GPUs. speculators runs in $SPECULATORS_PYTHON, ours in $E3_PYTHON.
+#   PART=1       the GPU-only tests and the headline table (speculators and ours on both kinds of rows, a profile)
+#   PART=2       the ablations and the long row (SEQS_LONG, default 131072)
+#   PART=all     both; PART=sweep: ours over SEQS (8192..131072) with a profile; PART=ddp: torchrun over the GPUs
+# JSON lines go to stdout and $OUT/train_step.jsonl, errors to $OUT/train_step.err.
 set -uo pipefail
-OUT=${OUT:-$PWD/h200-out}; mkdir -p "$OUT"
-WHEELS=${WHEELS:-.whl}
-DOCS=${DOCS:-benchmarks/h200/.cache/.gpu/ip/tokens.safetensors}
+mkdir -p "$OUT" "$WORK"
+DOCS=${DOCS:-$WORK/tokens.safetensors}
 PART=${PART:-all}
-[ -f "$DOCS" ] || { echo "no token file $DOCS: set DOCS (benchmarks/h200/extract_inprocess_check.sh says how to make one)" >&2; exit 2; }
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-if ls "$WHEELS"/*.whl > /dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/spec-site "$WHEELS"/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/spec-site
+step() { "$E3_PYTHON" -m benchmarks.questions.train_step "$@" 2>> "$OUT/train_step.err" | tee -a "$OUT/train_step.jsonl"; }
+peer() { "$SPECULATORS_PYTHON" -m benchmarks.questions.train_step "$@" 2>> "$OUT/train_step.err" | tee -a "$OUT/train_step.jsonl"; }
+if [ ! -f "$DOCS" ]; then
+  "$E3_PYTHON" -m benchmarks.capture_check save-tokens "$DOCS" --n 600 --max-seq-len 4096 > /dev/null || exit 3
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpus.txt"
-bench() { python3 benchmarks/train_throughput.py "$@" >> "$OUT/ablation.jsonl" 2>> "$OUT/ablation.err"; }
 SAME="--seqs 8192 --freeze-lm-head --compile-layer --checkpoint off"  # speculators' work: its lm_head frozen
 if [ "$PART" = 1 ] || [ "$PART" = all ]; then
-  # The GPU-only tests first (the loss kernel on CUDA, flex gradients, cuDNN's and flash varlen's merged attention
-  # against the dense path): a failure there explains what follows.
-  python3 -m pytest -q -p no:cacheprovider tests/unit/test_loss.py tests/unit/test_drafter.py \
-    -k "flex or loss or chunked or scores or cuda or merged or varlen or gpus" > "$OUT/pytest_gpu.log" 2>&1
+  # the GPU-only tests first (the loss kernel on CUDA, flex gradients, the merged attention's paths): a failure
+  # there explains what follows
+  "$E3_PYTHON" -m pytest -q -p no:cacheprovider tests/unit/test_loss.py tests/unit/test_drafter.py tests/gpu \
+    -k "flex or loss or chunked or scores or cuda or merged or varlen or gpus or ttt" > "$OUT/pytest_gpu.log" 2>&1
   tail -n 3 "$OUT/pytest_gpu.log"
-  bench --impl speculators --seqs 8192
-  bench --impl speculators --seqs 8192 --docs "$DOCS"
-  bench $SAME                              # one document: merged on cuDNN
-  bench $SAME --docs "$DOCS" --profile     # packed: merged on flash varlen, with a kernel breakdown
-  bench --seqs 8192 --compile-layer --checkpoint off --docs "$DOCS"   # as the trainer runs by default (lm_head trained)
+  peer --impl speculators --seqs 8192
+  peer --impl speculators --seqs 8192 --docs "$DOCS"
+  step $SAME                              # one document: merged on cuDNN
+  step $SAME --docs "$DOCS" --profile     # packed: merged on flash varlen, with a kernel breakdown
+  step --seqs 8192 --compile-layer --checkpoint off --docs "$DOCS"   # as the trainer runs by default
 fi
 if [ "$PART" = 2 ] || [ "$PART" = all ]; then
-  bench $SAME --docs "$DOCS" --attention flex   # packed rows as before: flex_attention
-  bench $SAME --docs "$DOCS" --all-rows         # the loss scoring every position
-  bench $SAME --attention varlen                # one document through flash varlen instead of cuDNN
-  bench --seqs 8192 --compile-layer --checkpoint off   # one document, lm_head trained
-  bench --seqs "${SEQS_LONG:-131072}" --compile-layer   # checkpointing where needed
+  step $SAME --docs "$DOCS" --attention flex   # packed rows as before: flex_attention
+  step $SAME --docs "$DOCS" --all-rows         # the loss scoring every position
+  step $SAME --attention varlen                # one document through flash varlen instead of cuDNN
+  step --seqs 8192 --compile-layer --checkpoint off   # one document, lm_head trained
+  step --seqs "${SEQS_LONG:-131072}" --compile-layer   # checkpointing where needed
 fi
-grep -h '^{' "$OUT/ablation.jsonl"
+if [ "$PART" = sweep ]; then
+  step --impl ours --seqs "${SEQS:-8192,16384,32768,65536,131072}" --profile
+  step --impl ours --seqs 8192 --freeze-lm-head
+fi
+if [ "$PART" = ddp ]; then  # data parallel over every visible GPU at 8192: the gradient all-reduce's scaling
+  N=$(nvidia-smi -L | wc -l)
+  "$(dirname "$E3_PYTHON")/torchrun" --standalone --nproc_per_node "$N" -m benchmarks.questions.train_step --impl ours \
+    --seqs 8192 --docs "$DOCS" 2>> "$OUT/train_step.err" | grep '^{' | tee -a "$OUT/train_step.jsonl"
+fi

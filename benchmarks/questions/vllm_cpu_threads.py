@@ -1,6 +1,10 @@
-"""vLLM's CPU build with one or all cores for its worker: the baseline and one speculative depth on the same prompts.
+"""vLLM's CPU worker on one or all cores: baseline and one speculative depth on the same prompts.
 
-    python benchmarks/vllm_cpu_threads.py outputs/tiny --depth 3 --reserved 1 0
+Prints tokens/s, AL and speedup per --reserved value and concurrency; --out writes the rows.
+
+vLLM's CPU build with one or all cores for its worker: the baseline and one speculative depth on the same prompts.
+
+    python -m benchmarks vllm_cpu_threads outputs/tiny --depth 3 --reserved 1 0
 
 vLLM keeps VLLM_CPU_NUM_OF_RESERVED_CPU cores (default 1, so one of two on a 2-core machine) for its API server and
 scheduler and binds its worker's OpenMP threads to the rest. For each --reserved value this starts the run's engine
@@ -8,7 +12,7 @@ compiled (engine.extra_args, no quick-start flags) without a drafter and with th
 measures the run's benchmark prompts (held-out, MT-Bench, HumanEval; no long contexts) at each concurrency, and
 prints tokens/s, acceptance length and the speedup over that value's own baseline, then writes the rows as JSON.
 
-    python benchmarks/vllm_cpu_threads.py outputs/tiny --depth 4 --reserved 1 --concurrency 1 --profile PY_SPY
+    python -m benchmarks vllm_cpu_threads outputs/tiny --depth 4 --reserved 1 --concurrency 1 --profile PY_SPY
 
 --profile (the path of a py-spy binary; `pip install py-spy`): py-spy samples vLLM's worker process while the
 concurrency-1 prompts run, and each server's row gets where the worker's time per generated token goes (WORK:
@@ -21,14 +25,16 @@ import collections
 import json
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
+from benchmarks import gpu_script
 from eagle3lib import engines, target
-from eagle3lib.bench import measurement, prompt_sets
-from eagle3lib.bench.steps import bench_prompts
 from eagle3lib.params import cache_dir, load_params
 from eagle3lib.prepare import conversations
+from eagle3lib.speedup import measurement, prompt_sets
+from eagle3lib.speedup.notebook import bench_prompts
 
 # What a sampled stack of vLLM's worker is doing, by the first of these frames it holds (in this order): the
 # drafter's proposal runs inside sample_tokens, the target's logits outside its forward.
@@ -95,7 +101,7 @@ def measure(p, target_dir, drafter, depth, env, prompts, args, log_dir) -> list[
     return rows
 
 
-def main():
+def main(argv: list[str] | None = None):
     ap = argparse.ArgumentParser()
     ap.add_argument("run_dir", help="a finished run (its params, bench prompts and 03_convert/vllm)")
     ap.add_argument("--params", default=None, help="default: the run's params file (run.json)")
@@ -107,7 +113,10 @@ def main():
     ap.add_argument("--dtype", default=None, help="engine --dtype (default: the engine's, bf16 for SmolLM2)")
     ap.add_argument("--out", default=None, help="JSON file of the rows")
     ap.add_argument("--profile", default=None, help="a py-spy binary: the worker's time per token at concurrency 1")
-    args = ap.parse_args()
+    ap.add_argument("--stand-in", action="store_true", help="check the options, run nothing (dry run)")
+    args = ap.parse_args(argv)
+    if args.stand_in:
+        return gpu_script.skip("vLLM's CPU servers: they need .venv-vllm and a finished run with 03_convert/vllm")
 
     run_dir = Path(args.run_dir)
     params_file = args.params or json.loads((run_dir / "run.json").read_text())["params_file"]
@@ -150,5 +159,12 @@ def main():
         )
 
 
+OUT_FILE = "rows.json"
+
+
+def dry_run(work: Path) -> list[str]:
+    return [str(work / "run"), "--stand-in"]
+
+
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -32,9 +32,9 @@ from types import SimpleNamespace
 
 from safetensors.torch import save_file
 
+from eagle3lib.drafter.config import VARIANTS
 from eagle3lib.drafter.formats import WEIGHTS, llama_fields, read_config, read_variants, to_canonical
 from eagle3lib.drafter.layer_kinds import LayerKind, layer_kind
-from eagle3lib.drafter.model import VARIANTS
 from eagle3lib.engines.sglang import SGLANG_CONVENTION, SGLANG_VERSION, sglang_config_ids
 from eagle3lib.target import (
     CONTRACT_FILE,

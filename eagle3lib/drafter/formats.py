@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from eagle3lib.drafter.config import VARIANTS
 from eagle3lib.drafter.digests import check_digests
 from eagle3lib.drafter.layer_kinds import LayerKind, layer_kind
-from eagle3lib.drafter.model import VARIANTS
 from eagle3lib.target import AUX_LAYER_ID_CONVENTION, CONTRACT_FILE, check_aux_layer_ids, read_contract
 
 LAYOUTS = ("canonical", "speculators", "specforge")
@@ -225,6 +225,100 @@ def _canonical_config(
     return d
 
 
+def renamed_tensors(tensors: dict, llama: dict, draft_vocab: int | None) -> tuple[dict, int]:
+    """(tensors under their canonical names, the draft vocabulary's size): EAGLE's midlayer.*, SGLang's old aux norm
+    names and aliases renamed, the target's embedding dropped, d2t and t2d made where a full vocabulary or d2t
+    implies them."""
+    renamed = {}
+    for name, t in tensors.items():
+        name = name.removeprefix("model.")
+        if name.startswith("midlayer."):
+            name = "layers.0." + name.removeprefix("midlayer.")
+        for legacy, i in (("aux_norm_low", 0), ("aux_norm_mid", 1), ("aux_norm_high", 2)):  # SGLang's old names
+            name = name.replace(legacy, f"fc_norm.{i}")
+        if name == "embed_tokens.weight":
+            continue
+        renamed[TENSOR_ALIASES.get(name, name)] = t
+    if draft_vocab is None:
+        draft_vocab = renamed["lm_head.weight"].shape[0] if "lm_head.weight" in renamed else llama.get("vocab_size")
+    if "d2t" not in renamed and draft_vocab == llama.get("vocab_size"):
+        renamed["d2t"] = torch.zeros(draft_vocab, dtype=torch.int64)  # full vocab: identity map
+    if "t2d" not in renamed and "d2t" in renamed:
+        t2d = torch.zeros(llama["vocab_size"], dtype=torch.bool)
+        t2d[torch.arange(renamed["d2t"].numel()) + renamed["d2t"]] = True
+        renamed["t2d"] = t2d
+    return renamed, draft_vocab
+
+
+def check_tensors(where: str, renamed: dict, shapes: dict, variants: dict) -> None:
+    """Raise ValueError unless the renamed tensors are exactly those of `shapes`, each of its shape."""
+    wanted = tuple(shapes)
+    missing = [n for n in wanted if n not in renamed]
+    extra = sorted(n for n in renamed if n not in wanted)
+    if missing or extra:
+        raise ValueError(
+            f"{where}: expected the tensors {list(wanted)} "
+            f"after renaming, missing {missing}, unexpected {extra} (EAGLE-3.1 flags: {sorted(variants) or 'none'}). "
+            "It is not a 1-layer EAGLE-3 drafter of the layout we read."
+        )
+    misshapen = [f"{n} {tuple(renamed[n].shape)} (expected {s})" for n, s in shapes.items() if renamed[n].shape != s]
+    if misshapen:
+        raise ValueError(
+            f"{where}: tensors of other shapes than its "
+            f"config gives: {'; '.join(misshapen)}. The config does not belong to these weights."
+        )
+
+
+def fit_contract(src_dir, layout, config, contract, own, d2t, draft_vocab, target_hidden, llama) -> tuple[list, dict]:
+    """(aux layer ids, the checkpoint's figures for the contract) once the checkpoint fits the contract: its own
+    (own: read from its folder, which it must match) or the target's it is imported for."""
+    aux = _aux_ids_from_config(config, contract.get("target_architecture"), contract.get("num_layers") or 0)
+    if aux is None:
+        layers = contract.get("num_layers")
+        if not layers:
+            raise ValueError(
+                f"{src_dir}: no aux layer ids in its config and no num_layers in the contract; "
+                "cannot know which target layers it reads. Add eagle_aux_hidden_state_layer_ids."
+            )
+        aux = [2, layers // 2, layers - 3]  # the engines' default, same in every convention
+    if contract.get("aux_layer_ids") not in (None, aux):
+        raise ValueError(
+            f"{src_dir}: its config reads target layers {aux} (HF hidden_states indexing) but the "
+            f"contract says {contract['aux_layer_ids']}; fix the config or the contract."
+        )
+    from eagle3lib.drafter.vocab import d2t_sha256
+
+    found = {
+        "draft_vocab_size": int(draft_vocab),
+        "d2t_sha256": d2t_sha256(d2t),
+        "hidden_size": int(target_hidden),
+        "vocab_size": llama.get("vocab_size"),
+    }
+    who, whose = ("contract", "its contract") if own else ("target", f"target {contract.get('target')!r}")
+    bad = [
+        f"{k}: {who} {contract[k]!r}, checkpoint {v!r}" for k, v in found.items() if contract.get(k) not in (None, v)
+    ]
+    if own and bad:
+        raise ValueError(
+            f"{src_dir}: the checkpoint does not match its contract ({'; '.join(bad)}). It was changed "
+            "after training or the contract belongs to another drafter; re-export from the trained checkpoint."
+        )
+    if contract.get("num_layers"):
+        try:
+            check_aux_layer_ids(aux, contract["num_layers"])
+        except ValueError:
+            bad.append(
+                f"aux_layer_ids: the checkpoint reads target layers {aux} (HF hidden_states indexing), the "
+                f"{who} has {contract['num_layers']} layers (aux layers lie in 1..{contract['num_layers'] - 1})"
+            )
+    if bad:
+        raise ValueError(
+            f"{src_dir} ({layout} layout) does not fit {whose} ({'; '.join(bad)}). Give the target this drafter "
+            "was trained for."
+        )
+    return aux, found
+
+
 def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dict]:
     """(canonical config, canonical tensors, contract) of any layout import_checkpoint reads, in memory."""
     src_dir = Path(src_dir)
@@ -260,85 +354,11 @@ def to_canonical(src_dir, contract: dict | None = None) -> tuple[dict, dict, dic
             f"({config.get('architectures')}) but has no {absent}; the draft layer's shapes come from them."
         )
 
-    renamed = {}
-    for name, t in tensors.items():
-        name = name.removeprefix("model.")
-        if name.startswith("midlayer."):
-            name = "layers.0." + name.removeprefix("midlayer.")
-        for legacy, i in (("aux_norm_low", 0), ("aux_norm_mid", 1), ("aux_norm_high", 2)):  # SGLang's old names
-            name = name.replace(legacy, f"fc_norm.{i}")
-        if name == "embed_tokens.weight":
-            continue
-        renamed[TENSOR_ALIASES.get(name, name)] = t
-    if draft_vocab is None:
-        draft_vocab = renamed["lm_head.weight"].shape[0] if "lm_head.weight" in renamed else llama.get("vocab_size")
-    if "d2t" not in renamed and draft_vocab == llama.get("vocab_size"):
-        renamed["d2t"] = torch.zeros(draft_vocab, dtype=torch.int64)  # full vocab: identity map
-    if "t2d" not in renamed and "d2t" in renamed:
-        t2d = torch.zeros(llama["vocab_size"], dtype=torch.bool)
-        t2d[torch.arange(renamed["d2t"].numel()) + renamed["d2t"]] = True
-        renamed["t2d"] = t2d
+    renamed, draft_vocab = renamed_tensors(tensors, llama, draft_vocab)
     shapes = kind.shapes({**llama, "draft_vocab_size": draft_vocab, "target_hidden_size": target_hidden}, variants)
+    check_tensors(f"{src_dir} ({layout} layout, {kind.name.upper()} draft layer)", renamed, shapes, variants)
     wanted = tuple(shapes)
-    missing = [n for n in wanted if n not in renamed]
-    extra = sorted(n for n in renamed if n not in wanted)
-    if missing or extra:
-        raise ValueError(
-            f"{src_dir} ({layout} layout, {kind.name.upper()} draft layer): expected the tensors {list(wanted)} "
-            f"after renaming, missing {missing}, unexpected {extra} (EAGLE-3.1 flags: {sorted(variants) or 'none'}). "
-            "It is not a 1-layer EAGLE-3 drafter of the layout we read."
-        )
-    misshapen = [f"{n} {tuple(renamed[n].shape)} (expected {s})" for n, s in shapes.items() if renamed[n].shape != s]
-    if misshapen:
-        raise ValueError(
-            f"{src_dir} ({layout} layout, {kind.name.upper()} draft layer): tensors of other shapes than its "
-            f"config gives: {'; '.join(misshapen)}. The config does not belong to these weights."
-        )
-
-    aux = _aux_ids_from_config(config, contract.get("target_architecture"), contract.get("num_layers") or 0)
-    if aux is None:
-        layers = contract.get("num_layers")
-        if not layers:
-            raise ValueError(
-                f"{src_dir}: no aux layer ids in its config and no num_layers in the contract; "
-                "cannot know which target layers it reads. Add eagle_aux_hidden_state_layer_ids."
-            )
-        aux = [2, layers // 2, layers - 3]  # the engines' default, same in every convention
-    if contract.get("aux_layer_ids") not in (None, aux):
-        raise ValueError(
-            f"{src_dir}: its config reads target layers {aux} (HF hidden_states indexing) but the "
-            f"contract says {contract['aux_layer_ids']}; fix the config or the contract."
-        )
-    from eagle3lib.drafter.vocab import d2t_sha256
-
-    found = {
-        "draft_vocab_size": int(draft_vocab),
-        "d2t_sha256": d2t_sha256(renamed["d2t"]),
-        "hidden_size": int(target_hidden),
-        "vocab_size": llama.get("vocab_size"),
-    }
-    who, whose = ("contract", "its contract") if own else ("target", f"target {contract.get('target')!r}")
-    bad = [
-        f"{k}: {who} {contract[k]!r}, checkpoint {v!r}" for k, v in found.items() if contract.get(k) not in (None, v)
-    ]
-    if own and bad:
-        raise ValueError(
-            f"{src_dir}: the checkpoint does not match its contract ({'; '.join(bad)}). It was changed "
-            "after training or the contract belongs to another drafter; re-export from the trained checkpoint."
-        )
-    if contract.get("num_layers"):
-        try:
-            check_aux_layer_ids(aux, contract["num_layers"])
-        except ValueError:
-            bad.append(
-                f"aux_layer_ids: the checkpoint reads target layers {aux} (HF hidden_states indexing), the "
-                f"{who} has {contract['num_layers']} layers (aux layers lie in 1..{contract['num_layers'] - 1})"
-            )
-    if bad:
-        raise ValueError(
-            f"{src_dir} ({layout} layout) does not fit {whose} ({'; '.join(bad)}). Give the target this drafter "
-            "was trained for."
-        )
+    aux, found = fit_contract(src_dir, layout, config, contract, own, renamed["d2t"], draft_vocab, target_hidden, llama)
     contract.update(found, aux_layer_ids=aux, aux_layer_id_convention=AUX_LAYER_ID_CONVENTION)
     out = {n: renamed[n] for n in wanted}
     return _canonical_config(kind, llama, int(draft_vocab), int(target_hidden), aux, variants), out, contract

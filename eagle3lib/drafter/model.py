@@ -20,16 +20,13 @@ Two ways to run it, which must agree (tests/unit/test_drafter.py):
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
-
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import nn
-from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm, LlamaRotaryEmbedding
+from transformers.models.llama.modeling_llama import LlamaMLP, LlamaRMSNorm
 
-from eagle3lib.drafter.mla import MLA_ARCHITECTURE, MLA_DIMS, MLAAttention
+from eagle3lib.drafter.config import DrafterConfig
 from eagle3lib.drafter.ttt_attention import (
     HALF_DTYPES,
     TTT_BLOCK,
@@ -42,307 +39,6 @@ from eagle3lib.drafter.ttt_attention import (
     row_layout,
     ttt_block_masks,
 )
-
-ARCHITECTURE = "LlamaForCausalLMEagle3"
-VARIANTS = ("norm_before_fc", "fc_norm", "norm_output", "norm_before_residual")
-
-
-def rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(q, k, cos, sin):
-    """Llama's rotary embedding on q, k [B,heads,T,d] with cos, sin [B,T,d]: transformers' apply_rotary_pos_emb,
-    written here because that one dispatches through a variable that `kernels` makes process-wide once anything
-    compiles, which the hf capture's thread sets mid-forward while the trainer compiles (train.source online)."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-
-def standard_rope(rope: dict) -> dict:
-    """Rope parameters with the rope's kind under rope_type only ("type" is the older key of DeepSeek's and
-    TorchSpec's configs, which transformers keeps beside it), so a config reads back equal to itself."""
-    rope = dict(rope)
-    kind = rope.pop("type", None)
-    rope.setdefault("rope_type", kind or "default")
-    return rope
-
-
-@dataclass
-class DrafterConfig:
-    hidden_size: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int  # the target's
-    draft_vocab_size: int
-    target_hidden_size: int
-    aux_layer_ids: list[int]  # HF hidden_states indexing (docs/design.md §4)
-    rms_norm_eps: float = 1e-5
-    hidden_act: str = "silu"
-    max_position_embeddings: int = 8192
-    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
-    # EAGLE-3.1's norms (speculators' eagle3 defaults turn on the first three): all off is the original EAGLE-3.
-    norm_before_fc: bool = False  # one RMSNorm over the concatenated aux states before fc
-    fc_norm: bool = False  # an RMSNorm per aux state before fc (exclusive with norm_before_fc)
-    norm_output: bool = False  # the next chain step takes norm(h), not the pre-norm h
-    norm_before_residual: bool = False  # the layer's residual is hidden_norm(h), not h
-    # The layer's attention (ATTENTIONS): gqa = Llama's q/k/v heads; mla = DeepSeek's multi-head latent attention,
-    # with these dims (drafter/mla.py; q_lora_rank None: q_proj reads the input directly). head_dim is then the
-    # rotary's, qk_rope_head_dim, as DeepSeek's configs define it.
-    draft_attention: str = "gqa"
-    q_lora_rank: int | None = None
-    kv_lora_rank: int | None = None
-    qk_nope_head_dim: int | None = None
-    qk_rope_head_dim: int | None = None
-    v_head_dim: int | None = None
-
-    def __post_init__(self):
-        if self.norm_before_fc and self.fc_norm:
-            raise ValueError("norm_before_fc and fc_norm are exclusive: one norm over the aux states, or one each")
-        if self.draft_attention not in ATTENTIONS:
-            raise ValueError(f"draft_attention is one of {sorted(ATTENTIONS)}, not {self.draft_attention!r}")
-        dims = {d: getattr(self, d) for d in MLA_DIMS}
-        if self.draft_attention == "mla" and None in [v for d, v in dims.items() if d != "q_lora_rank"]:
-            raise ValueError(
-                f"an MLA drafter needs kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim: {dims}"
-            )
-        if self.q_lora_rank is not None and self.q_lora_rank < 1:
-            raise ValueError(f"q_lora_rank is None (q_proj reads the input) or positive, not {self.q_lora_rank}")
-        if self.draft_attention == "gqa" and any(v is not None for v in dims.values()):
-            raise ValueError(f"MLA dims on a gqa drafter: {dims}")
-
-    @property
-    def attention_class(self) -> type[nn.Module]:
-        """The layer's attention module: the one place the gqa / mla choice is read."""
-        return ATTENTIONS[self.draft_attention]
-
-    @property
-    def mla_dims(self) -> dict:
-        return {d: getattr(self, d) for d in MLA_DIMS} if self.draft_attention == "mla" else {}
-
-    @property
-    def variants(self) -> dict[str, bool]:
-        """The EAGLE-3.1 flags that are on."""
-        return {f: True for f in VARIANTS if getattr(self, f)}
-
-    @classmethod
-    def from_target(
-        cls,
-        target_config,
-        draft_vocab_size: int,
-        aux_layer_ids: list[int],
-        draft_attention: str = "gqa",
-        mla: dict | None = None,
-    ) -> DrafterConfig:
-        """Dims default to the target's, as the engines expect. An MLA target (DeepSeek-V3, Kimi-K2.5) has no
-        plain head size: a gqa drafter's Llama heads take its value head size (128 for Kimi, as the released
-        Kimi drafters have). An mla drafter takes the target's MLA dims and heads where it has them, `mla`'s
-        values ({dim: value}, None = the target's) where given; a dim neither has is an error naming it."""
-        c = getattr(target_config, "text_config", None) or target_config
-        if draft_attention == "mla":
-            return cls.from_target(c, draft_vocab_size, aux_layer_ids).with_mla(c, mla or {})
-        heads = c.num_attention_heads
-        mla_head_dim = getattr(c, "v_head_dim", None) if getattr(c, "kv_lora_rank", None) else None
-        rope = getattr(c, "rope_parameters", None) or {
-            "rope_type": "default",
-            "rope_theta": getattr(c, "rope_theta", 10000.0),
-        }
-        return cls(
-            hidden_size=c.hidden_size,
-            num_attention_heads=heads,
-            num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
-            head_dim=mla_head_dim or getattr(c, "head_dim", None) or c.hidden_size // heads,
-            intermediate_size=c.intermediate_size,
-            vocab_size=c.vocab_size,
-            draft_vocab_size=draft_vocab_size,
-            target_hidden_size=c.hidden_size,
-            aux_layer_ids=list(aux_layer_ids),
-            rms_norm_eps=c.rms_norm_eps,
-            hidden_act=getattr(c, "hidden_act", "silu"),
-            max_position_embeddings=getattr(c, "max_position_embeddings", 8192),
-            rope_parameters=standard_rope(rope),
-        )
-
-    def with_mla(self, target_text_config, given: dict) -> DrafterConfig:
-        """This config as an mla drafter: each MLA dim (and num_attention_heads) from `given` where not None,
-        else the target's. A q_lora_rank is required although the layer can do without (q_proj): neither engine
-        serves that (vLLM 0.32's loader stacks kv_a_proj_with_mqa into fused_qkv_a_proj, which only the low-rank
-        q has: tests/e2e/test_mla_vllm.py; SGLang 0.5.17's kimi_k25_eagle3 raises without it)."""
-        dims = {}
-        for name in (*MLA_DIMS, "num_attention_heads"):
-            value = given.get(name)
-            if value is None:
-                value = getattr(target_text_config, name, None)
-            if value is None:
-                why = "is null: no engine serves an MLA drafter without the low-rank q" if name == "q_lora_rank" else ""
-                raise ValueError(
-                    f"the target's config has no {name} ({why or 'it is not an MLA model'}): give it in train.mla.{name}"
-                )
-            dims[name] = value
-        heads = dims.pop("num_attention_heads")
-        return replace(
-            self,
-            draft_attention="mla",
-            num_attention_heads=heads,
-            num_key_value_heads=heads,
-            head_dim=dims["qk_rope_head_dim"],
-            **dims,
-        )
-
-    def llama_config(self) -> LlamaConfig:
-        return LlamaConfig(
-            hidden_size=self.hidden_size,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            head_dim=self.head_dim,
-            intermediate_size=self.intermediate_size,
-            vocab_size=self.vocab_size,
-            rms_norm_eps=self.rms_norm_eps,
-            hidden_act=self.hidden_act,
-            num_hidden_layers=1,
-            max_position_embeddings=self.max_position_embeddings,
-            rope_parameters=dict(self.rope_parameters),
-            tie_word_embeddings=False,
-        )
-
-    def to_hf_dict(self) -> dict:
-        """config.json of the canonical checkpoint: flat Llama fields plus the EAGLE-3 ones; an mla drafter's is
-        TorchSpec's Eagle3DeepseekV2ForCausalLM config (mla_hf_dict)."""
-        if self.draft_attention == "mla":
-            return self.mla_hf_dict()
-        d = self.llama_config().to_dict()
-        d.update(
-            architectures=[ARCHITECTURE],
-            model_type="llama",
-            draft_vocab_size=self.draft_vocab_size,
-            target_hidden_size=self.target_hidden_size,
-            num_hidden_layers=1,
-            tie_word_embeddings=False,
-            eagle_config={
-                "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
-                "aux_layer_id_convention": "hf_hidden_states",
-            },
-            **self.variants,
-        )
-        return d
-
-    def mla_hf_dict(self) -> dict:
-        """TorchSpec's keys (its Kimi-K2.5 MLA drafter's config.json), the rope as rope_theta + rope_scaling, plus
-        ours: target_hidden_size, the aux ids' convention, EAGLE-3.1's flags. model_type deepseek_v2: a config class
-        every engine's transformers knows (kimi_k2, TorchSpec's, only vLLM's registry does), which vLLM does not take
-        for DeepSeek's MTP head as it takes deepseek_v3 (SpeculativeConfig.hf_config_override)."""
-        scaling = {k: v for k, v in self.rope_parameters.items() if k != "rope_theta"}
-        return {
-            "architectures": [MLA_ARCHITECTURE],
-            "model_type": "deepseek_v2",
-            "hidden_size": self.hidden_size,
-            "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": 1,
-            "num_attention_heads": self.num_attention_heads,
-            "num_key_value_heads": self.num_attention_heads,
-            **self.mla_dims,
-            "head_dim": self.qk_rope_head_dim,
-            "hidden_act": self.hidden_act,
-            "rms_norm_eps": self.rms_norm_eps,
-            "vocab_size": self.vocab_size,
-            "draft_vocab_size": self.draft_vocab_size,
-            "target_hidden_size": self.target_hidden_size,
-            "max_position_embeddings": self.max_position_embeddings,
-            "rope_theta": self.rope_parameters.get("rope_theta", 10000.0),
-            "rope_scaling": None if scaling.get("rope_type", "default") == "default" else scaling,
-            "tie_word_embeddings": False,
-            "eagle_config": {
-                "eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
-                "aux_layer_id_convention": "hf_hidden_states",
-            },
-            **self.variants,
-        }
-
-    @classmethod
-    def from_hf_dict(cls, d: dict) -> DrafterConfig:
-        rope = d.get("rope_parameters") or {"rope_theta": d.get("rope_theta", 10000.0), **(d.get("rope_scaling") or {})}
-        heads = d["num_attention_heads"]
-        mla = MLA_ARCHITECTURE in (d.get("architectures") or [])
-        return cls(
-            hidden_size=d["hidden_size"],
-            num_attention_heads=heads,
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=(d["qk_rope_head_dim"] if mla else d.get("head_dim")) or d["hidden_size"] // heads,
-            intermediate_size=d["intermediate_size"],
-            vocab_size=d["vocab_size"],
-            draft_vocab_size=d.get("draft_vocab_size") or d["vocab_size"],
-            target_hidden_size=d.get("target_hidden_size") or d["hidden_size"],
-            aux_layer_ids=list(d["eagle_config"]["eagle_aux_hidden_state_layer_ids"]),
-            rms_norm_eps=d["rms_norm_eps"],
-            hidden_act=d.get("hidden_act", "silu"),
-            max_position_embeddings=d.get("max_position_embeddings", 8192),
-            rope_parameters=standard_rope(rope),
-            **{f: bool(d.get(f, False)) for f in VARIANTS},
-            **({"draft_attention": "mla", **{k: d.get(k) for k in MLA_DIMS}} if mla else {}),
-        )
-
-    def as_dict(self) -> dict:
-        return asdict(self)
-
-
-class Attention(nn.Module):
-    """Llama attention over a 2H input; the caller supplies keys/values to attend to and the mask."""
-
-    TARGET_LAYER = "a Llama-shaped target layer"  # what init_from_target_layer maps
-
-    def __init__(self, cfg: DrafterConfig):
-        super().__init__()
-        self.heads, self.kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(2 * cfg.hidden_size, self.heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(2 * cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(2 * cfg.hidden_size, self.kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.heads * self.head_dim, cfg.hidden_size, bias=False)
-
-    @staticmethod
-    def rotary_embedding(cfg: DrafterConfig) -> nn.Module:
-        return LlamaRotaryEmbedding(cfg.llama_config())
-
-    INPUT_PROJECTIONS = ("q_proj", "k_proj", "v_proj")  # the linear maps of the layer's 2H input
-
-    def input_weight(self) -> torch.Tensor:
-        """[(h+2kv)·d, 2H]: the q, k and v projections of the layer's input, stacked."""
-        return torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
-
-    def heads_from_input(self, qkv, cos, sin):
-        """F.linear(x, input_weight()) [B,T,(h+2kv)·d] → q [B,h,T,d], k, v [B,kv,T,d], rotary applied."""
-        q, k, v = qkv.split(
-            [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim], -1
-        )
-        return self.heads_with_rope(q, k, v, cos, sin)
-
-    def qkv(self, x, cos, sin):
-        return self.heads_with_rope(self.q_proj(x), self.k_proj(x), self.v_proj(x), cos, sin)
-
-    def heads_with_rope(self, q, k, v, cos, sin):
-        """[B,T,h·d] projections → q [B,h,T,d], k, v [B,kv,T,d], rotary applied to q and k."""
-        b, t, _ = q.shape
-        q = q.view(b, t, self.heads, self.head_dim).transpose(1, 2)
-        k = k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        v = v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, k, cos, sin)
-        return q, k, v
-
-    def output(self, out):
-        """o_proj over attention outputs [B,h,T,d]."""
-        b, _, t, _ = out.shape
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.heads * self.head_dim))
-
-    def attend(self, q, k, v, mask):
-        """q [B,h,T,d]; k, v [B,kv,S,d]; mask bool [B,T,S] (True = may attend)."""
-        return self.output(
-            F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None], enable_gqa=self.heads != self.kv_heads)
-        )
-
-
-ATTENTIONS = {"gqa": Attention, "mla": MLAAttention}
 
 
 class DecoderLayer(nn.Module):
@@ -510,6 +206,38 @@ class Drafter(nn.Module):
         steps = embeds.shape[1] - t + 1
         if steps < 1:
             raise ValueError(f"embeds has {embeds.shape[1]} positions for {t} aux positions: expected T+K-1 ≥ T")
+        attn, layer = self.layer.self_attn, self.layer
+        keep, attend = self.ttt_attention(attention, aux, doc_ids, layout, steps)
+        w_embed, w_hidden = layer.qkv_weight_halves()
+        embed_qkv = layer.embed_qkv(embeds, w_embed)  # [B,T+K-1,(h+2kv)·d], once
+
+        def one_step(k, hidden, *cached):
+            cos, sin = self.rope(hidden, position_ids + k)
+            q, key, value = layer.step_qkv(embed_qkv[:, k : k + t], hidden, w_hidden, cos, sin)
+            key, value = keep(k, key), keep(k, value)
+            keys, values = cached[: len(cached) // 2] + (key,), cached[len(cached) // 2 :] + (value,)
+            return layer.finish(attn.output(attend(k, q, keys, values)), hidden), key, value
+
+        hidden = self.project(aux)
+        keys, values, outputs = [], [], []
+        for k in range(steps):
+            if checkpoint:
+                out, key, value = torch.utils.checkpoint.checkpoint(
+                    one_step, k, hidden, *keys, *values, use_reentrant=False
+                )
+            else:
+                out, key, value = one_step(k, hidden, *keys, *values)
+            keys.append(key)
+            values.append(value)
+            outputs.append(out)
+            hidden = self.next_state(out)
+        return outputs
+
+    def ttt_attention(self, attention: str, aux, doc_ids, layout: RowLayout | None, steps: int):
+        """ttt_forward's attention, chosen ("auto" resolved, see ttt_forward) and set up once: (keep, attend), where
+        keep(k, x) lays step k's keys or values out as the kernel takes them and attend(k, q, keys, values) runs step
+        k's query against step 0's keys and those of steps 1..k."""
+        t = aux.shape[1]
         half = torch.is_autocast_enabled("cuda") or self.fc.weight.dtype in HALF_DTYPES
         if attention == "auto":
             attention = auto_attention(aux.is_cuda, half)
@@ -523,10 +251,8 @@ class Drafter(nn.Module):
             layout = layout or row_layout(doc_ids)
             if attention == "varlen" or not layout.one_document:
                 attention, segments = "merged", layout.segments
-        attn, layer = self.layer.self_attn, self.layer
+        attn = self.layer.self_attn
         groups = attn.heads // attn.kv_heads
-        w_embed, w_hidden = layer.qkv_weight_halves()
-        embed_qkv = layer.embed_qkv(embeds, w_embed)  # [B,T+K-1,(h+2kv)·d], once
         if attention == "flex":
             t_pad = -(-t // TTT_BLOCK) * TTT_BLOCK  # each step's keys fill whole blocks (ttt_block_masks)
             masks = ttt_block_masks(F.pad(doc_ids, (0, t_pad - t), value=-1), t, steps)
@@ -552,27 +278,7 @@ class Drafter(nn.Module):
                 )
             return dense_ttt_attention(q, keys, values, prefix_mask)
 
-        def one_step(k, hidden, *cached):
-            cos, sin = self.rope(hidden, position_ids + k)
-            q, key, value = layer.step_qkv(embed_qkv[:, k : k + t], hidden, w_hidden, cos, sin)
-            key, value = keep(k, key), keep(k, value)
-            keys, values = cached[: len(cached) // 2] + (key,), cached[len(cached) // 2 :] + (value,)
-            return layer.finish(attn.output(attend(k, q, keys, values)), hidden), key, value
-
-        hidden = self.project(aux)
-        keys, values, outputs = [], [], []
-        for k in range(steps):
-            if checkpoint:
-                out, key, value = torch.utils.checkpoint.checkpoint(
-                    one_step, k, hidden, *keys, *values, use_reentrant=False
-                )
-            else:
-                out, key, value = one_step(k, hidden, *keys, *values)
-            keys.append(key)
-            values.append(value)
-            outputs.append(out)
-            hidden = self.next_state(out)
-        return outputs
+        return keep, attend
 
     # --------------------------------------------------------- inference ----
     def step(self, cache: DraftCache, embeds, hidden, position_ids, from_target: bool):

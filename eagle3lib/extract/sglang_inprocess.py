@@ -1,5 +1,5 @@
 """SGLang's model runner in this process (run in SGLang's interpreter): the Engine that 01_extract's
-sglang_inprocess backend (extract/sglang_inprocess_extract.py) and online training (train/online.py, EngineStates)
+sglang_inprocess backend (extract/sglang_inprocess_extract.py) and online training (train/sources/online.py, EngineStates)
 capture with, GPU hosts.
 
 The server backend (extract/sglang.py) gets the states as JSON floats and prefills every token twice; this one
@@ -213,7 +213,7 @@ def split_states(aux, final, lengths: list[int]) -> list[tuple[torch.Tensor, tor
 
 
 class EngineStates:
-    """Online training's StateSource (train/online.py) over an Engine: one extend() of consecutive sequences, packed
+    """Online training's StateSource (train/sources/online.py) over an Engine: one extend() of consecutive sequences, packed
     without padding, their states handed to the trainer on the host (as the hf source hands them)."""
 
     name = "sglang_inprocess"

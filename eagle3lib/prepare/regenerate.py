@@ -6,7 +6,7 @@ regenerated turn when a reply hits max_new_tokens (the target had not finished, 
 user turns no longer fit), or when the next prompt exceeds max_prompt_tokens.
 The token budget: hf runs fixed batches and checks it before each wave of a batch's turns;
 engines run the conversations in order, batch_size in flight, and check it before starting
-a conversation (see _in_window). Conversations not started keep their original responses.
+a conversation (see regenerate_window.py). Conversations not started keep their original responses.
 
 The time limit (data.regenerate.max_minutes): after the first batch (hf) or window of conversations (engines) the
 token budget is cut to what the measured tokens/s fits in the minutes, less the conversations still in flight when
@@ -24,17 +24,14 @@ import os
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from tqdm.auto import tqdm
 
 from eagle3lib.prepare import conversations
-from eagle3lib.prepare.conversations import render
+from eagle3lib.prepare.regenerate_turns import Job, next_prompt, record, start, take_reply
+from eagle3lib.prepare.regenerate_window import in_window
 from eagle3lib.prepare.sizing import TokenBudget
 
 
@@ -112,102 +109,26 @@ def eos_token_ids(model, tokenizer) -> set:
     return ids
 
 
-def _start(conv) -> dict:
-    return {"conv": conv, "out": [], "pos": 0, "gen": 0, "turns": 0, "stop": None}
-
-
-def _next_prompt(tokenizer, st, max_prompt_tokens, over_budget=False) -> str | None:
-    """The prompt for st's next assistant turn, moving st past that turn; None (and st["stop"] says why)
-    when the conversation ends here."""
-    msgs = st["conv"]["messages"]
-    nxt = next((j for j in range(st["pos"], len(msgs)) if msgs[j]["role"] == "assistant"), None)
-    if nxt is None:
-        st["stop"] = "done"
-        return None
-    if over_budget:
-        st["stop"] = "budget"
-        return None
-    prompt = render(tokenizer, st["out"] + msgs[st["pos"] : nxt], add_generation_prompt=True)
-    if len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) > max_prompt_tokens:
-        st["stop"] = "prompt too long"
-        return None
-    st["out"] += msgs[st["pos"] : nxt]
-    st["pos"] = nxt + 1
-    return prompt
-
-
-def _take_reply(st, text: str, n: int, finished: bool) -> int:
-    st["out"].append({"role": "assistant", "content": text})
-    st["gen"] += n
-    st["turns"] += 1
-    if not finished:  # the target had not finished: later user turns no longer fit
-        st["stop"] = "max_new_tokens"
-    return n
-
-
-def _record(st) -> dict:
-    if st["turns"] == 0:
-        messages = st["conv"]["messages"]
-    else:
-        last = max(j for j, m in enumerate(st["out"]) if m["role"] == "assistant")
-        messages = st["out"][: last + 1]
-    return {
-        "id": st["conv"]["id"],
-        "messages": messages,
-        "regenerated": st["turns"] > 0,
-        "turns_regenerated": st["turns"],
-        "generated_tokens": st["gen"],
-        "stop": st["stop"],
-    }
-
-
 def _regenerate_batch(model, tokenizer, batch, max_new_tokens, max_prompt_tokens, budget_left, eos_ids, generate):
     """hf: the batch's conversations advance in waves, one padded generate call per wave."""
-    states = [_start(c) for c in batch]
+    states = [start(c) for c in batch]
     spent = 0
     while True:
         active, prompts = [], []
         for st in states:
             if not st["stop"]:
-                prompt = _next_prompt(tokenizer, st, max_prompt_tokens, over_budget=spent >= budget_left)
+                prompt = next_prompt(tokenizer, st, max_prompt_tokens, over_budget=spent >= budget_left)
                 if prompt is not None:
                     active.append(st)
                     prompts.append(prompt)
         if not active:
             break
         for st, reply in zip(active, generate(model, tokenizer, prompts, max_new_tokens, eos_ids)):
-            spent += _take_reply(st, *reply)
-    return [_record(st) for st in states]
+            spent += take_reply(st, *reply)
+    return [record(st) for st in states]
 
 
-def _regenerate_one(tokenizer, conv, max_prompt_tokens, reply, tokenizer_lock) -> dict:
-    """engines: one conversation, turn after turn, as soon as each reply is back."""
-    st = _start(conv)
-    while not st["stop"]:
-        with tokenizer_lock:
-            prompt = _next_prompt(tokenizer, st, max_prompt_tokens)
-        if prompt is not None:
-            _take_reply(st, *reply(prompt))
-    return _record(st)
-
-
-@dataclass
-class _Job:
-    """What the two ways of regenerating share: the conversations in input order, the records already done
-    (by id) and the function that appends new ones, the token budget and the generation limits."""
-
-    tokenizer: Any
-    conversations: list
-    done: dict
-    write: Callable
-    budget: TokenBudget
-    max_new_tokens: int
-    max_prompt_tokens: int
-    eos_ids: set
-    progress: bool
-
-
-def _in_batches(job: _Job, model, batch_size: int, generate):
+def _in_batches(job: Job, model, batch_size: int, generate):
     """hf: fixed slices of batch_size conversations, one after the other. Returns (stopped_at, this_run)."""
     conversations, done = job.conversations, job.done
     used, this_run, stopped_at = 0, 0, None
@@ -240,86 +161,33 @@ def _in_batches(job: _Job, model, batch_size: int, generate):
     return stopped_at, this_run
 
 
-class _Dropped(Exception):
-    """A conversation started ahead of its admission and then refused: its remaining turns are not asked."""
+def done_with_settings(out_path: Path, settings: dict) -> dict:
+    """The records already in out_path (its folder made), each written with these settings; ValueError otherwise."""
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    done = _read_done(out_path)
+    for rec in done.values():
+        if rec.get("settings") != settings:
+            raise ValueError(
+                f"{out_path} was written with settings {rec.get('settings')}, now {settings}. "
+                "Delete it (or use another path) to regenerate with the new settings."
+            )
+    return done
 
 
-def _in_window(job: _Job, engine, window: int):
-    """engines: conversations in input order, `window` of them in flight, each advancing to its next turn as
-    soon as its reply is back (hf's waves wait for the batch's longest reply: SGLang on an H200 managed
-    3,277 tokens/s that way). The budget's rule is of the replies alone, not of timing: conversation i is
-    regenerated only while conversations 0 .. i - window spent less than the budget. A conversation starts as soon
-    as a slot is free, ahead of that rule (waiting for conversation i - window to finish held slots idle behind a
-    long conversation: a mean of 60 of 256 in flight, benchmarks/README.md); the rule is applied in input order
-    as the conversations finish, and one refused (with all after it) is dropped unwritten, its remaining turns not
-    asked. Records are written in input order. The replies themselves are the same in a rerun where the engine's
-    kernels do not depend on batch shape (vLLM's CPU build in fp32; bf16 rounds by batch shape, docs/design.md
-    §3). Returns (stopped_at, this_run)."""
-    tokenizer, conversations, done = job.tokenizer, job.conversations, job.done
-    lock, drop_from = threading.Lock(), [len(conversations)]  # conversations from drop_from on are refused
-    engine_turn = engine_reply(engine, tokenizer, job.max_new_tokens, job.eos_ids, lock)
-    spent_before = [0]  # spent_before[i]: tokens of conversations 0 .. i-1 (done earlier or regenerated here)
-    this_run, stopped_at, settled = 0, None, []
-    replied = [0]  # tokens of every reply back so far (the conversations in flight included): the sizing's rate
-    bar = tqdm(total=len(conversations), desc="regenerate", disable=not job.progress)
-    t0 = time.perf_counter()
-
-    def reply_of(index):  # conversation index's turns; one refused stops at its next turn
-        def reply(prompt):
-            if index >= drop_from[0]:
-                raise _Dropped
-            text, n, finished = engine_turn(prompt)
-            with lock:
-                replied[0] += n
-            return text, n, finished
-
-        return reply
-
-    def admitted(i) -> bool:  # the budget's rule for conversation i, once 0 .. i-1 are settled
-        return spent_before[max(0, i - window + 1)] < job.budget.at(i)
-
-    running, started = {}, 0  # conversations 0 .. started-1 are running, finished, or were done earlier
-    pool = ThreadPoolExecutor(window)
-
-    def fill():  # the free slots, in input order, while what is settled so far does not refuse the next one
-        nonlocal started
-        while started < len(conversations) and sum(not f.done() for f in running.values()) < window:
-            known = spent_before[min(len(spent_before) - 1, max(0, started - window + 1))]  # the rule only grows
-            if known >= job.budget.at(started):
-                drop_from[0] = min(drop_from[0], started)
-                return
-            if conversations[started]["id"] not in done:
-                conv, reply = conversations[started], reply_of(started)
-                running[started] = pool.submit(_regenerate_one, tokenizer, conv, job.max_prompt_tokens, reply, lock)
-            started += 1
-
-    try:
-        for i, conv in enumerate(conversations):  # in input order: the rule, the records, the spent tokens
-            fill()
-            if not admitted(i):
-                stopped_at = drop_from[0] = i
-                break
-            if conv["id"] in done:
-                tokens = done[conv["id"]]["generated_tokens"]
-            else:
-                while not running[i].done():  # a slot freed by a later conversation is filled at once
-                    wait([running[i], *(f for f in running.values() if not f.done())], return_when=FIRST_COMPLETED)
-                    fill()
-                record = running.pop(i).result()
-                tokens = record["generated_tokens"]
-                settled.append(tokens)
-                if job.budget.pending and len(settled) == window:  # less one window of conversations in flight
-                    # from the conversation a window after this one on (the rule's first one to read it)
-                    job.budget.decide(i + window, replied[0], time.perf_counter() - t0, window, sum(settled))
-                job.write([record], index=i)
-                this_run += tokens
-            spent_before.append(spent_before[-1] + tokens)
-            bar.update()
-    finally:
-        drop_from[0] = 0  # whatever still runs (a failure ended the loop) stops at its next turn
-        pool.shutdown(wait=True, cancel_futures=True)
-        bar.close()
-    return stopped_at, this_run
+def run_stats(recs: list[dict], conversations: int, this_run: int, seconds: float) -> dict:
+    """regenerate_responses' counts over the records of its `conversations`, and this run's rate."""
+    regenerated = sum(r["regenerated"] for r in recs)
+    return {
+        "conversations": conversations,
+        "regenerated": regenerated,
+        "kept_original": conversations - regenerated,
+        "turns_regenerated": sum(r["turns_regenerated"] for r in recs),
+        "tokens_generated": sum(r["generated_tokens"] for r in recs),
+        "tokens_generated_this_run": this_run,
+        "seconds_this_run": round(seconds, 2),
+        "tokens_per_s": round(this_run / seconds, 1) if seconds > 0 and this_run else 0.0,
+        "stops": dict(Counter(r["stop"] for r in recs)),
+    }
 
 
 def regenerate_responses(
@@ -358,19 +226,11 @@ def regenerate_responses(
         "max_new_tokens": max_new_tokens,
         "batch_size": batch_size,
         "max_prompt_tokens": max_prompt_tokens,
+        # hf files written before backends existed, and files written before the time limit, stay resumable
+        **({"backend": backend} if backend != "hf" else {}),
+        **({"max_minutes": max_minutes} if max_minutes is not None else {}),
     }
-    if backend != "hf":  # hf files written before backends existed stay resumable
-        settings["backend"] = backend
-    if max_minutes is not None:  # likewise files written before the time limit
-        settings["max_minutes"] = max_minutes
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    done = _read_done(out_path)
-    for rec in done.values():
-        if rec.get("settings") != settings:
-            raise ValueError(
-                f"{out_path} was written with settings {rec.get('settings')}, now {settings}. "
-                "Delete it (or use another path) to regenerate with the new settings."
-            )
+    done = done_with_settings(out_path, settings)
     budget = TokenBudget.from_records(budget_tokens, max_minutes, done.values())
     eos_ids = eos_token_ids(model, tokenizer)
     saved = tokenizer.padding_side, tokenizer.pad_token
@@ -389,35 +249,21 @@ def regenerate_responses(
                 os.fsync(f.fileno())
                 done.update({r["id"]: r for r in records})
 
-            job = _Job(
-                tokenizer,
-                conversations,
-                done,
-                write,
-                budget,
-                max_new_tokens,
-                max_prompt_tokens,
-                eos_ids,
-                progress,
+            job = Job(
+                tokenizer, conversations, done, write, budget, max_new_tokens, max_prompt_tokens, eos_ids, progress
             )
             if engine is None:
                 stopped_at, this_run = _in_batches(job, model, batch_size, generate)
             else:
-                stopped_at, this_run = _in_window(job, engine, batch_size)
+                lock = threading.Lock()
+                engine_turn = engine_reply(engine, tokenizer, max_new_tokens, eos_ids, lock)
+                stopped_at, this_run = in_window(job, engine_turn, lock, batch_size)
     finally:
         tokenizer.padding_side, tokenizer.pad_token = saved
     seconds = time.perf_counter() - t0
     recs = [done[i] for i in ids if i in done]
     return {
-        "conversations": len(conversations),
-        "regenerated": sum(r["regenerated"] for r in recs),
-        "kept_original": len(conversations) - sum(r["regenerated"] for r in recs),
-        "turns_regenerated": sum(r["turns_regenerated"] for r in recs),
-        "tokens_generated": sum(r["generated_tokens"] for r in recs),
-        "tokens_generated_this_run": this_run,
-        "seconds_this_run": round(seconds, 2),
-        "tokens_per_s": round(this_run / seconds, 1) if seconds > 0 and this_run else 0.0,
-        "stops": dict(Counter(r["stop"] for r in recs)),
+        **run_stats(recs, len(conversations), this_run, seconds),
         "backend": backend,
         "budget_tokens": budget_tokens,
         "budget_exhausted": stopped_at is not None,

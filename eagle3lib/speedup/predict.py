@@ -18,8 +18,8 @@ import torch
 from eagle3lib.extract.hf import capture_hidden_states
 from eagle3lib.extract.shards import plan_batches
 from eagle3lib.target import check_aux_layer_ids, num_layers
-from eagle3lib.train.runtime.batches import Sequence, make_batch
 from eagle3lib.train.metrics import AcceptanceCounter
+from eagle3lib.train.runtime.batches import Sequence, make_batch
 from eagle3lib.train.ttt_step import ttt_loss_sums
 
 ALL = "all"

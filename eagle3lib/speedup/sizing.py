@@ -61,6 +61,8 @@ def config_seconds(speeds: Speeds, prompts: list[dict], max_tokens: int, concurr
 
 @dataclass(frozen=True)
 class Fit:
+    """The prompts chosen to fit the stage's minutes, with the estimates and speeds they were chosen by."""
+
     prompts: list[dict]
     seconds_left: float
     configurations: int

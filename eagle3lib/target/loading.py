@@ -2,7 +2,6 @@
 config without weights, and the few frozen tensors a drafter takes from it.
 """
 
-import hashlib
 import json
 import os
 import shutil
@@ -13,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from eagle3lib.run_folder import file_digest
 from eagle3lib.target.config import WrapperConfig, load_config, text_config
 
 EMBEDDED_TARGET = "embedded:smollm2-135m-instruct"
@@ -55,20 +55,12 @@ def embedded_gguf_path() -> Path:
     return path
 
 
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _cache_marker(gguf: Path) -> dict:
     return {
         "format_version": CACHE_FORMAT_VERSION,
         "source": gguf.name,
         "source_size": gguf.stat().st_size,
-        "source_sha256": _file_sha256(gguf),
+        "source_sha256": file_digest(gguf),
     }
 
 

@@ -1,7 +1,15 @@
-"""The training loop: the schedule, evaluation, checkpoints and resume around the TTT step (train/step.py).
+"""The EAGLE-3 training loop: the spine of 02_train. Read top to bottom, then in this order:
 
-    setup = setup.build_setup(p, run_dir, device)       # what the run trains on (train/setup.py)
-    summary = train(setup, p.train, seed, device)        # steps until max_tokens or max_minutes
+    train() and Loop.run here    steps until the schedule's end: take_step, evaluate_now every eval_every, checkpoint
+    ttt_step.py                  one optimizer step: the drafter unrolled over ttt_steps (training-time test)
+    loss.py, metrics.py          the soft cross-entropy against the target, and the acceptance it predicts
+    ../drafter/model.py          the drafter: fc over the target's aux states, one decoder layer, the draft head
+
+The machinery lives in runtime/ (setup, batches, checkpoints, optimizer, schedule, data parallel, speedups, launch)
+and sources/ (where the states come from: 01_extract's shards, or the target run alongside, online).
+
+    setup, _ = runtime.setup.build_setup(p, run_dir, device)   # what the run trains on
+    summary = train(setup, p.train, seed, device)               # steps until max_tokens or max_minutes
 
 Under torchrun every rank runs the same loop on the same stream: rank r computes every N-th micro-batch of a step,
 gradients are summed with all_reduce and the loss is normalized by the global count of positions, so N processes
@@ -11,7 +19,6 @@ take exactly the step one process takes with the same global batch.
 from __future__ import annotations
 
 import json
-import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,20 +27,21 @@ import torch
 
 from eagle3lib.drafter import Drafter
 from eagle3lib.train import TrainingError
-from eagle3lib.train.batches import batch_to
-from eagle3lib.train.checkpoint import (
+from eagle3lib.train.metrics import AcceptanceCounter
+from eagle3lib.train.runtime.batches import batch_to
+from eagle3lib.train.runtime.best_kept import BEST, BestKept
+from eagle3lib.train.runtime.checkpoint import (
     CHECKPOINTS,
     latest_checkpoint,
-    load_drafter,
     resume,
+    run_key,
     save_checkpoint,
     save_drafter,
 )
-from eagle3lib.train.distributed import check_same_weights, rank_and_world
-from eagle3lib.train.metrics import AcceptanceCounter
-from eagle3lib.train.optimizer import make_optimizer
-from eagle3lib.train.schedule import Schedule
-from eagle3lib.train.speedups import compile_decoder_layer, convert_to_float8
+from eagle3lib.train.runtime.distributed import check_same_weights, rank_and_world
+from eagle3lib.train.runtime.optimizer import make_optimizer
+from eagle3lib.train.runtime.schedule import Schedule
+from eagle3lib.train.runtime.speedups import compile_decoder_layer, convert_to_float8
 from eagle3lib.train.ttt_step import TrainStep, ttt_loss_sums, with_host_layout
 
 
@@ -51,48 +59,9 @@ class TrainSetup:
     inputs: dict = field(default_factory=dict)  # what identifies the training data, for resume (see run_key)
 
 
-# Train params a checkpoint resumes across: those that do not change the weights, and the budgets, so that a
-# larger train.max_tokens or max_minutes continues the run (the cosine schedule stretches to the new total).
-RESUME_FREE = (
-    "resume",
-    "max_tokens",
-    "max_minutes",
-    "checkpoint_every",
-    "eval_every",
-    "eval_max_tokens",
-    "prefetch_shards",
-    "batch_prefetch",
-    "compile_layer",
-    "online_queue_batches",
-    "online_placement",  # a thread, a process or a Ray actor captures the same states into the same micro-batches
-    "ray_address",
-)
-
-
-def run_key(setup: TrainSetup, train_params, seed: int) -> dict:
-    """The params and inputs that shape a run's result: a checkpoint resumes only a run with the same key."""
-    params = {k: v for k, v in train_params.model_dump().items() if k not in RESUME_FREE}
-    key = {"train": params, "run": {"seed": seed}, "contract": setup.contract, "inputs": setup.inputs}
-    return json.loads(json.dumps(key))  # as trainer_state.json will hold it
-
-
-def evaluate(setup: TrainSetup, steps: int, max_depth: int, device) -> dict:
-    drafter = setup.drafter
-    counter = AcceptanceCounter(steps)
-    loss_sum, count = torch.zeros(steps), torch.zeros(steps)
-    was_training = drafter.training
-    drafter.eval()
-    with torch.no_grad():
-        for row in setup.val_rows:
-            batch = batch_to(with_host_layout(row, steps), device)
-            sums, counts, right, valid = ttt_loss_sums(drafter, batch, setup.embed, setup.head, steps)
-            loss_sum += sums.float().cpu()
-            count += counts.float().cpu()
-            counter.update(right.cpu(), valid.cpu())
-    drafter.train(was_training)
-    summary = counter.summary(max_depth)
-    summary["loss_per_step"] = (loss_sum / count.clamp(min=1)).tolist()
-    return summary
+def train(setup: TrainSetup, train_params, seed: int = 0, device="cpu", max_depth: int = 16, log=print) -> dict:
+    """The TTT loop with accumulation, AdamW or Muon, warmup+cosine, clipping, checkpoints, resume, and DDP."""
+    return Loop(setup, train_params, seed, device, max_depth, log).run()
 
 
 class Loop:
@@ -122,30 +91,6 @@ class Loop:
         self.best = BestKept(
             setup.out_dir / BEST, tp.keep_best_at, self.schedule.key, self.state["step"], self.rank, log
         )
-
-    def checkpoint(self):
-        if self.rank != 0:
-            return None
-        return save_checkpoint(self.drafter, self.opt, self.state, self.ckpt_root, self.setup.contract)
-
-    def write_log(self, entry: dict) -> None:
-        if self.rank == 0:
-            with open(self.log_path, "a") as f:
-                f.write(json.dumps(entry) + "\n")
-
-    def timed_evaluate(self, in_loop: bool) -> dict:
-        """evaluate, its seconds told to the schedule (which spreads them over eval_every steps)."""
-        t0 = time.perf_counter()
-        result = evaluate(self.setup, self.tp.ttt_steps, self.max_depth, self.device)
-        self.schedule.timed_eval(time.perf_counter() - t0, in_loop)
-        return result
-
-    def evaluate_now(self) -> dict:
-        result = self.timed_evaluate(in_loop=True)
-        result["at_step"] = self.state["step"]
-        self.write_log({"step": self.state["step"], "eval": result})
-        self.best.consider(result, self.drafter, self.setup.contract)
-        return result
 
     def run(self) -> dict:
         """Steps until the schedule's end or the time budget, then the final evaluation, checkpoint and drafter."""
@@ -219,6 +164,30 @@ class Loop:
         )
         return result
 
+    def evaluate_now(self) -> dict:
+        result = self.timed_evaluate(in_loop=True)
+        result["at_step"] = self.state["step"]
+        self.write_log({"step": self.state["step"], "eval": result})
+        self.best.consider(result, self.drafter, self.setup.contract)
+        return result
+
+    def timed_evaluate(self, in_loop: bool) -> dict:
+        """evaluate, its seconds told to the schedule (which spreads them over eval_every steps)."""
+        t0 = time.perf_counter()
+        result = evaluate(self.setup, self.tp.ttt_steps, self.max_depth, self.device)
+        self.schedule.timed_eval(time.perf_counter() - t0, in_loop)
+        return result
+
+    def checkpoint(self):
+        if self.rank != 0:
+            return None
+        return save_checkpoint(self.drafter, self.opt, self.state, self.ckpt_root, self.setup.contract)
+
+    def write_log(self, entry: dict) -> None:
+        if self.rank == 0:
+            with open(self.log_path, "a") as f:
+                f.write(json.dumps(entry) + "\n")
+
     def finish(self, last_eval: dict) -> dict:
         """The final checkpoint and drafter (rank 0), after checking every rank holds the same weights; the summary."""
         state = self.state
@@ -244,64 +213,20 @@ class Loop:
         }
 
 
-BEST = "best"  # the best evaluated state so far, under train.keep_best_at (a drafter folder with best.json)
-
-
-class BestKept:
-    """train.keep_best_at: the evaluated state with the highest est. AL at that depth, the starting one included,
-    kept on disk (rank 0 writes BEST after each new best; a resume reads it back; a fresh run, or other budgets,
-    from which the schedule's length follows, drop it) and written as the stage's drafter instead of the last
-    state. Off (depth None): the last."""
-
-    def __init__(self, folder: Path, depth: int | None, schedule: dict, step: int, rank: int, log):
-        self.folder, self.depth, self.schedule, self.rank, self.log = folder, depth, schedule, rank, log
-        self.step, self.eval = None, None
-        record = folder / "best.json"
-        if depth is not None and step > 0 and record.is_file():
-            saved = json.loads(record.read_text())
-            if (saved["depth"], saved.get("schedule")) == (depth, schedule):
-                self.step, self.eval = saved["step"], saved["eval"]
-            else:
-                log(f"{folder} was kept for another depth or other budgets: the best is looked for again from here")
-        elif rank == 0 and folder.exists():  # a fresh run does not mix with an earlier run's best
-            shutil.rmtree(folder)
-
-    def value(self, result: dict) -> float:
-        return result["est_accept_len"][str(self.depth)]
-
-    def consider(self, result: dict, drafter: Drafter, contract: dict) -> None:
-        if self.depth is None or (self.eval is not None and self.value(result) <= self.value(self.eval)):
-            return
-        self.step, self.eval = result["at_step"], result
-        if self.rank == 0:
-            record = {"depth": self.depth, "step": self.step, "schedule": self.schedule, "eval": result}
-            save_drafter(drafter, self.folder, contract, extra={"best.json": record})
-
-    def is_last(self, last_eval: dict) -> bool:
-        return self.depth is None or self.eval is None or self.step == last_eval.get("at_step")
-
-    def kept_eval(self, last_eval: dict) -> dict:
-        """The evaluation of the drafter written: the last state's, or the best one's."""
-        return last_eval if self.is_last(last_eval) else self.eval
-
-    def kept(self, drafter: Drafter, last_eval: dict) -> Drafter:
-        """The drafter to write (rank 0): the last state, or the best one, read back from its folder."""
-        return drafter if self.is_last(last_eval) else load_drafter(self.folder)
-
-    def record(self, last_eval: dict) -> dict:
-        """What the summary says of the drafter written."""
-        if self.depth is None:
-            return {"rule": "last", "step": last_eval.get("at_step")}
-        kept = self.eval if self.eval is not None else last_eval
-        return {
-            "rule": f"best est. AL@{self.depth}",
-            "step": kept.get("at_step"),
-            "est_accept_len": self.value(kept),
-            "last_step": last_eval.get("at_step"),
-            "last_est_accept_len": self.value(last_eval),
-        }
-
-
-def train(setup: TrainSetup, train_params, seed: int = 0, device="cpu", max_depth: int = 16, log=print) -> dict:
-    """The TTT loop with accumulation, AdamW or Muon, warmup+cosine, clipping, checkpoints, resume, and DDP."""
-    return Loop(setup, train_params, seed, device, max_depth, log).run()
+def evaluate(setup: TrainSetup, steps: int, max_depth: int, device) -> dict:
+    drafter = setup.drafter
+    counter = AcceptanceCounter(steps)
+    loss_sum, count = torch.zeros(steps), torch.zeros(steps)
+    was_training = drafter.training
+    drafter.eval()
+    with torch.no_grad():
+        for row in setup.val_rows:
+            batch = batch_to(with_host_layout(row, steps), device)
+            sums, counts, right, valid = ttt_loss_sums(drafter, batch, setup.embed, setup.head, steps)
+            loss_sum += sums.float().cpu()
+            count += counts.float().cpu()
+            counter.update(right.cpu(), valid.cpu())
+    drafter.train(was_training)
+    summary = counter.summary(max_depth)
+    summary["loss_per_step"] = (loss_sum / count.clamp(min=1)).tolist()
+    return summary

@@ -70,7 +70,7 @@ def fine_tune_verdict(before: dict, after: dict, tokens: int) -> str | None:
         f"A demonstration of the stage: {tokens:,} tokens moved est. AL@5 by {100 * (now / was - 1):+.1f}% "
         f"({was:.3f} -> {now:.3f}), under the {100 * DEMONSTRATION_GAIN:.0f}% that would make it a better drafter; "
         "what the run serves is the released drafter's in effect. More train.max_minutes, more data "
-        "(data.max_conversations) or params/tiny-scratch.yaml train for real."
+        "(data.max_conversations) or params/smollm2-135m-cpu-scratch.yaml train for real."
     )
 
 

@@ -19,9 +19,9 @@ import torch.nn.functional as F
 from eagle3lib import hardware
 from eagle3lib.drafter import Drafter
 from eagle3lib.drafter.ttt_attention import row_layout
-from eagle3lib.train.batches import batch_states, batch_to
-from eagle3lib.train.distributed import all_reduce_grads
 from eagle3lib.train.loss import LOSS_TARGETS, compute_dtype, linear_soft_ce, target_probs
+from eagle3lib.train.runtime.batches import batch_states, batch_to
+from eagle3lib.train.runtime.distributed import all_reduce_grads
 
 
 def shift_left(x: torch.Tensor, k: int, fill=0) -> torch.Tensor:

@@ -10,27 +10,23 @@ outputs/<run>/
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import hashlib
 import json
 import logging
-import os
 import platform
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import threading
 import time
-import weakref
 from importlib import metadata
 from pathlib import Path
 
 from eagle3lib import hardware, run_folder
 from eagle3lib.params import Params, load_params, stage_sections
 from eagle3lib.params import run_dir as params_run_dir
+from eagle3lib.workbook.kernels import KERNEL_START_TIMEOUT_S, stage_kernel_manager
+from eagle3lib.workbook.render import render_html
+from eagle3lib.workbook.signals import Interrupted, stop_on_signals
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
@@ -112,64 +108,6 @@ def _is_current(stage_path: Path, digest: str) -> bool:
 
 
 # ------------------------------------------------------------- execution ----
-
-
-def render_html(notebook: Path, hide_code: bool, result: dict | None = None, neighbours: tuple = (None, None)) -> Path:
-    """The stage report beside the executed notebook: a summary of `result` (status, time, headline figures,
-    what the stage made) under the title, widgets as their static renderings, code cells shown or hidden."""
-    import nbformat
-    from nbconvert import HTMLExporter
-
-    from eagle3lib.workbook import report
-
-    nb = nbformat.read(notebook, as_version=4)
-    report.static_widgets(nb)
-    if result is not None:
-        error_anchor = report.drop_papermill_banner(nb)
-        report.insert_summary(
-            nb, report.stage_summary_html(result, notebook.parent, notebook.stem, neighbours, error_anchor)
-        )
-    # The notebook's default parameters cell is followed by papermill's injected one, which tells the truth.
-    nb.cells = [c for c in nb.cells if "parameters" not in c.metadata.get("tags", [])]
-    # nbconvert's own warnings ("Alternative text is missing on N image(s).") go to the stage's log, not the console
-    log = logging.getLogger("eagle3lib.nbconvert")
-    log.propagate = False
-    to_stage_log = logging.FileHandler(notebook.with_suffix(".log"), mode="a")
-    to_stage_log.setFormatter(logging.Formatter("%(asctime)s nbconvert %(levelname)s %(message)s"))
-    log.addHandler(to_stage_log)
-    try:
-        exporter = HTMLExporter(
-            template_name="lab", exclude_input=hide_code, exclude_input_prompt=hide_code,
-            exclude_output_prompt=hide_code, log=log,
-        )  # fmt: skip
-        body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": notebook.stem}})
-    finally:
-        log.removeHandler(to_stage_log)
-        to_stage_log.close()
-    out = notebook.with_suffix(".html")
-    out.write_text(_offline(body))
-    return out
-
-
-def _offline(page: str) -> str:
-    """Drop the lab template's require.js, MathJax and mermaid scripts: they come from a CDN, the stage
-    notebooks use none of them (no LaTeX or diagrams, widgets are static in reports), and a report must open
-    without a network."""
-    import re
-
-    page = re.sub(r'<script src="https://cdnjs\.cloudflare\.com/ajax/libs/require\.js/[^"]*"></script>\s*', "", page)
-    page = re.sub(r"<!-- Load mathjax -->.*?<!-- End of mathjax configuration -->", "", page, flags=re.S)
-    page = re.sub(
-        r'<script type="module">(?:(?!</script>).)*?cdnjs\.cloudflare\.com/ajax/libs/mermaid.*?</script>\s*',
-        "",
-        page,
-        flags=re.S,
-    )
-    return page
-
-
-# papermill's default is 60 s; a kernel on a host loaded with trainings starts later than that
-KERNEL_START_TIMEOUT_S = 600
 
 
 def notebook_error(notebook: Path, raised: Exception) -> str:
@@ -254,97 +192,6 @@ def execute_stage(
     result.update(status="ok", seconds=seconds, notebook=executed.name, report=report_name, hide_code=p.run.hide_code)
     render_html(executed, p.run.hide_code, result, neighbours)
     return result
-
-
-_KERNELS: weakref.WeakSet = weakref.WeakSet()  # the managers of the stage kernels this process started
-# A socket's path ends at 107 bytes (AF_UNIX); the folder mkdtemp adds and the socket's name take 31 of them
-SOCKET_BASE_MAX = 70
-
-
-def stage_kernel_manager():
-    """The stage kernels' manager: local sockets (over TCP, ipykernel warns on every start that its traffic is
-    unencrypted, and our kernels never leave the machine), each kernel's in a private folder of its own. Each
-    instance is known to stop_on_signals."""
-    from jupyter_client.manager import AsyncKernelManager
-    from traitlets import CaselessStrEnum
-
-    class IPCKernelManager(AsyncKernelManager):
-        transport = CaselessStrEnum(["tcp", "ipc"], default_value="ipc", config=True)
-        socket_dir: str | None = None  # set with the first read of ip
-
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            _KERNELS.add(self)
-
-        def _ip_default(self):
-            # jupyter_client's default is "kernel-ipc" in the working directory, the notebooks folder that papermill
-            # enters, so every run of a checkout shares the paths kernel-ipc-1..5: two runs whose kernels started
-            # together bound the same ones, one run's client spoke to the other's kernel (refused: "Invalid
-            # Signature") and its stage failed at the start timeout
-            if self.transport != "ipc":
-                return super()._ip_default()
-            base = tempfile.gettempdir()
-            if len(base) > SOCKET_BASE_MAX and os.path.isdir("/tmp"):  # a cluster job's long TMPDIR
-                base = "/tmp"
-            self.socket_dir = tempfile.mkdtemp(prefix="eagle3-kernel-", dir=base)  # 0700: no other user connects
-            return os.path.join(self.socket_dir, "kernel")
-
-        async def _async_cleanup_resources(self, restart: bool = False) -> None:
-            await super()._async_cleanup_resources(restart=restart)
-            if not restart and self.socket_dir is not None:
-                shutil.rmtree(self.socket_dir, ignore_errors=True)
-
-        cleanup_resources = _async_cleanup_resources
-
-    return IPCKernelManager
-
-
-# After Ctrl-C the running stage has this long to stop as a notebook does on Ctrl-C (its engines stopped, what it
-# measured kept) before papermill kills its kernel
-INTERRUPT_GRACE_S = 8.0
-
-
-class Interrupted(KeyboardInterrupt):
-    """The run was stopped by Ctrl-C, SIGTERM or SIGHUP."""
-
-
-@contextlib.contextmanager
-def stop_on_signals(grace_s: float = INTERRUPT_GRACE_S):
-    """Ctrl-C (SIGINT), SIGTERM and SIGHUP stop the run, also where the shell that started it ignores SIGINT (a
-    background job). The first interrupts the running stage's kernel: its cell stops as on Ctrl-C in a notebook;
-    a second signal, or grace_s without the stage ending, raises Interrupted here at once (papermill then kills the
-    kernel; guarded children end with it). Between stages the first raises at once."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    first: list[float] = []
-    timers: list[threading.Timer] = []
-
-    def handler(signum, _frame):
-        running = [k for k in list(_KERNELS) if getattr(k.provisioner, "pid", None) and k.has_kernel]
-        if first or not running:
-            raise Interrupted(f"stopped by {signal.Signals(signum).name}")
-        first.append(time.time())
-        print(
-            f"[eagle3] {signal.Signals(signum).name}: stopping the running stage (again to stop at once)",
-            file=sys.stderr,
-        )
-        for kernel in running:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(kernel.provisioner.pid, signal.SIGINT)
-        timer = threading.Timer(grace_s, _thread.interrupt_main)
-        timer.daemon = True
-        timer.start()
-        timers.append(timer)
-
-    saved = {sig: signal.signal(sig, handler) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield first
-    finally:
-        for timer in timers:
-            timer.cancel()
-        for sig, before in saved.items():
-            signal.signal(sig, before)
 
 
 @contextlib.contextmanager
@@ -472,7 +319,7 @@ def run_pipeline(
         if first and first > last:
             raise ValueError(f"nothing to run: {first} comes after {last} (--to)")
     out = params_run_dir(p)
-    with run_folder.held(out, " ".join(sys.argv) or "run_pipeline"), stop_on_signals() as stopped:
+    with run_folder.locked(out, " ".join(sys.argv) or "run_pipeline"), stop_on_signals() as stopped:
         try:
             _run_stages(p, out, names, overrides, forced_from, only, last, log_output, notebooks_dir)
         except StageError as e:

@@ -1,4 +1,4 @@
-"""End-to-end: the stage notebooks under papermill on params/ci.yaml with the real SmolLM2 and ShareGPT."""
+"""End-to-end: the stage notebooks under papermill on tests/params/ci.yaml with the real SmolLM2 and ShareGPT."""
 
 import json
 import os
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-# ci_run: the session's pipeline run on params/ci.yaml (conftest.py), shared with test_browser.py and test_lab.py
+# ci_run: the session's pipeline run on tests/params/ci.yaml (conftest.py), shared with test_browser.py and test_lab.py
 
 
 def result(run_dir, stage):
@@ -73,13 +73,13 @@ def test_training_beats_the_untrained_drafter(ci_run):
 def test_rerun_skips_and_a_deleted_shard_is_redone(ci_run, capsys):
     run_dir, overrides = ci_run
     capsys.readouterr()
-    pipeline.run_pipeline(ROOT / "params" / "ci.yaml", overrides, log_output=False)
+    pipeline.run_pipeline(ROOT / "tests" / "params" / "ci.yaml", overrides, log_output=False)
     assert capsys.readouterr().err.count("unchanged, skipped") == len(pipeline.stages())
     manifest = json.loads((run_dir / "01_extract" / "train" / "manifest.json").read_text())
     victim = run_dir / "01_extract" / "train" / manifest["shards"][0]["file"]
     others = {e["file"]: (victim.parent / e["file"]).stat().st_mtime_ns for e in manifest["shards"][1:]}
     victim.write_bytes(victim.read_bytes()[:1000])  # truncated
-    pipeline.run_pipeline(ROOT / "params" / "ci.yaml", overrides, log_output=False)  # a plain run
+    pipeline.run_pipeline(ROOT / "tests" / "params" / "ci.yaml", overrides, log_output=False)  # a plain run
     err = capsys.readouterr().err
     assert f"01_extract: 1 of its files changed since it made them (train/{victim.name}: 1000 bytes" in err, err
     assert err.count("unchanged, skipped") == len(pipeline.stages()) - 1  # the same inputs: nothing later reruns
@@ -111,11 +111,11 @@ def test_convert_refuses_a_corrupt_drafter_and_a_plain_run_trains_it_again(ci_ru
     weights.write_bytes(weights.read_bytes()[:4096])
     here = overrides | {"run.output_root": str(tmp_path)}
     with pytest.raises(pipeline.StageError, match="03_convert"):
-        pipeline.run_pipeline(ROOT / "params" / "ci.yaml", here, only_stage="convert", log_output=False)
+        pipeline.run_pipeline(ROOT / "tests" / "params" / "ci.yaml", here, only_stage="convert", log_output=False)
     failed = result(copy, "03_convert")
     assert failed["status"] == "failed" and "model.safetensors is not a readable safetensors file" in failed["error"]
     capsys.readouterr()
-    pipeline.run_pipeline(ROOT / "params" / "ci.yaml", here, to_stage="convert", log_output=False)
+    pipeline.run_pipeline(ROOT / "tests" / "params" / "ci.yaml", here, to_stage="convert", log_output=False)
     err = capsys.readouterr().err
     assert "02_train: 1 of its files changed since it made them (drafter/model.safetensors: 4096 bytes" in err, err
     assert "01_extract: unchanged, skipped" in err

@@ -1,4 +1,4 @@
-"""End-to-end in online mode: params/ci-online.yaml (ci.yaml with train.source: online, a capture process and a
+"""End-to-end in online mode: tests/params/ci-online.yaml (ci.yaml with train.source: online, a capture process and a
 trainer over gloo) through prepare, extract and train with the real SmolLM2 and ShareGPT, in about two minutes."""
 
 import json
@@ -15,7 +15,9 @@ pytestmark = pytest.mark.slow
 
 def test_online_run_trains_with_no_hidden_states_on_disk(tmp_path, embedded_cache):
     overrides = {"run.output_root": str(tmp_path), "run.cache_dir": str(embedded_cache[0])}
-    run_dir = pipeline.run_pipeline(ROOT / "params" / "ci-online.yaml", overrides, to_stage="train", log_output=False)
+    run_dir = pipeline.run_pipeline(
+        ROOT / "tests" / "params" / "ci-online.yaml", overrides, to_stage="train", log_output=False
+    )
     result = {s: json.loads((run_dir / s / "result.json").read_text()) for s in ("01_extract", "02_train")}
     assert all(r["status"] == "ok" for r in result.values())
     assert result["01_extract"]["figures"]["splits"] == {} and result["01_extract"]["figures"]["bytes"] == 0

@@ -23,12 +23,12 @@ from eagle3lib import engines
 from eagle3lib.convert import layouts as ex
 from eagle3lib.drafter.vocab import d2t_sha256
 from eagle3lib.engines import EngineError, alive_in_group
-from eagle3lib.engines.interpreter import REPO, InterpreterError, engine_env, module_env, run_inside, run_module
+from eagle3lib.engines.interpreter import REPO, InterpreterError, engine_env, module_env, run_engine_side, run_module
 from eagle3lib.engines.sglang import check_sglang_args, sglang_launch_args
 from eagle3lib.engines.vllm import vllm_launch_args
 from eagle3lib.params import EngineParams
 from eagle3lib.target import EMBEDDED_TARGET, make_contract
-from eagle3lib.train.checkpoint import save_drafter
+from eagle3lib.train.runtime.checkpoint import save_drafter
 
 need = need_engine
 AUX = [2, 15, 27]  # the embedded target's default aux ids (SmolLM2: 30 layers)
@@ -88,7 +88,7 @@ def test_engine_env_and_inside_runner(monkeypatch):
     assert env["TOKENIZERS_PARALLELISM"] == "true"  # engine.env over ours
     assert env["PYTHONPATH"] == os.pathsep.join(["/inside", "/a"])
     with pytest.raises(InterpreterError, match=r"(?s)no_such_script.py.*failed \(exit 2\); expected a JSON report"):
-        run_inside("no_such_script.py", [], sys.executable)
+        run_engine_side("no_such_script.py", [], sys.executable)
 
 
 MODULE_RUN = """

@@ -309,7 +309,7 @@ def test_backend_param_and_dispatch(embedded_cache, tmp_path):
     from eagle3lib.extract.sglang import SGLangCapture
     from eagle3lib.extract.vllm import VLLMCapture
 
-    params = REPO / "params" / "tiny.yaml"
+    params = REPO / "params" / "smollm2-135m-cpu.yaml"
     with pytest.raises(
         P.ParamsError,
         match=r"extract.backend: unknown extraction backend 'vlm'; expected one of: 'hf'.*'vllm'.*'sglang'",

@@ -155,13 +155,13 @@ def test_the_quantized_wrapper_is_refused_in_process_with_the_engine_backends_na
 
 @pytest.fixture(scope="module")
 def kimi_tiny_run(kimi_folder, tmp_path_factory):
-    """params/kimi-tiny.yaml through 03_convert on a tiny copy of the Kimi folder (random weights, real tokenizer
+    """kimi-k2.5-tiny-cpu.yaml through 03_convert on a tiny copy of the Kimi folder (random weights, real tokenizer
     and template); (run dir, the tiny target's folder)."""
     from eagle3lib.workbook import pipeline
 
     out = tmp_path_factory.mktemp("kimi-run")
     overrides = {"target.name": f"tiny:{kimi_folder}", "run.output_root": str(out), "run.cache_dir": str(out / "cache")}
-    pipeline.run_pipeline(ROOT / "params" / "kimi-tiny.yaml", overrides, to_stage="convert", log_output=False)
+    pipeline.run_pipeline(ROOT / "params" / "kimi-k2.5-tiny-cpu.yaml", overrides, to_stage="convert", log_output=False)
     return out / "kimi-tiny", target.resolve_target(f"tiny:{kimi_folder}", out / "cache")
 
 
@@ -272,13 +272,13 @@ def test_the_released_kimi_drafters_convert_and_pass_the_gates(kimi_fixtures, ki
 
 
 def test_the_kimi_params_hold_against_the_real_config(kimi_folder, kimi_fixtures, tmp_path):
-    """params/kimi-k2.5.yaml read against Kimi-K2.5's config.json: the layer count and aux ids, the drafter's
+    """params/kimi-k2.5-8gpu.yaml read against Kimi-K2.5's config.json: the layer count and aux ids, the drafter's
     shape as the published SpecForge drafter has it, SGLang's ids for the capture, and the launch flags."""
     from eagle3lib.drafter import DrafterConfig
     from eagle3lib.engines import sglang
     from eagle3lib.params import load_params
 
-    p = load_params(ROOT / "params" / "kimi-k2.5.yaml", {"target.name": str(kimi_folder)})
+    p = load_params(ROOT / "params" / "kimi-k2.5-8gpu.yaml", {"target.name": str(kimi_folder)})
     info, _ = target.load_target_info(p.target.name, tmp_path, trust_remote_code=p.target.trust_remote_code)
     layers = target.num_layers(info.config)
     assert p.target.num_layers == layers == 61
@@ -313,7 +313,7 @@ def test_the_kimi_params_hold_against_the_real_config(kimi_folder, kimi_fixtures
 
 
 def test_sglang_resolves_the_kimi_launch_against_the_real_config(kimi_folder, kimi_fixtures, tmp_path):
-    """SGLang's own ServerArgs reads the 8-GPU, remote-code launch of params/kimi-k2.5.yaml against Kimi-K2.5's
+    """SGLang's own ServerArgs reads the 8-GPU, remote-code launch of params/kimi-k2.5-8gpu.yaml against Kimi-K2.5's
     config.json (no weights: resolution only, `--device cpu`), and captures the layers the drafter reads."""
     from conftest import need_engine
 
@@ -321,7 +321,7 @@ def test_sglang_resolves_the_kimi_launch_against_the_real_config(kimi_folder, ki
     from eagle3lib.params import load_params
 
     py = need_engine("sglang")
-    p = load_params(ROOT / "params" / "kimi-k2.5.yaml", {"target.name": str(kimi_folder)})
+    p = load_params(ROOT / "params" / "kimi-k2.5-8gpu.yaml", {"target.name": str(kimi_folder)})
     draft = tmp_path / "draft"  # the published SpecForge drafter's config: what SGLang reads of a drafter here
     draft.mkdir()
     (draft / "config.json").write_text(

@@ -28,15 +28,17 @@ def parameters_cell(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_defaults_are_the_embedded_default_and_the_cli_run_folder(path, monkeypatch):
     """Run interactively (cwd notebooks/, as JupyterLab does), a notebook reads and writes what
-    `python -m eagle3lib run params/tiny.yaml` does."""
+    `python -m eagle3lib run params/smollm2-135m-cpu.yaml` does."""
     monkeypatch.chdir(ROOT / "notebooks")
     names = {}
     exec(parameters_cell(path), names)
-    assert Path(names["params_file"]).resolve() == ROOT / "params" / "tiny.yaml"
+    assert Path(names["params_file"]).resolve() == ROOT / "params" / "smollm2-135m-cpu.yaml"
     assert names["run_dir"] is None and names["overrides"] == {}
     p = P.load_params(names["params_file"], names["overrides"])
     assert p.target.name == P.EMBEDDED_TARGET and p.data.sources == [P.EMBEDDED_DATA]
-    assert P.run_dir(p) == P.run_dir(P.load_params(ROOT / "params" / "tiny.yaml")) == ROOT / "outputs" / "tiny"
+    assert (
+        P.run_dir(p) == P.run_dir(P.load_params(ROOT / "params" / "smollm2-135m-cpu.yaml")) == ROOT / "outputs" / "tiny"
+    )
 
 
 def test_the_python3_kernel_is_this_environment():
@@ -85,7 +87,7 @@ def test_train_notebook_runs_in_jupyterlab_and_its_slider_works(ci_run, tmp_path
     for cell in nb.cells:
         if "parameters" in cell.metadata.get("tags", []):
             cell.source = (
-                f'params_file = "{ROOT / "params" / "ci.yaml"}"\nrun_dir = "{run_dir}"\n'
+                f'params_file = "{ROOT / "tests" / "params" / "ci.yaml"}"\nrun_dir = "{run_dir}"\n'
                 f'overrides = {{"run.output_root": "{run_dir.parent}", "run.cache_dir": "{ci_run[1]["run.cache_dir"]}"}}'
             )
     work = tmp_path / "lab"

@@ -20,8 +20,9 @@ from test_train import (
 from test_train_processes import LAUNCH, wait_until_gone
 
 from eagle3lib.params import ParamsError, load_params
-from eagle3lib.train import TrainingError, launch, sources
-from eagle3lib.train.checkpoint import STATE_FILE
+from eagle3lib.train import TrainingError, sources
+from eagle3lib.train.runtime import launch
+from eagle3lib.train.runtime.checkpoint import STATE_FILE
 from eagle3lib.train.sources import ray_actors, ray_link, ray_reaper
 from eagle3lib.train.sources.base import CAPTURE_SUMMARY
 
@@ -54,7 +55,7 @@ def thread_run(small_target, tmp_path_factory):
     root = tmp_path_factory.mktemp("thread")
     run = make_run(root, *small_target, COMMON | {"grad_accum": 2})
     subprocess.run(
-        [sys.executable, "-m", "eagle3lib.train.launch", params_file(root), str(run)],
+        [sys.executable, "-m", "eagle3lib.train.runtime.launch", params_file(root), str(run)],
         env=os.environ | {"OMP_NUM_THREADS": "1"},
         check=True,
         capture_output=True,
@@ -100,7 +101,7 @@ def test_a_killed_ray_stage_leaves_no_ray_process_and_resumes_to_the_uninterrupt
     longer = COMMON | {"grad_accum": 2, "max_tokens": 128 * 2 * 6}
     ref = make_run(tmp_path / "thread", *small_target, longer)
     env = os.environ | {"OMP_NUM_THREADS": "1"}
-    launch_ref = [sys.executable, "-m", "eagle3lib.train.launch", params_file(tmp_path / "thread"), str(ref)]
+    launch_ref = [sys.executable, "-m", "eagle3lib.train.runtime.launch", params_file(tmp_path / "thread"), str(ref)]
     subprocess.run(launch_ref, env=env, check=True, capture_output=True)
     run = make_run(tmp_path / "ray", *small_target, longer | {"online_placement": "ray"})
     path = os.pathsep.join(filter(None, [str(RAY_SITE), os.environ.get("PYTHONPATH")]))

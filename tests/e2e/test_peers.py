@@ -1,6 +1,6 @@
 """The peers comparison's tools on the CPU: our shards in SpecForge's and speculators' formats hold
 the same tokens, mask and states; SpecForge's inputs follow its conventions; served_al.py's figures per drafter.
-The peers' training and serving run on the H200 (benchmarks/h200/peers.sh)."""
+The peers' training and serving run on the H200 (python -m benchmarks peers)."""
 
 import json
 import subprocess
@@ -18,11 +18,10 @@ from eagle3lib.engines.interpreter import engine_env
 from eagle3lib.extract.shards import ShardSet
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT))
 
-import peer_data  # noqa: E402
-import peers  # noqa: E402
-import served_al  # noqa: E402
+from benchmarks import peer_data, peers  # noqa: E402
+from benchmarks.questions import served_al  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -61,7 +60,7 @@ def test_speculators_folder_keeps_the_split_and_its_norm_gives_back_the_final_st
     run_dir, target_dir = run
     py = need_engine("speculators")
     out = tmp_path / "spec"
-    args = [py, str(ROOT / "benchmarks" / "peer_data.py"), "speculators", str(run_dir / "01_extract"), str(out)]
+    args = [py, "-m", "benchmarks.peer_data", "speculators", str(run_dir / "01_extract"), str(out)]
     proc = subprocess.run(args + ["--target", str(target_dir)], capture_output=True, text=True, timeout=600,
                           env=engine_env(pythonpath=[str(ROOT)]))  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -1,6 +1,6 @@
-"""The released drafter (drafters/smollm2-135m-instruct), which params/tiny.yaml starts from: its files are the
+"""The released drafter (drafters/smollm2-135m-instruct), which the CPU recipe starts from: its files are the
 ones provenance.json records, it loads and fits the embedded target, and the conversations it saw, drawn again
-here from the embedded data, are the recorded ones and none of params/tiny.yaml's val and bench."""
+here from the embedded data, are the recorded ones and none of params/smollm2-135m-cpu.yaml's val and bench."""
 
 import hashlib
 import json
@@ -27,12 +27,12 @@ def test_shipped_files_are_the_recorded_ones():
     for name, digest in PROVENANCE["files"].items():
         assert hashlib.sha256((RELEASED / name).read_bytes()).hexdigest() == digest, f"{name} differs from provenance"
     assert (RELEASED / "model.safetensors").stat().st_size < 16e6  # a few MB: bf16, draft vocabulary 2,048
-    tiny = load_params(ROOT / "params" / "tiny.yaml")
+    tiny = load_params(ROOT / "params" / "smollm2-135m-cpu.yaml")
     assert tiny.train.init_from == str(RELEASED)  # relative to the params file
     with pytest.raises(
         ParamsError, match=r"train.init_from: no drafter folder at .*drafters/nope \(paths are relative"
     ):
-        load_params(ROOT / "params" / "tiny.yaml", {"train.init_from": "../drafters/nope"})
+        load_params(ROOT / "params" / "smollm2-135m-cpu.yaml", {"train.init_from": "../drafters/nope"})
 
 
 def test_released_drafter_loads_and_fits_the_embedded_target(tmp_path):
@@ -40,7 +40,7 @@ def test_released_drafter_loads_and_fits_the_embedded_target(tmp_path):
     contract_there = json.loads((RELEASED / "eagle3.json").read_text())
     target_dir = loading.embedded_target_dir(loading.default_cache_dir())
     assert contract_there["target_fingerprint"] == contract.target_fingerprint(target_config.load_config(target_dir))
-    tiny = load_params(ROOT / "params" / "tiny.yaml")
+    tiny = load_params(ROOT / "params" / "smollm2-135m-cpu.yaml")
     assert drafter.cfg.draft_vocab_size == tiny.train.draft_vocab_size
     assert drafter.cfg.aux_layer_ids == contract_there["aux_layer_ids"] == [2, 15, 27]
     assert all(torch.isfinite(p).all() for p in drafter.parameters())
@@ -52,14 +52,14 @@ def test_released_drafter_loads_and_fits_the_embedded_target(tmp_path):
 def test_its_conversations_are_drawn_again_and_none_is_the_default_runs_val_or_bench():
     """The H200 read the embedded set's first 7,000 records from a file; drawing the release's splits again here
     from the embedded package gives the same ids, so they are the ones the drafter trained on, and neither those ids
-    nor their user turns are any of params/tiny.yaml's val and bench conversations."""
+    nor their user turns are any of params/smollm2-135m-cpu.yaml's val and bench conversations."""
     shipped = json.loads((RELEASED / "conversations.json").read_text())
-    release = load_params(ROOT / "params" / "release-smollm2.yaml")
+    release = load_params(ROOT / "params" / "smollm2-135m-gpu-release.yaml")
     pool, stats = notebook.load_pool(release)
     split = D.split_conversations(pool, release.data.val_fraction, release.data.bench_count, release.run.seed)
     assert {k: [c["id"] for c in v] for k, v in split.items()} == shipped
 
-    tiny = load_params(ROOT / "params" / "tiny.yaml")
+    tiny = load_params(ROOT / "params" / "smollm2-135m-cpu.yaml")
     theirs, _ = S.load_conversations(tiny.data.sources, limit=tiny.data.max_conversations)
     tiny_split = D.split_conversations(theirs, tiny.data.val_fraction, tiny.data.bench_count, tiny.run.seed)
     held_out = tiny_split["val"] + tiny_split["bench"]

@@ -22,8 +22,9 @@ from test_train import (
 )
 
 from eagle3lib.params import ParamsError, load_params
-from eagle3lib.train import TrainingError, launch
-from eagle3lib.train.checkpoint import STATE_FILE, latest_checkpoint
+from eagle3lib.train import TrainingError
+from eagle3lib.train.runtime import launch
+from eagle3lib.train.runtime.checkpoint import STATE_FILE, latest_checkpoint
 from eagle3lib.train.sources.base import CAPTURE_SUMMARY
 
 # The stage as the 02_train notebook starts it (its placement's processes), in a process that can be killed
@@ -33,7 +34,7 @@ LAUNCH = (
 )
 
 
-def kill_after_checkpoint(params: str, run_dir, step_dir: str, entry=("-m", "eagle3lib.train.launch")):
+def kill_after_checkpoint(params: str, run_dir, step_dir: str, entry=("-m", "eagle3lib.train.runtime.launch")):
     """Train in a subprocess (`python *entry params run_dir`) and SIGKILL it once checkpoints/<step_dir> is written;
     returns the checkpoints folder."""
     proc = subprocess.Popen(
@@ -155,7 +156,7 @@ def test_torchrun_two_processes_equal_one_with_the_same_global_batch(tmp_path, s
     single = make_run(tmp_path / "single", *small_target, common | {"grad_accum": 2})
     # torchrun gives each rank one thread; the reference gets one too, so float sums run in the same order.
     subprocess.run(
-        [sys.executable, "-m", "eagle3lib.train.launch", params_file(tmp_path / "single"), str(single)],
+        [sys.executable, "-m", "eagle3lib.train.runtime.launch", params_file(tmp_path / "single"), str(single)],
         env=os.environ | {"OMP_NUM_THREADS": "1"},
         check=True,
         capture_output=True,
@@ -176,7 +177,7 @@ def test_torchrun_two_processes_equal_one_with_the_same_global_batch(tmp_path, s
         [
             sys.executable,
             "-m",
-            "eagle3lib.train.launch",
+            "eagle3lib.train.runtime.launch",
             params_file(tmp_path / "single"),
             str(single),
             json.dumps(more),
@@ -211,7 +212,7 @@ def thread_reference(root, small_target, train_params: dict):
     the float sums run in the same order); returns its run folder."""
     run = make_run(root, *small_target, train_params)
     subprocess.run(
-        [sys.executable, "-m", "eagle3lib.train.launch", params_file(root), str(run)],
+        [sys.executable, "-m", "eagle3lib.train.runtime.launch", params_file(root), str(run)],
         env=os.environ | {"OMP_NUM_THREADS": "1"},
         check=True,
         capture_output=True,

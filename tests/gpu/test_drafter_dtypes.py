@@ -1,14 +1,14 @@
 """The drafter's TTT on a GPU where the CPU tests cannot reach: EAGLE-3.1's norms under bf16 autocast (the fused
 causal kernels take fp16/bf16 only) and an MLA drafter's 192-wide heads in fp32 (flex_attention, as our validation
-and the predicted AL run it), forward and backward, on rows of 2,048 holding three documents. Each case prints its
-loss or FAILED with the error.
+and the predicted AL run it), forward and backward, on rows of 2,048 holding three documents. Each case's loss is finite.
 
-    PYTHONPATH=$PWD python3 benchmarks/h200/gpu_dtype_check.py        (the H200's own torch; nothing staged)
+    .venv/bin/python -m pytest tests/gpu/test_drafter_dtypes.py
 """
 
-import time
+import math
 from dataclasses import replace
 
+import pytest
 import torch
 from transformers import LlamaConfig
 
@@ -20,6 +20,7 @@ SMOLLM2 = LlamaConfig(  # the embedded target's shape
 )  # fmt: skip
 MLA_DIMS = dict(q_lora_rank=768, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
 ROW, STEPS, DOCUMENT = 2048, 5, 700
+pytestmark = pytest.mark.gpu
 
 
 def ttt_loss(cfg: DrafterConfig, autocast: bool, grad: bool) -> float:
@@ -36,23 +37,18 @@ def ttt_loss(cfg: DrafterConfig, autocast: bool, grad: bool) -> float:
     return loss.item()
 
 
-def case(name: str, cfg: DrafterConfig, autocast: bool, grad: bool) -> None:
-    try:
-        print(name, ttt_loss(cfg, autocast, grad), flush=True)
-    except Exception as e:  # each case's outcome, whatever the others'
-        print(name, "FAILED", type(e).__name__, str(e)[:200], flush=True)
+GQA = DrafterConfig.from_target(SMOLLM2, 16384, [2, 15, 27])
+MLA = DrafterConfig.from_target(SMOLLM2, 16384, [2, 15, 27], "mla", MLA_DIMS)
+CASES = {
+    "gqa norm_before_fc+norm_output bf16 train": (replace(GQA, norm_before_fc=True, norm_output=True), True, True),
+    "mla bf16 train": (MLA, True, True),
+    "mla fp32 eval (flex)": (MLA, False, False),
+    "mla fp32 train (flex)": (MLA, False, True),
+}
 
 
-def main() -> None:
-    started = time.time()
-    gqa = DrafterConfig.from_target(SMOLLM2, 16384, [2, 15, 27])
-    mla = DrafterConfig.from_target(SMOLLM2, 16384, [2, 15, 27], "mla", MLA_DIMS)
-    case("gqa norm_before_fc+norm_output bf16 train", replace(gqa, norm_before_fc=True, norm_output=True), True, True)
-    case("mla bf16 train", mla, True, True)
-    case("mla fp32 eval (flex)", mla, False, False)
-    case("mla fp32 train (flex)", mla, False, True)
-    print(f"{time.time() - started:.1f} s")
-
-
-if __name__ == "__main__":
-    main()
+@pytest.mark.parametrize("name", CASES)
+def test_the_ttt_runs_forward_and_backward_on_a_gpu(name):
+    cfg, autocast, grad = CASES[name]
+    loss = ttt_loss(cfg, autocast, grad)
+    assert math.isfinite(loss) and loss > 0

@@ -1,5 +1,5 @@
 """Training checkpoints on disk: what a kill -9 in the middle of a write leaves, and which run a checkpoint
-may resume (eagle3lib/train/checkpoint.py)."""
+may resume (eagle3lib/train/runtime/checkpoint.py)."""
 
 import json
 import shutil
@@ -10,7 +10,7 @@ import torch
 from eagle3lib.convert import layouts
 from eagle3lib.drafter import Drafter, DrafterConfig
 from eagle3lib.drafter.digests import DIGESTS_FILE, DamagedFolderError
-from eagle3lib.train.checkpoint import (
+from eagle3lib.train.runtime.checkpoint import (
     OPTIMIZER_FILE,
     SET_ASIDE,
     STATE_FILE,

@@ -244,7 +244,7 @@ def test_when_every_depth_loses_the_picks_still_run_every_prompt():
 
 @pytest.mark.parametrize("asked", ["predict", "quick"])
 def test_a_first_run_sweep_measures_the_baseline_and_the_picks_and_answers_the_asked_depths_cheaply(asked):
-    """bench.neighbours off and bench.asked_depths predict or quick (params/tiny.yaml's first run): servers start
+    """bench.neighbours off and bench.asked_depths predict or quick (smollm2-135m-cpu.yaml's first run): servers start
     for the baseline and the picks only (every prompt, every concurrency); the asked depths are the calibrated
     model's predictions, or a few prompts at the lowest concurrency, and asked_depths says which."""
     from eagle3lib.params import BenchParams
@@ -358,9 +358,11 @@ def test_the_replay_script_predicts_a_recorded_cpu_run():
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    spec = importlib.util.spec_from_file_location("cost_model_replay", root / "benchmarks" / "cost_model_replay.py")
+    spec = importlib.util.spec_from_file_location(
+        "cost_model_replay", root / "benchmarks" / "questions" / "cost_model.py"
+    )
     replay = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(replay)
-    out = replay.replay(root / "benchmarks" / "results" / "cpu-tiny-default-run")
+    out = replay.replay(root / "benchmarks/results/cost_model/cpu-epyc-avx2-2c-2026-12-01")
     assert out["plan"][0] == 1 and set(out["plan"]) == {1, 2, 5, 10, 16} and not out["not_measured"]
     assert len(out["rows"]) == 10 and sum(r["within"] for r in out["rows"]) >= 8

@@ -190,7 +190,7 @@ def test_split_deterministic_and_disjoint():
 
 
 def test_keep_unseen_leaves_out_the_other_runs_val_and_bench(tmp_path):
-    """params/release-smollm2.yaml (the released drafter's run) reads more of the same data than params/tiny.yaml
+    """smollm2-135m-gpu-release.yaml (the released drafter's run) reads more of the same data than smollm2-135m-cpu.yaml
     and splits it otherwise; data.keep_unseen leaves out tiny's val and bench conversations, by id and by prompt,
     so none of them reaches the release's splits. Shown on the real files, with the release's read cut to 1,200
     conversations (the first 320 are tiny's own)."""
@@ -198,9 +198,9 @@ def test_keep_unseen_leaves_out_the_other_runs_val_and_bench(tmp_path):
     from eagle3lib.prepare import notebook
 
     root = Path(__file__).resolve().parents[2] / "params"
-    release = load_params(root / "release-smollm2.yaml", {"data.max_conversations": 1200})
-    assert release.data.keep_unseen == [str(root / "tiny.yaml")]
-    tiny = load_params(root / "tiny.yaml")
+    release = load_params(root / "smollm2-135m-gpu-release.yaml", {"data.max_conversations": 1200})
+    assert release.data.keep_unseen == [str(root / "smollm2-135m-cpu.yaml")]
+    tiny = load_params(root / "smollm2-135m-cpu.yaml")
     theirs, _ = S.load_conversations(tiny.data.sources, limit=tiny.data.max_conversations)
     tiny_split = D.split_conversations(theirs, tiny.data.val_fraction, tiny.data.bench_count, tiny.run.seed)
     held_out = tiny_split["val"] + tiny_split["bench"]
@@ -212,14 +212,14 @@ def test_keep_unseen_leaves_out_the_other_runs_val_and_bench(tmp_path):
     ours = [c for part in split.values() for c in part]
     assert not held_ids & {c["id"] for c in ours}
     assert not held_prompts & {t for c in ours for t in D.user_texts(c)}
-    left_out = stats["kept_unseen"][str(root / "tiny.yaml")]
+    left_out = stats["kept_unseen"][str(root / "smollm2-135m-cpu.yaml")]
     assert left_out >= len(held_ids) > 0 and len(pool) == 1200 - left_out
     # without keep_unseen the same read would have trained on some of them
     plain, _ = S.load_conversations(release.data.sources, limit=1200)
     plain_split = D.split_conversations(plain, release.data.val_fraction, release.data.bench_count, release.run.seed)
     assert held_ids & {c["id"] for c in plain_split["train"]}
     with pytest.raises(ParamsError, match="data.keep_unseen: no params file at .*nope.yaml"):
-        load_params(root / "release-smollm2.yaml", {"data.keep_unseen": ["nope.yaml"]})
+        load_params(root / "smollm2-135m-gpu-release.yaml", {"data.keep_unseen": ["nope.yaml"]})
 
 
 def test_split_bench_excludes_same_prompt_from_train():

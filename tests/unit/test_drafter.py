@@ -579,8 +579,8 @@ def test_eagle31_norms_keep_the_chain_in_autocasts_dtype(real_states, monkeypatc
 
 def test_flex_tiles_fit_wide_fp32_heads():
     """An MLA drafter's 192-wide fp32 heads (our validation, the predicted AL) get smaller flex tiles on GPUs; the
-    GQA drafter's 64-wide ones and half precision keep flex's defaults (benchmarks/h200/gpu_dtype_check.py ran
-    both on an H200: the defaults asked 279,808 bytes of shared memory of 232,448)."""
+    GQA drafter's 64-wide ones and half precision keep flex's defaults (tests/gpu/test_drafter_dtypes.py runs
+    both on a GPU; on an H200 the defaults asked 279,808 bytes of shared memory of 232,448)."""
     from eagle3lib.drafter.ttt_attention import WIDE_FP32_TILES, flex_tiles
 
     assert flex_tiles(torch.float32, 192) == WIDE_FP32_TILES

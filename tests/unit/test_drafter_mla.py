@@ -15,10 +15,10 @@ from eagle3lib.drafter.vocab import build_draft_vocab
 from eagle3lib.params import load_params
 from eagle3lib.target import WrapperConfig
 from eagle3lib.train import TrainingError, ttt_step
-from eagle3lib.train.batches import Sequence, make_batch
-from eagle3lib.train.setup import init_layer_from_target, initial_drafter
+from eagle3lib.train.runtime.batches import Sequence, make_batch
+from eagle3lib.train.runtime.setup import init_layer_from_target, initial_drafter
 
-TINY_PARAMS = Path(__file__).resolve().parents[2] / "params" / "tiny.yaml"
+TINY_PARAMS = Path(__file__).resolve().parents[2] / "params" / "smollm2-135m-cpu.yaml"
 STEPS = 4
 YARN = {
     "rope_type": "yarn",

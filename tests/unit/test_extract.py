@@ -436,7 +436,7 @@ def test_bad_inputs_refused(model, tmp_path):
 
 
 def test_shard_prefetch_yields_what_plain_reading_does(model, tokens, tmp_path, monkeypatch):
-    from eagle3lib.train.batches import shard_sequences
+    from eagle3lib.train.runtime.batches import shard_sequences
 
     out = str(tmp_path / "hidden")
     extract(model, tokens, AUX, out, CONTRACT, **SMALL)

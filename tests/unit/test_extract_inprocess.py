@@ -1,7 +1,7 @@
 """The sglang_inprocess backend's CPU parts: the shard buffers and extract_with through its Capture (with
 the hf target standing in for SGLang's model runner, which needs a GPU), the interfaces it calls in SGLang 0.5.17's
-own code (.venv-sglang), the notebook's handle and its failure. The GPU check is benchmarks/extract_check.py
-inprocess (benchmarks/h200/extract_inprocess_check.sh), its output in benchmarks/results/."""
+own code (.venv-sglang), the notebook's handle and its failure. The GPU check is tests/gpu/test_extraction_backends.py
+and `python -m benchmarks capture` (its results in benchmarks/results/capture/)."""
 
 import dataclasses
 import json
@@ -152,13 +152,13 @@ def test_the_sglang_interfaces_it_calls_in_sglang_0_5_17(tmp_path):
 
 
 def test_notebook_handle_runs_the_module_and_fails_with_the_log(tmp_path, embedded_cache):
-    params = REPO / "params" / "tiny.yaml"
+    params = REPO / "params" / "smollm2-135m-cpu.yaml"
     p = P.load_params(
         params,
         {
             "run.cache_dir": str(embedded_cache[0]),
             "extract.backend": "sglang_inprocess",
-            "extract.max_minutes": None,  # tiny.yaml's cut of the train split is made in this process, not SGLang's
+            "extract.max_minutes": None,  # the recipe's cut of the train split is made in this process, not SGLang's
             "engine.name": "sglang",
             "engine.python": sys.executable,  # no sglang here: the module's own error must come back
             "engine.extra_args": ["--tp", "2"],

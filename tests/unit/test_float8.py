@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from eagle3lib.drafter import Drafter, DrafterConfig
-from eagle3lib.train.speedups import convert_to_float8
+from eagle3lib.train.runtime.speedups import convert_to_float8
 from eagle3lib.train.ttt_step import ttt_loss_sums
 
 # `make test` installs torchao into .fp8-site, outside the workbook's environment (pyproject's fp8 extra says why).

@@ -146,18 +146,28 @@ def test_few_modules_directly_under_the_package():
     assert len(top) <= MAX_TOP_MODULES, f"{len(top)} modules directly under eagle3lib/ ({top}): put them in a folder"
 
 
-def engine_side_allowed(stem: str) -> set[str]:
-    """What a module of engines/engine_side may import besides the standard library: torch, safetensors and the
-    engine it serves (vllm_* vLLM, sglang_* SGLang; load_check serves both gates). guard.py, which any
-    interpreter runs, the standard library only."""
-    if stem == "guard":
-        return set()
+ENGINE_SIDE = sorted(PACKAGE.glob("engines/engine_side/*.py"))
+
+
+def served_engines(stem: str) -> set[str]:
+    """The engines a module of engines/engine_side serves: vllm_* vLLM, sglang_* SGLang; load_check both gates."""
     engines = {"vllm", "sglang"} if stem == "load_check" else {stem.split("_")[0]} & {"vllm", "sglang"}
     assert engines or stem == "__init__", f"engines/engine_side/{stem}.py: name it after the engine it serves"
-    return {"torch", "safetensors"} | engines
+    return engines
 
 
-@pytest.mark.parametrize("path", sorted(PACKAGE.glob("engines/engine_side/*.py")) + [PACKAGE / "engines" / "guard.py"])
+def engine_side_allowed(stem: str) -> set[str]:
+    """What a module of engines/engine_side may import besides the standard library: torch, safetensors, the engine
+    it serves, and a sibling module of the folder serving no other engine (the scripts run as files, and Python puts
+    a script's own folder first on sys.path). guard.py, which any interpreter runs, the standard library only."""
+    if stem == "guard":
+        return set()
+    engines = served_engines(stem)
+    siblings = {p.stem for p in ENGINE_SIDE if p.stem not in ("__init__", stem) and served_engines(p.stem) <= engines}
+    return {"torch", "safetensors"} | engines | siblings
+
+
+@pytest.mark.parametrize("path", ENGINE_SIDE + [PACKAGE / "engines" / "guard.py"])
 def test_engine_side_code_imports_only_what_the_engine_has(path):
     allowed = engine_side_allowed(path.stem) | set(sys.stdlib_module_names)
     found = {target.split(".")[0]: line for target, line in imports(path.stem, path)}

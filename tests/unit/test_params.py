@@ -16,14 +16,21 @@ from eagle3lib.params import (
     UnreadSectionError,
     cache_dir,
     load_params,
+    params_from_tree,
     parse_override,
     run_dir,
     stage_sections,
     stage_view,
 )
+from eagle3lib.params.files import BASE_KEY, deep_merge, read_base, read_mapping
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = sorted((ROOT / "params").glob("*.yaml"))
+RECIPES = SHIPPED + sorted((ROOT / "tests" / "params").glob("*.yaml"))  # CI's recipes too
+# A shipped recipe states what differs from its base in a screenful; exempt: the base of the CPU recipes, and the
+# one large GPU recipe (a whole node's target, and its online layouts in words).
+MAX_RECIPE_LINES = 30
+LONG_RECIPES = {"smollm2-135m-cpu.yaml", "kimi-k2.5-8gpu.yaml"}
 
 
 def write(tmp_path, text, name="p.yaml"):
@@ -32,16 +39,16 @@ def write(tmp_path, text, name="p.yaml"):
     return f
 
 
-def test_the_four_shipped_params_files_validate():
-    assert {f.name for f in SHIPPED} >= {"tiny.yaml", "ci.yaml", "llama3.1-8b.yaml", "kimi-k2.5.yaml"}
-    for f in SHIPPED:
-        p = load_params(f)
-        assert p.run.name == f.stem
-        assert Path(p.run.output_root) == ROOT / "outputs"
+def test_every_recipe_validates_into_its_own_run_folder():
+    assert {f.name for f in SHIPPED} >= {"smollm2-135m-cpu.yaml", "llama3.1-8b-gpu.yaml", "kimi-k2.5-8gpu.yaml"}
+    names = [load_params(f).run.name for f in RECIPES]
+    assert len(set(names)) == len(names), f"two recipes share a run folder: {names}"
+    for f in RECIPES:
+        assert Path(load_params(f).run.output_root) == ROOT / "outputs", f
 
 
 def test_kimi_matches_the_seed_run():
-    p = load_params(ROOT / "params" / "kimi-k2.5.yaml")
+    p = load_params(ROOT / "params" / "kimi-k2.5-8gpu.yaml")
     assert (p.train.ttt_steps, p.train.max_seq_len, p.train.nproc_per_node) == (5, 8192, 4)
     assert p.bench.depths == [16, 10, 5] and p.target.trust_remote_code
 
@@ -95,6 +102,70 @@ def test_missing_file_and_bad_yaml(tmp_path):
         load_params(write(tmp_path, "run: [unclosed\n"))
 
 
+def test_a_file_that_is_not_utf8_names_itself_and_its_line(tmp_path):
+    f = tmp_path / "latin1.yaml"
+    f.write_bytes(b"run: {name: x}\n# caf\xe9\nbench: {max_tokens: 8}\xff\n")
+    with pytest.raises(ParamsError, match=r"latin1\.yaml: not UTF-8 text \(byte 0xe9 on line 2\)"):
+        load_params(f)
+
+
+def test_bad_yaml_names_the_file_and_the_line(tmp_path):
+    f = write(tmp_path, "run: {name: x}\ntrain:\n  lr: [1e-3\n  ttt_steps: 3\n")
+    with pytest.raises(ParamsError, match=rf"{f}: not valid YAML at line \d+, column \d+"):
+        load_params(f)
+    with pytest.raises(ParamsError, match="expected a mapping of sections at the top level, found list"):
+        load_params(write(tmp_path, "- run\n"))
+
+
+def test_a_recipe_states_what_differs_from_its_base(tmp_path):
+    (tmp_path / "data.jsonl").write_text("")
+    write(
+        tmp_path,
+        "run: {name: base, seed: 4}\ndata: {sources: [./data.jsonl], regenerate: {budget_tokens: 64, batch_size: 2}}\n"
+        "bench: {depths: [5, 3], concurrency: [1]}\nengine: {env: {A: '1'}}\n",
+        "base.yaml",
+    )
+    f = write(
+        tmp_path,
+        "base: base.yaml\ndata: {regenerate: {batch_size: 4}}\nbench: {depths: [2]}\nengine: {env: {B: '2'}}\n",
+    )
+    p = load_params(f)
+    assert p.run.name == "p" and p.run.seed == 4  # the base's name stays the base's: its run folder is its own
+    assert (p.data.regenerate.budget_tokens, p.data.regenerate.batch_size) == (64, 4)  # mappings merge
+    assert p.bench.depths == [2] and p.bench.concurrency == [1]  # lists are replaced whole
+    assert p.engine.env == {"A": "1", "B": "2"}
+    assert p.data.sources == [str(tmp_path / "data.jsonl")]
+
+
+def test_a_bases_paths_stay_relative_to_the_base(tmp_path):
+    (tmp_path / "shared" / "drafter").mkdir(parents=True)
+    write(tmp_path / "shared", "run: {output_root: runs}\ntrain: {init_from: drafter}\n", "base.yaml")
+    (tmp_path / "mine").mkdir()
+    p = load_params(write(tmp_path / "mine", "base: ../shared/base.yaml\n"))
+    assert Path(p.run.output_root) == tmp_path / "shared" / "runs"
+    assert Path(p.train.init_from) == tmp_path / "shared" / "drafter"
+    assert Path(p.file) == tmp_path / "mine" / "p.yaml"
+
+
+def test_a_missing_base_a_circle_and_a_base_that_is_no_mapping_are_refused(tmp_path):
+    with pytest.raises(ParamsError, match=r"p\.yaml: base: no params file at .*nope\.yaml"):
+        load_params(write(tmp_path, "base: nope.yaml\n"))
+    write(tmp_path, "base: b.yaml\n", "a.yaml")
+    write(tmp_path, "base: a.yaml\n", "b.yaml")
+    with pytest.raises(ParamsError, match=r"in a circle: .*a\.yaml -> .*b\.yaml -> .*a\.yaml"):
+        load_params(write(tmp_path, "base: a.yaml\n"))
+    with pytest.raises(ParamsError, match=r"in a circle: .*self\.yaml -> .*self\.yaml"):
+        load_params(write(tmp_path, "base: self.yaml\n", "self.yaml"))
+    write(tmp_path, "[1, 2]\n", "list.yaml")
+    with pytest.raises(ParamsError, match=r"list\.yaml: expected a mapping of sections at the top level, found list"):
+        load_params(write(tmp_path, "base: list.yaml\n"))
+    with pytest.raises(ParamsError, match=r"base: expected the path of a params file, got \[1\]"):
+        load_params(write(tmp_path, "base: [1]\n"))
+    write(tmp_path, "train: {ttt_step: 3}\n", "typo.yaml")
+    with pytest.raises(ParamsError, match=r"(?s)on its base .*typo\.yaml.*did you mean 'ttt_steps'"):
+        load_params(write(tmp_path, "base: typo.yaml\n"))
+
+
 def test_overrides_and_relative_paths(tmp_path):
     data = tmp_path / "chats.jsonl"
     data.write_text("")
@@ -111,12 +182,13 @@ def test_overrides_and_relative_paths(tmp_path):
 
 def test_cli_params_check(tmp_path):
     ok = subprocess.run(
-        [sys.executable, "-m", "eagle3lib", "params", "check", str(ROOT / "params" / "ci.yaml")],
+        [sys.executable, "-m", "eagle3lib", "params", "check", str(ROOT / "tests" / "params" / "ci-online.yaml")],
         capture_output=True,
         text=True,
     )
     assert ok.returncode == 0, ok.stderr
-    assert "ttt_steps: 3" in ok.stdout
+    # the whole tree: the base's values (ci.yaml's ttt_steps), the recipe's own and the code's defaults
+    assert "ttt_steps: 3" in ok.stdout and "source: online" in ok.stdout and "grad_clip: 0.5" in ok.stdout
     bad = subprocess.run(
         [sys.executable, "-m", "eagle3lib", "params", "check", str(write(tmp_path, "x: 1\n"))],
         capture_output=True,
@@ -185,7 +257,7 @@ def test_the_view_refuses_a_section_the_stage_does_not_read(tmp_path):
         _ = view.bench.depths
     msg = str(e.value)
     assert "02_train read params bench.depths" in msg and "does not read the bench section" in msg
-    assert "it reads target, train and run" in msg and "STAGE_SECTIONS['02_train'] in eagle3lib/params.py" in msg
+    assert "it reads target, train and run" in msg and "STAGE_SECTIONS['02_train'] in eagle3lib/params/stages.py" in msg
     # a section read only under another choice says which
     with pytest.raises(UnreadSectionError, match=r"reads extract only when train.source is online, not with these"):
         _ = view.extract.backend
@@ -250,3 +322,67 @@ def test_os_errors_say_what_to_do():
     full = os_error_text(OSError(errno.ENOSPC, "No space left on device", "/runs/t/01_extract/train/shard_3"))
     assert full.startswith("/runs/t/01_extract/train/shard_3: No space left on device") and "disk is full" in full
     assert "permissions" in os_error_text(PermissionError(errno.EACCES, "Permission denied", "/runs"))
+
+
+# ---- the recipes: each states only what differs from its base, briefly ------------------------------------------
+
+
+def leaves(tree: dict, prefix: tuple = ()) -> list[tuple]:
+    """The key path of every leaf of a tree (a non-empty mapping is descended into)."""
+    found = []
+    for key, value in tree.items():
+        if isinstance(value, dict) and value:
+            found += leaves(value, (*prefix, key))
+        else:
+            found.append((*prefix, key))
+    return found
+
+
+def without(tree: dict, path: tuple) -> dict:
+    node = {k: (dict(v) if isinstance(v, dict) else v) for k, v in tree.items()}
+    if len(path) == 1:
+        del node[path[0]]
+    else:
+        node[path[0]] = without(node[path[0]], path[1:])
+    return node
+
+
+def restated(recipe: Path) -> list[str]:
+    """The recipe's keys whose removal resolves to the same params: the value is its base's or the code's default."""
+    base, _ = read_base(recipe)
+    own = {k: v for k, v in read_mapping(recipe).items() if k != BASE_KEY}
+    whole = params_from_tree(deep_merge(base, own), recipe).resolved()
+    found = []
+    for path in leaves(own):
+        if path == ("run", "name"):  # a recipe's name is never inherited
+            continue
+        try:
+            same = params_from_tree(deep_merge(base, without(own, path)), recipe).resolved() == whole
+        except ParamsError:
+            same = False
+        if same:
+            found.append(".".join(path))
+    return found
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=lambda f: str(f.relative_to(ROOT)))
+def test_a_recipe_restates_nothing_its_base_or_the_code_already_says(recipe):
+    assert not restated(recipe), f"{recipe.name} restates its base's or the code's value: remove {restated(recipe)}"
+
+
+def test_the_restatement_check_sees_a_restated_value(tmp_path):
+    write(tmp_path, "train: {ttt_steps: 3, lr: 2.0e-3}\n", "base.yaml")
+    f = write(tmp_path, "base: base.yaml\ntrain: {ttt_steps: 3, lr: 1.0e-3, grad_clip: 0.5}\n")
+    assert restated(f) == ["train.ttt_steps", "train.grad_clip"]
+
+
+@pytest.mark.parametrize("recipe", SHIPPED, ids=lambda f: f.name)
+def test_a_shipped_recipe_fits_a_screen(recipe):
+    lines = len(recipe.read_text().splitlines())
+    if recipe.name in LONG_RECIPES:
+        return
+    assert lines <= MAX_RECIPE_LINES, f"{recipe.name} has {lines} lines: state only what differs from its base"
+
+
+def test_the_long_recipes_named_exist():
+    assert LONG_RECIPES <= {f.name for f in SHIPPED}

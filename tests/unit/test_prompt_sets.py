@@ -31,7 +31,7 @@ def test_named_sets_come_from_their_packages():
 
 def test_unknown_names_and_malformed_files_say_what_to_fix(tmp_path):
     with pytest.raises(params.ParamsError, match="unknown prompt set 'mtbench'"):
-        params.load_params(Path(__file__).parents[2] / "params/tiny.yaml", {"bench.prompts": ["mtbench"]})
+        params.load_params(Path(__file__).parents[2] / "params/smollm2-135m-cpu.yaml", {"bench.prompts": ["mtbench"]})
     with pytest.raises(prompt_sets.PromptSetError, match="unknown set 'gsm'"):
         prompt_sets.load_set("gsm")
     bad = tmp_path / "q.jsonl"

@@ -1,4 +1,4 @@
-"""The learning-rate schedule's length under a time budget (train/schedule.py): decided once from the measured
+"""The learning-rate schedule's length under a time budget (train/runtime/schedule.py): decided once from the measured
 step rate, revised once at the first evaluation in the loop, kept across a resume with the same budgets, decided
 again for another budget."""
 
@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from eagle3lib.train.schedule import Schedule
+from eagle3lib.train.runtime.schedule import Schedule
 
 
 def params(**kw):

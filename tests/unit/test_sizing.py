@@ -15,7 +15,7 @@ SPEEDS = sizing.Speeds(start_s=55.0, step_s={1: 1 / 16, 8: 8 / 45}, prefill_s_pe
 
 
 def prompts_of_issue_43():
-    """tiny.yaml's 26 requests: 6 held-out, 6 MT-Bench questions of two turns, 6 HumanEval, 2 long contexts."""
+    """The CPU recipe's 26 requests: 6 held-out, 6 MT-Bench questions of two turns, 6 HumanEval, 2 long contexts."""
     out = [{"id": f"h{i}", "set": "held_out", "prompt_ids": [1] * 80} for i in range(6)]
     for i in range(6):
         out += [

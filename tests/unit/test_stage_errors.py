@@ -3,7 +3,8 @@
 import nbformat
 from nbformat.v4 import new_code_cell, new_notebook, new_output
 
-from eagle3lib.workbook.pipeline import KERNEL_START_TIMEOUT_S, notebook_error
+from eagle3lib.workbook.kernels import KERNEL_START_TIMEOUT_S
+from eagle3lib.workbook.pipeline import notebook_error
 
 
 def test_the_failing_cells_error_comes_first(tmp_path):

@@ -4,7 +4,7 @@ import asyncio
 import os
 import tempfile
 
-from eagle3lib.workbook.pipeline import stage_kernel_manager
+from eagle3lib.workbook.kernels import stage_kernel_manager
 
 
 async def _started_together_then_asked(managers):

@@ -16,11 +16,13 @@ from eagle3lib.extract import hf
 from eagle3lib.extract.shards import states, store_states
 from eagle3lib.params import ParamsError, load_params
 from eagle3lib.prepare import conversations
-from eagle3lib.train import TrainingError, launch, loop, online
-from eagle3lib.train import steps as train_steps
-from eagle3lib.train.batches import Sequence, batch_states, in_background, make_batch, pack_rows
-from eagle3lib.train.checkpoint import latest_checkpoint, load_drafter
-from eagle3lib.train.setup import build_setup
+from eagle3lib.train import TrainingError, loop
+from eagle3lib.train import notebook as train_notebook
+from eagle3lib.train.runtime import launch
+from eagle3lib.train.runtime.batches import Sequence, batch_states, in_background, make_batch, pack_rows
+from eagle3lib.train.runtime.checkpoint import latest_checkpoint, load_drafter
+from eagle3lib.train.runtime.setup import build_setup
+from eagle3lib.train.sources import online
 from eagle3lib.train.sources.base import CAPTURE_SUMMARY
 
 AUX = [1, 3, 5]
@@ -275,7 +277,7 @@ def test_online_cache_first_epoch_writes_the_extraction_and_later_epochs_read_it
 class EngineStandIn:
     """SGLang's model runner as EngineStates drives it (extend: consecutive sequences in one ragged batch, their
     states in token order), computed by the hf target one unpadded forward a sequence: the real one needs a GPU
-    (benchmarks/h200/online.sh runs it there)."""
+    (python -m benchmarks online runs it there)."""
 
     def __init__(self, model):
         self.model, self.batches, self.closed = model, [], False
@@ -459,7 +461,9 @@ def test_init_layer_from_target_and_the_recipe_levers_script(tmp_path, small_tar
     assert not setup.drafter.layer.self_attn.q_proj.weight[:, :h].any()
     assert torch.equal(setup.drafter.fc.weight[:, 2 * h :], torch.eye(h))
 
-    spec = importlib.util.spec_from_file_location("recipe_levers", ROOT / "benchmarks" / "recipe_levers.py")
+    spec = importlib.util.spec_from_file_location(
+        "recipe_levers", ROOT / "benchmarks" / "questions" / "recipe_levers.py"
+    )
     levers = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(levers)
     assert levers.parse_lever("ttt3:train.ttt_steps=3,train.lr=2e-3") == (
@@ -488,7 +492,7 @@ def test_init_from_warm_starts_from_each_layout_and_refuses_what_does_not_fit(tm
     vocabulary size are refused, naming both sides."""
     from eagle3lib.convert import layouts
     from eagle3lib.drafter.vocab import build_draft_vocab, d2t_sha256
-    from eagle3lib.train.checkpoint import save_drafter
+    from eagle3lib.train.runtime.checkpoint import save_drafter
 
     run_dir = make_run(tmp_path, *small_target, {"max_tokens": 128 * 4, "eval_every": 4})
     p = load_params(params_file(tmp_path))
@@ -569,7 +573,7 @@ def test_muon_trains_the_matrices_and_its_state_resumes(tmp_path, small_target):
     """train.optimizer muon: Muon takes the layer's and fc's matrices, AdamW the draft head and the norms; the
     drafter learns; the two optimizers' state round-trips through state_dict, so a resumed step equals the
     uninterrupted one."""
-    from eagle3lib.train.optimizer import make_optimizer, split_for_muon
+    from eagle3lib.train.runtime.optimizer import make_optimizer, split_for_muon
 
     run_dir = make_run(tmp_path, *small_target, {"max_tokens": 128 * 20, "eval_every": 20, "optimizer": "muon"})
     p = load_params(params_file(tmp_path))
@@ -648,7 +652,7 @@ def test_sglang_inprocess_online_in_a_capture_process_takes_its_tp_gpus_first_an
     assert data_backend("cuda", {"nccl": "2.27.3"}, {"nccl": "2.28.9"}) == "gloo"
     assert data_backend("cpu", {"nccl": None}, {"nccl": None}) == "gloo"
     assert data_backend("cuda:0", {"nccl": "2.27.3"}, {"nccl": "2.27.3"}, through_host=True) == "gloo"
-    # one GPU (the H200 of issue 44's item 4): the hf capture process and one trainer share it, through the host
+    # one GPU (an H200, say): the hf capture process and one trainer share it, through the host
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
     one = load_params(params, online_gpus)
     assert sources.for_params(one).split_gpus(one) == ({"CUDA_VISIBLE_DEVICES": "3"},) * 2
@@ -727,6 +731,6 @@ def test_keep_best_writes_the_best_evaluated_state_and_a_spoiling_fine_tune_keep
                 "last_est_accept_len": last,
             }
             assert summary["eval"]["est_accept_len"] == summary["initial_eval"]["est_accept_len"]
-            assert "drafter kept" in train_steps.result(summary)["headline"]
+            assert "drafter kept" in train_notebook.result(summary)["headline"]
         else:
             assert summary["kept"] == {"rule": "last", "step": 4} and summary["eval"] == summary["last_eval"]

@@ -13,8 +13,9 @@ from transformers import LlamaConfig
 
 from eagle3lib.drafter import Drafter, DrafterConfig
 from eagle3lib.drafter.vocab import build_draft_vocab
-from eagle3lib.train import optimizer, ttt_step
-from eagle3lib.train.batches import Sequence, make_batch
+from eagle3lib.train import ttt_step
+from eagle3lib.train.runtime import optimizer
+from eagle3lib.train.runtime.batches import Sequence, make_batch
 
 VOCAB = HIDDEN = 16
 # two documents packed in one row of 11 (two padding slots at the end); tokens distinct so each names its position

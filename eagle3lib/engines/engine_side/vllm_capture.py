@@ -70,14 +70,41 @@ def read_sequences(path):
     return [ids[a:b] for a, b in zip(starts[:-1], starts[1:])]
 
 
-def capture(a, flags):
-    import torch
-    from safetensors.torch import save_file
-    from vllm import LLM, SamplingParams
+def hidden_rows(seqs, outs, n_layers):
+    """The hidden states the connector saved for each request, [tokens, n_layers, H] each, checked against its prompt."""
     from vllm.distributed.kv_transfer.kv_connector.v1.example_hidden_states_connector import (
         cleanup_hidden_states,
         load_hidden_states,
     )
+
+    rows = []
+    for s, o in zip(seqs, outs):
+        path = (o.kv_transfer_params or {}).get("hidden_states_path")
+        if path is None:
+            raise RuntimeError(
+                f"request {o.request_id} came back without kv_transfer_params.hidden_states_path; "
+                "is the hidden-states connector configured?"
+            )
+        got = load_hidden_states(path)
+        cleanup_hidden_states(path)
+        if got["token_ids"].tolist() != s:
+            raise RuntimeError(
+                f"request {o.request_id}: the connector saved rows for other tokens "
+                f"({got['token_ids'].numel()} ids) than the prompt ({len(s)} ids)"
+            )
+        h = got["hidden_states"]
+        if tuple(h.shape[1:]) != (n_layers, h.shape[-1]) or h.shape[0] != len(s):
+            raise RuntimeError(
+                f"request {o.request_id}: rows of shape {tuple(h.shape)}, expected [{len(s)}, {n_layers}, H]"
+            )
+        rows.append(h)
+    return rows
+
+
+def capture(a, flags):
+    import torch
+    from safetensors.torch import save_file
+    from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     layers = [int(x) for x in a.layers.split(",")]
@@ -118,27 +145,7 @@ def capture(a, flags):
         t1 = time.time()
         seqs = read_sequences(req["tokens"])
         outs = llm.generate([TokensPrompt(prompt_token_ids=s) for s in seqs], params, use_tqdm=False)
-        rows = []
-        for s, o in zip(seqs, outs):
-            path = (o.kv_transfer_params or {}).get("hidden_states_path")
-            if path is None:
-                raise RuntimeError(
-                    f"request {o.request_id} came back without kv_transfer_params.hidden_states_path; "
-                    "is the hidden-states connector configured?"
-                )
-            got = load_hidden_states(path)
-            cleanup_hidden_states(path)
-            if got["token_ids"].tolist() != s:
-                raise RuntimeError(
-                    f"request {o.request_id}: the connector saved rows for other tokens "
-                    f"({got['token_ids'].numel()} ids) than the prompt ({len(s)} ids)"
-                )
-            h = got["hidden_states"]
-            if tuple(h.shape[1:]) != (len(layers), h.shape[-1]) or h.shape[0] != len(s):
-                raise RuntimeError(
-                    f"request {o.request_id}: rows of shape {tuple(h.shape)}, expected [{len(s)}, {len(layers)}, H]"
-                )
-            rows.append(h)
+        rows = hidden_rows(seqs, outs, len(layers))
         tmp = req["out"] + ".tmp"
         save_file({"hidden": torch.cat(rows).contiguous()}, tmp)
         os.replace(tmp, req["out"])

@@ -106,6 +106,32 @@ def save_checkpoint(drafter: Drafter, optimizer: torch.optim.Optimizer, state: d
     return path
 
 
+# Train params a checkpoint resumes across: those that do not change the weights, and the budgets, so that a
+# larger train.max_tokens or max_minutes continues the run (the cosine schedule stretches to the new total).
+RESUME_FREE = (
+    "resume",
+    "max_tokens",
+    "max_minutes",
+    "checkpoint_every",
+    "eval_every",
+    "eval_max_tokens",
+    "prefetch_shards",
+    "batch_prefetch",
+    "compile_layer",
+    "online_queue_batches",
+    "online_placement",  # a thread, a process or a Ray actor captures the same states into the same micro-batches
+    "ray_address",
+)
+
+
+def run_key(setup, train_params, seed: int) -> dict:
+    """The params and inputs that shape a run's result (setup: the loop's TrainSetup): a checkpoint resumes only a
+    run with the same key."""
+    params = {k: v for k, v in train_params.model_dump().items() if k not in RESUME_FREE}
+    key = {"train": params, "run": {"seed": seed}, "contract": setup.contract, "inputs": setup.inputs}
+    return json.loads(json.dumps(key))  # as trainer_state.json will hold it
+
+
 def run_key_differences(saved: dict | None, current: dict) -> list[str]:
     """What differs between the run a checkpoint was made for and this one, as 'key: saved -> now' lines."""
     if saved is None:

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from eagle3lib.train import TrainingError
-from eagle3lib.train.checkpoint import weights_digest
+from eagle3lib.train.runtime.checkpoint import weights_digest
 
 # Whether this process's default group is the trainers' (joined by init_process_group below: torchrun's, which
 # spans the trainers only; online_placement: process links its capture process through groups of the link's own).

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from eagle3lib.train import sources
-from eagle3lib.train.runtime.distributed import default_group, init_process_group, rank_and_world, trainers_joined
 from eagle3lib.train.loop import train
+from eagle3lib.train.runtime.distributed import default_group, init_process_group, rank_and_world, trainers_joined
 from eagle3lib.train.runtime.setup import setup_for
 from eagle3lib.train.sources.base import SUMMARY
 

@@ -18,7 +18,7 @@ from eagle3lib.params import cache_dir
 from eagle3lib.prepare import conversations
 from eagle3lib.train import TrainingError, sources
 from eagle3lib.train.loop import TrainSetup
-from eagle3lib.train.warm_start import warm_start
+from eagle3lib.train.runtime.warm_start import warm_start
 
 
 def tokens_sha256(tokens: dict) -> str:

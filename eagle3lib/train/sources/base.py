@@ -22,7 +22,7 @@ from typing import Protocol
 from eagle3lib import run_folder
 from eagle3lib.engines.server import run_guarded
 
-TRAIN_ENTRY = "eagle3lib.train.launch"  # the stage's entry point in a process this layer starts (python -m)
+TRAIN_ENTRY = "eagle3lib.train.runtime.launch"  # the stage's entry point in a process this layer starts (python -m)
 SUMMARY = "train_summary.json"
 CAPTURE_SUMMARY = "capture_summary.json"  # a capture process's or actor's figures, beside SUMMARY
 

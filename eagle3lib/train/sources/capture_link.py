@@ -40,8 +40,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from eagle3lib.train import TrainingError, online
-from eagle3lib.train.batches import in_background, micro_batches, pack_val_rows
+from eagle3lib.train import TrainingError
+from eagle3lib.train.runtime.batches import in_background, micro_batches, pack_val_rows
+from eagle3lib.train.sources import online
 from eagle3lib.train.sources.base import CAPTURE_SUMMARY
 
 LINK_ENV = "EAGLE3_CAPTURE_LINK"  # host:port of the link's store, and the link's size: "HOST:PORT:SIZE"

@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from eagle3lib.extract.shards import CaptureHere
-from eagle3lib.train.batches import Sequence, sequence_order
+from eagle3lib.train.runtime.batches import Sequence, sequence_order
 
 CACHE_DIR = "states/train"  # under 02_train: online_cache_first_epoch's shards
 
@@ -168,7 +168,7 @@ class FirstEpochCache:
     def read(self, data: OnlineData, epoch: int, start: int) -> Iterator[Sequence]:
         """Epoch `epoch` (>= 1) from the cache, finished first where epoch 0 left shards out (a resume within it)."""
         from eagle3lib.extract import shards
-        from eagle3lib.train.batches import shard_sequences
+        from eagle3lib.train.runtime.batches import shard_sequences
 
         if not self._writer().manifest["complete"]:
             shards.extract_with(

@@ -29,8 +29,9 @@ import torch
 
 from eagle3lib import run_folder
 from eagle3lib.engines.server import run_guarded_together
-from eagle3lib.train import TrainingError, online
-from eagle3lib.train.distributed import rank_and_world
+from eagle3lib.train import TrainingError
+from eagle3lib.train.runtime.distributed import rank_and_world
+from eagle3lib.train.sources import online
 from eagle3lib.train.sources.base import TRAIN_ENTRY, OnlinePlacement, StageProcess, StageRun
 from eagle3lib.train.sources.capture_link import (
     CAPTURE,
@@ -55,6 +56,16 @@ def log_tail(log: Path) -> str:
         return ""
     with open(log, errors="replace") as f:
         return "".join(deque(f, maxlen=LOG_TAIL_LINES))
+
+
+@dataclass(frozen=True)
+class GpuLayout:
+    """The visible GPUs, the capture's count k, the trainers' n, and whether they share the first ones."""
+
+    gpus: list[str]
+    k: int
+    n: int
+    shared: bool
 
 
 class CaptureProcess(OnlinePlacement):
@@ -168,16 +179,6 @@ class CaptureProcess(OnlinePlacement):
             return self.gpu_layout(p).shared
         except TrainingError:
             return False
-
-
-@dataclass(frozen=True)
-class GpuLayout:
-    """The visible GPUs, the capture's count k, the trainers' n, and whether they share the first ones."""
-
-    gpus: list[str]
-    k: int
-    n: int
-    shared: bool
 
 
 def sglang_engine(p) -> dict:

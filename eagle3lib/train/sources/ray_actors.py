@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from eagle3lib.train import TrainingError, online
+from eagle3lib.train import TrainingError
+from eagle3lib.train.sources import online
 from eagle3lib.train.sources.base import OnlinePlacement, StageProcess, StageRun
 from eagle3lib.train.sources.process import engine_tp_gpus, sglang_engine
 from eagle3lib.train.sources.ray_link import CaptureActor, RayCaptureClient, TrainerActor, actor_overrides, import_ray
@@ -237,7 +238,7 @@ class RayActors(OnlinePlacement):
             )
 
     def open(self, proc: StageProcess, tokens: dict) -> RayCaptureClient:
-        from eagle3lib.train.distributed import rank_and_world
+        from eagle3lib.train.runtime.distributed import rank_and_world
 
         return RayCaptureClient(proc.handed, rank_and_world()[0], online.contract_without_weights(proc.p))
 

@@ -22,8 +22,9 @@ from pathlib import Path
 
 import torch
 
-from eagle3lib.train import TrainingError, online
-from eagle3lib.train.batches import micro_batches, pack_val_rows
+from eagle3lib.train import TrainingError
+from eagle3lib.train.runtime.batches import micro_batches, pack_val_rows
+from eagle3lib.train.sources import online
 from eagle3lib.train.sources.base import CAPTURE_SUMMARY
 
 RAY_MISSING = (

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from eagle3lib import run_folder
 from eagle3lib.extract.shards import ShardSet
-from eagle3lib.train.batches import micro_batches, pack_val_rows, shard_sequences
+from eagle3lib.train.runtime.batches import micro_batches, pack_val_rows, shard_sequences
 from eagle3lib.train.sources.base import Placement, StageProcess
 
 

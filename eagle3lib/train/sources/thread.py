@@ -6,8 +6,9 @@ one trainer process (its tensor-parallel ranks on the engine's other GPUs)."""
 from __future__ import annotations
 
 from eagle3lib import run_folder
-from eagle3lib.train import TrainingError, online
-from eagle3lib.train.batches import micro_batches, pack_val_rows
+from eagle3lib.train import TrainingError
+from eagle3lib.train.runtime.batches import micro_batches, pack_val_rows
+from eagle3lib.train.sources import online
 from eagle3lib.train.sources.base import SUMMARY, TRAIN_ENTRY, OnlinePlacement, StageProcess, StageRun
 
 ENGINE_LOG = "sglang-online.log"  # under 02_train: the stage's output when it runs in SGLang's interpreter
