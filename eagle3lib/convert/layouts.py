@@ -8,8 +8,10 @@ Layouts (docs/design.md §4), all with the same tensors and values, only names a
                  eagle_config ids in SGLang's convention = ours - 1
     vllm         the canonical layout; ids in vLLM's convention (= ours), also at the top level of
                  config.json, where vLLM's model runner looks first
-    speculators  canonical tensor names; config.json with speculators_model_type "eagle3",
-                 transformer_layer_config, speculators_config and the norm flags written explicitly
+    speculators  canonical tensor names and the target's embed_tokens.weight (speculators' own checkpoints carry
+                 it, and speculators 0.9.0 leaves one a checkpoint lacks at zeros); config.json with
+                 speculators_model_type "eagle3", transformer_layer_config, speculators_config naming the target
+                 as speculators opens it (verifier_name_or_path), and the norm flags written explicitly
 
 An MLA drafter (drafter/layer_kinds.py; TorchSpec's Eagle3DeepseekV2ForCausalLM for Kimi-K2.5) has the same
 sglang and vllm layouts with its own layer tensors and architectures; both engines' loaders fuse q_a_proj and
@@ -40,6 +42,7 @@ from eagle3lib.target import (
     CONTRACT_FILE,
     default_cache_dir,
     load_config,
+    load_head_tensors,
     load_tokenizer,
     make_contract,
     resolve_target,
@@ -175,11 +178,23 @@ def check_target(contract: dict, target, cache_dir=None) -> None:
         )
 
 
+def verifier_name_or_path(target, cache_dir=None) -> str:
+    """The target as another tool opens it (a speculators export's verifier.name_or_path): the embedded target and
+    `tiny:` copies, names only this library resolves, as the folder they are built into in the cache (built if
+    missing); a local folder as its absolute path; a hub id as it is."""
+    name = str(target)
+    if name.startswith(("embedded:", "tiny:")):
+        name = resolve_target(name, Path(cache_dir or default_cache_dir()))
+    path = Path(name).expanduser()
+    return str(path.resolve()) if path.is_dir() else name
+
+
 def export(checkpoint_dir, engine: str, out_dir, target=None, cache_dir=None, depth: int = 3) -> Path:
     """Write the `engine` layout of a checkpoint (any layout import_checkpoint reads) to out_dir.
 
     `target` (optional): refuse unless its config fingerprint equals the contract's; for a checkpoint without
-        eagle3.json, the target it was trained for, whose contract (target_contract) the export carries.
+        eagle3.json, the target it was trained for, whose contract (target_contract) the export carries. The
+        speculators layout names it (else the contract's target) as its verifier and carries its embeddings.
     `depth`: speculative tokens recorded in the speculators config (vLLM reads it as the default).
     """
     if engine not in ENGINES:
@@ -188,13 +203,38 @@ def export(checkpoint_dir, engine: str, out_dir, target=None, cache_dir=None, de
     refusal = export_refusal(engine, layer_kind(config), config, _target_text_config(target, cache_dir))
     if refusal:
         raise ValueError(f"Refusing to export {checkpoint_dir} for {engine}: {refusal}.")
-    return _write_folder(out_dir, *engine_layout(engine, config, tensors, contract, depth), contract)
+    verifier = None
+    if engine == "speculators":
+        verifier = verifier_name_or_path(target if target is not None else contract["target"], cache_dir)
+    cfg, out = engine_layout(engine, config, tensors, contract, depth, verifier)
+    if engine == "speculators":
+        out["embed_tokens.weight"] = _target_embeddings(checkpoint_dir, verifier)
+    return _write_folder(out_dir, cfg, out, contract)
 
 
-def engine_layout(engine: str, config: dict, tensors: dict, contract: dict, depth: int = 3) -> tuple[dict, dict]:
+def _target_embeddings(checkpoint_dir, verifier: str):
+    """The target's input embeddings, which the speculators layout carries as speculators' own checkpoints do:
+    speculators 0.9.0 (transformers 5.19) leaves an embedding the checkpoint lacks at zeros, not at the NaN its
+    load_verifier_weights looks for to fill it from the verifier."""
+    try:
+        return load_head_tensors(verifier)["embed"]
+    except (OSError, KeyError) as e:
+        raise ValueError(
+            f"Refusing to export {checkpoint_dir} for speculators: the layout carries the target's embeddings, and "
+            f"the target {verifier} has none to read ({type(e).__name__}: {e}). Give the target's folder with its "
+            "weights (--target)."
+        ) from e
+
+
+def engine_layout(
+    engine: str, config: dict, tensors: dict, contract: dict, depth: int = 3, verifier: str | None = None
+) -> tuple[dict, dict]:
     """(config.json, tensors by the engine's names) of the `engine` layout of a canonical drafter (export's
     refusals not checked). Tensors are only renamed or dropped, so meta tensors do for a shapes-only export; d2t
-    must hold values (a full vocabulary's is dropped for vLLM)."""
+    must hold values (a full vocabulary's is dropped for vLLM). `verifier`: the speculators layout's
+    verifier.name_or_path (verifier_name_or_path), which it requires."""
+    if engine == "speculators" and not verifier:
+        raise ValueError("The speculators layout names its verifier: pass verifier= (verifier_name_or_path).")
     aux = contract["aux_layer_ids"]
     variants = read_variants(config)
     if engine == "sglang":
@@ -247,7 +287,7 @@ def engine_layout(engine: str, config: dict, tensors: dict, contract: dict, dept
                     }
                 ],
                 "verifier": {
-                    "name_or_path": str(contract.get("target")),
+                    "name_or_path": verifier,
                     "architectures": [contract.get("target_architecture") or "LlamaForCausalLM"],
                 },
             },

@@ -10,11 +10,13 @@ from eagle3lib.convert import layouts
 from eagle3lib.convert.gate import verify
 from eagle3lib.params import cache_dir
 
-# What the gate loads back: its name -> (the engine that loads it, the export it loads).
+# What the gate loads back: its name -> (the client that loads it: an engine or speculators' own library, the export
+# it loads).
 GATE = {
     "vllm": ("vllm", "vllm"),
     "speculators (vLLM)": ("vllm", "speculators"),
     "sglang": ("sglang", "sglang"),
+    "speculators": ("speculators", "speculators"),
 }
 
 
@@ -46,8 +48,8 @@ def export_all(p, checkpoint: Path, out: Path) -> dict[str, Path]:
 
 def gate(p, exports: dict) -> tuple[dict, dict]:
     """Each export loaded back by its engine's own loader (convert.gate.verify). Returns (reports by gate name,
-    not_checked: {name: why} for an engine not installed here or a layout not exported). The engine this run serves with is always
-    checked: its absence raises."""
+    not_checked: {name: why} for a client not installed here or a layout not exported). The engine this run serves
+    with is always checked: its absence raises."""
     reports, not_checked = {}, {}
     for name, (engine, layout) in GATE.items():
         if layout not in exports:

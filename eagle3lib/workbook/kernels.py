@@ -16,10 +16,11 @@ KERNELS: weakref.WeakSet = weakref.WeakSet()  # the managers of the stage kernel
 SOCKET_BASE_MAX = 70
 
 
-def stage_kernel_manager():
+def stage_kernel_manager(env: dict[str, str] | None = None):
     """The stage kernels' manager: local sockets (over TCP, ipykernel warns on every start that its traffic is
-    unencrypted, and our kernels never leave the machine), each kernel's in a private folder of its own. Each
-    instance is known to stop_on_signals."""
+    unencrypted, and our kernels never leave the machine), each kernel's in a private folder of its own; env is added
+    to each kernel's environment (run_folder.holder_env: the run lock the pipeline holds for them). Each instance is
+    known to stop_on_signals."""
     from jupyter_client.manager import AsyncKernelManager
     from traitlets import CaselessStrEnum
 
@@ -30,6 +31,10 @@ def stage_kernel_manager():
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             KERNELS.add(self)
+
+        async def _async_pre_start_kernel(self, **kw):
+            kw["env"] = {**kw.get("env", os.environ), **(env or {})}
+            return await super()._async_pre_start_kernel(**kw)
 
         def _ip_default(self):
             # jupyter_client's default is "kernel-ipc" in the working directory, the notebooks folder that papermill

@@ -10,10 +10,10 @@ outputs/<run>/
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
+import os
 import platform
 import subprocess
 import sys
@@ -27,6 +27,7 @@ from eagle3lib.params import run_dir as params_run_dir
 from eagle3lib.workbook.kernels import KERNEL_START_TIMEOUT_S, stage_kernel_manager
 from eagle3lib.workbook.render import render_html
 from eagle3lib.workbook.signals import Interrupted, stop_on_signals
+from eagle3lib.workbook.stage_files import atomic_notebook_writes, stage_log
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS_DIR = REPO_ROOT / "notebooks"
@@ -112,11 +113,15 @@ def _is_current(stage_path: Path, digest: str) -> bool:
 
 def notebook_error(notebook: Path, raised: Exception) -> str:
     """The error a failed notebook shows, as 'Name: message'; papermill's own where no cell failed (the kernel did
-    not start, the notebook could not be read)."""
+    not start, the notebook could not be read) and where saving the executed notebook failed (a full disk: the
+    notebook on disk is its last whole save, without the error)."""
     import nbformat
 
-    if notebook.is_file():
-        nb = nbformat.read(notebook, as_version=4)
+    if notebook.is_file() and not isinstance(raised, OSError):
+        try:
+            nb = nbformat.read(notebook, as_version=4)
+        except Exception:  # not a notebook (a torn one an older version left): papermill's error says more
+            return f"{type(raised).__name__}: {raised}"
         for cell in nb.cells:
             for out in cell.get("outputs", []):
                 if out.get("output_type") == "error":
@@ -139,6 +144,7 @@ def execute_stage(
     log_output echoes it to the console as well (--verbose)."""
     import papermill
 
+    atomic_notebook_writes()
     out_dir = run_folder.stage_dir(run_dir, stage)
     executed = out_dir / f"{stage}.ipynb"
     result_path = out_dir / "result.json"
@@ -146,13 +152,13 @@ def execute_stage(
     started = time.time()
     error, stopped = None, None
     try:
-        with _stage_log(out_dir / f"{stage}.log", echo=log_output):
+        with stage_log(out_dir / f"{stage}.log", echo=log_output):
             papermill.execute_notebook(
                 str(notebooks_dir / f"{stage}.ipynb"),
-                str(executed),
+                os.path.abspath(executed),  # absolute: written by atomic_notebook_writes's handler
                 parameters={"params_file": p.file, "run_dir": str(run_dir), "overrides": overrides},
                 kernel_name="python3",
-                kernel_manager_class=stage_kernel_manager(),
+                kernel_manager_class=stage_kernel_manager(run_folder.holder_env(run_dir)),  # open_stage: held for it
                 start_timeout=KERNEL_START_TIMEOUT_S,
                 cwd=str(notebooks_dir),
                 log_output=True,
@@ -167,24 +173,11 @@ def execute_stage(
         error = "the notebook finished without saving its result (stage.save, eagle3lib.run_folder.save_result)"
     report_name = executed.with_suffix(".html").name
     if error is not None:
-        kept = run_folder.read_result(run_dir, stage) or {}  # Stage.keep's figures, when the stage kept some
-        result = {
-            **({"figures": kept["figures"], "partial": True} if kept.get("status") == "partial" else {}),
-            "stage": stage,
-            "status": "failed",
-            "error": error,
-            "seconds": seconds,
-            "notebook": executed.name,
-            "report": report_name,
-            "hide_code": p.run.hide_code,
-        }
-        run_folder.write_json(result_path, result)
-        if executed.is_file():
-            render_html(executed, p.run.hide_code, result, neighbours)
+        _record_failure(p, stage, executed, error, seconds, neighbours)
         if stopped is not None:
             raise stopped
         raise StageError(
-            f"stage {stage} failed after {seconds} s: {error}\n"
+            f"stage {stage} failed after {seconds} s: {run_folder.disk_full_text(error, out_dir) or error}\n"
             f"  executed notebook: {executed}\n  report: {executed.with_suffix('.html')}\n"
             f"  log: {executed.with_suffix('.log')}"
         )
@@ -194,28 +187,26 @@ def execute_stage(
     return result
 
 
-@contextlib.contextmanager
-def _stage_log(path: Path, echo: bool):
-    """Everything logged while a stage runs (papermill's cells and the notebook's output at INFO, warnings) into
-    path; on the console too only when echo (a root handler then exists: __main__'s --verbose)."""
-    handler = logging.FileHandler(path, mode="w")
-    handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
-    root, papermill_log = logging.getLogger(), logging.getLogger("papermill")
-    saved = root.level, papermill_log.level, list(root.handlers)
-    # without echo the console keeps the progress bar and the stage lines only (other files keep logging)
-    kept = saved[2] if echo else [h for h in saved[2] if isinstance(h, logging.FileHandler)]
-    root.handlers[:] = [*kept, handler]
-    root.setLevel(logging.INFO)
-    papermill_log.setLevel(logging.INFO)
-    logging.captureWarnings(True)
+def _record_failure(p: Params, stage: str, executed: Path, error: str, seconds: float, neighbours: tuple) -> None:
+    """A failed stage's result.json and report, as far as the disk lets them be written: on a full disk the stage
+    then has no result.json (it counts as not run) and the StageError still says what happened."""
+    kept = run_folder.read_result(executed.parent.parent, stage) or {}  # Stage.save_partial's figures, if any
+    result = {
+        **({"figures": kept["figures"], "partial": True} if kept.get("status") == "partial" else {}),
+        "stage": stage,
+        "status": "failed",
+        "error": error,
+        "seconds": seconds,
+        "notebook": executed.name,
+        "report": executed.with_suffix(".html").name,
+        "hide_code": p.run.hide_code,
+    }
     try:
-        yield
-    finally:
-        logging.captureWarnings(False)
-        handler.close()
-        root.handlers[:] = saved[2]
-        root.setLevel(saved[0])
-        papermill_log.setLevel(saved[1])
+        run_folder.write_json(executed.parent / "result.json", result)
+        if executed.is_file():
+            render_html(executed, p.run.hide_code, result, neighbours)
+    except OSError as e:
+        logging.getLogger(__name__).warning("%s: its failure is not recorded (%s)", stage, e)
 
 
 def stage_times_text(run_dir: Path, stage_names: list[str]) -> str:
@@ -281,7 +272,7 @@ def write_index(run_dir: Path, stage_names: list[str]) -> Path:
     from eagle3lib.workbook import report
 
     out = run_dir / "index.html"
-    out.write_text(report.index_html(run_dir, stage_names))
+    run_folder.write_text(out, report.index_html(run_dir, stage_names))
     return out
 
 
@@ -355,5 +346,8 @@ def _run_stages(p, out, names, overrides, forced_from, only, last, log_output, n
             write_index(out, names)  # browsable while later stages run
             print(f"[eagle3] {stage}: done in {result['seconds']} s {result.get('headline', {})}", file=sys.stderr)
     finally:
-        write_index(out, names)
+        try:
+            write_index(out, names)
+        except OSError as e:  # a full disk: the stage's own error, on its way up, says so
+            logging.getLogger(__name__).warning("the run index is not updated: %s", e)
         print(stage_times_text(out, names), file=sys.stderr)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+from eagle3lib import run_folder
+
 
 def render_html(notebook: Path, hide_code: bool, result: dict | None = None, neighbours: tuple = (None, None)) -> Path:
     """The stage report beside the executed notebook: a summary of `result` (status, time, headline figures,
@@ -40,7 +42,7 @@ def render_html(notebook: Path, hide_code: bool, result: dict | None = None, nei
         log.removeHandler(to_stage_log)
         to_stage_log.close()
     out = notebook.with_suffix(".html")
-    out.write_text(_offline(body))
+    run_folder.write_text(out, _offline(body))  # whole or not at all; a full disk's error names it
     return out
 
 

@@ -8,6 +8,7 @@ Importing this module imports eagle3lib first, which sets OMP_WAIT_POLICY before
 
 from __future__ import annotations
 
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -83,10 +84,12 @@ class Stage:
 def open_stage(name: str, params_file: str | Path, run_dir: str | Path | None = None, overrides: dict | None = None):
     """The run's params (params_file with overrides) as this stage sees them (params.stage_view: a section outside
     its hash raises when read), its run folder (default: outputs/<run.name>) and this stage's folder in it, made if
-    missing."""
+    missing. The run folder is held first (hold_run_folder): RunFolderBusy, before anything is made, where another
+    process holds it."""
     overrides = overrides or {}
     p = params.load_params(params_file, overrides)
     run_dir = Path(run_dir) if run_dir else params.run_dir(p)
+    hold_run_folder(name, run_dir)
     stage = Stage(
         name, params.stage_view(p, name), run_dir, run_folder.stage_dir(run_dir, name), overrides, all_params=p
     )
@@ -96,3 +99,19 @@ def open_stage(name: str, params_file: str | Path, run_dir: str | Path | None = 
         if key.split(".")[0] in sections:
             print(f"{key}: auto -> {choice['picked']}: {choice['why']}")
     return stage
+
+
+def hold_run_folder(name: str, run_dir: Path) -> dict:
+    """The run folder's lock for this stage's writes: the pipeline's, where it started this kernel while it holds
+    the folder; else this process's own, held until it exits (a notebook opened by hand in JupyterLab: until its
+    kernel is shut down), so that a CLI run or another notebook cannot write the same stages meanwhile. Raises
+    run_folder.RunFolderBusy, naming the holder and what to do, where another live process holds it."""
+    if "ipykernel" in sys.modules:
+        command = f"notebook {name} opened by hand; its kernel holds the folder until it is shut down"
+    else:
+        command = f"open_stage({name!r}) in {' '.join(sys.argv) or 'python'}"
+    holder = run_folder.hold_while_alive(run_dir, command, kernel="ipykernel" in sys.modules)
+    if holder["by"] == "taken now":
+        until = "this notebook's kernel" if "ipykernel" in sys.modules else "this process"
+        print(f"run folder held by {until} (pid {holder['pid']}) until it exits: {run_dir / run_folder.LOCK_FILE}")
+    return holder

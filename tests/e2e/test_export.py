@@ -96,6 +96,14 @@ def test_exports_carry_contract_and_engine_conventions(ckpt, exports):
     assert sp["speculators_model_type"] == "eagle3" and sp["eagle_aux_hidden_state_layer_ids"] == AUX
     assert sp["norm_before_residual"] is False and "transformer_layer_config" in sp
     assert sp["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == 3
+    # the verifier as speculators opens it: the embedded target's folder, and its embeddings, which speculators
+    # leaves at zeros where a checkpoint lacks them
+    assert sp["speculators_config"]["verifier"]["name_or_path"] == str(ckpt[2].resolve())
+    embed = load_file(str(exports["speculators"] / "model.safetensors"))["embed_tokens.weight"]
+    assert torch.equal(embed, load_file(str(ckpt[2] / "model.safetensors"))["model.embed_tokens.weight"])
+    assert all(
+        "embed_tokens.weight" not in load_file(str(exports[e] / "model.safetensors")) for e in ("vllm", "sglang")
+    )
 
 
 @pytest.mark.parametrize("engine", ["sglang", "vllm", "speculators"])
@@ -109,7 +117,7 @@ def test_round_trip_is_bit_identical(ckpt, exports, engine, tmp_path):
     assert json.loads((back / "config.json").read_text()) == json.loads((ckpt[0] / "config.json").read_text())
     assert json.loads((back / "eagle3.json").read_text()) == json.loads((ckpt[0] / "eagle3.json").read_text())
     # and back out again: export of the imported checkpoint equals the first export
-    again = ex.export(back, engine, tmp_path / "again")
+    again = ex.export(back, engine, tmp_path / "again", cache_dir=ckpt[1])  # the contract's target, from the cache
     same_tensors(exports[engine], again)
 
 
@@ -313,7 +321,8 @@ def test_vllm_loads_export(ckpt, exports, engine):
     report = gate.verify(exports[engine], "vllm", cache_dir=ckpt[1])
     assert report["ok"], report["problems"]
     assert report["model_class"] == "Eagle3LlamaForCausalLM" and report["captured_hf_layers"] == AUX
-    assert report["counts"] == {"expected": 11, "loaded": 11, "skipped": 0, "missing": 0, "extra": 0}
+    n = {"vllm": 11, "speculators": 12}[engine]  # and the target's embeddings, which a speculators export carries
+    assert report["counts"] == {"expected": n, "loaded": n, "skipped": 0, "missing": 0, "extra": 0}
 
 
 def test_vllm_rejects_broken(ckpt, exports, tmp_path):

@@ -234,7 +234,7 @@ def test_convert_steps_export_gate_and_result(ckpt, params, tmp_path):  # noqa: 
     reports, not_checked = convert_notebook.gate(p, exports)
     assert reports["sglang"]["ok"] and set(reports) | set(not_checked) == set(convert_notebook.GATE)
     if engine_python("vllm") is None:
-        assert set(not_checked) == {"vllm", "speculators (vLLM)"}
+        assert {"vllm", "speculators (vLLM)"} <= set(not_checked) <= {"vllm", "speculators (vLLM)", "speculators"}
     convert_notebook.refuse_failed(reports)
     broken = reports | {
         "vllm": {"ok": False, "counts": {"loaded": 1, "expected": 2}, "problems": ["fc.weight missing"]}

@@ -150,9 +150,12 @@ ENGINE_SIDE = sorted(PACKAGE.glob("engines/engine_side/*.py"))
 
 
 def served_engines(stem: str) -> set[str]:
-    """The engines a module of engines/engine_side serves: vllm_* vLLM, sglang_* SGLang; load_check both gates."""
-    engines = {"vllm", "sglang"} if stem == "load_check" else {stem.split("_")[0]} & {"vllm", "sglang"}
-    assert engines or stem == "__init__", f"engines/engine_side/{stem}.py: name it after the engine it serves"
+    """The engines a module of engines/engine_side serves: vllm_* vLLM, sglang_* SGLang, speculators_* speculators'
+    own library; load_check both engines' gates; report (the answer's JSON line, standard library only) none."""
+    engines = {"vllm", "sglang"} if stem == "load_check" else {stem.split("_")[0]} & {"vllm", "sglang", "speculators"}
+    assert engines or stem in ("__init__", "report"), (
+        f"engines/engine_side/{stem}.py: name it after the engine it serves"
+    )
     return engines
 
 

@@ -320,7 +320,7 @@ def test_os_errors_say_what_to_do():
     from eagle3lib.__main__ import os_error_text
 
     full = os_error_text(OSError(errno.ENOSPC, "No space left on device", "/runs/t/01_extract/train/shard_3"))
-    assert full.startswith("/runs/t/01_extract/train/shard_3: No space left on device") and "disk is full" in full
+    assert full.startswith("the disk is full while writing /runs/t/01_extract/train/shard_3: free space (df -h)")
     assert "permissions" in os_error_text(PermissionError(errno.EACCES, "Permission denied", "/runs"))
 
 

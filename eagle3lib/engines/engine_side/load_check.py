@@ -33,6 +33,7 @@ import sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 # siblings in this folder, which Python puts first on sys.path when it runs this file
+from report import answer, refusal  # noqa: E402
 from sglang_flags import check_sglang  # noqa: E402
 from vllm_forward import forward_vllm  # noqa: E402
 from vllm_load import check_vllm, meta_vllm  # noqa: E402
@@ -63,17 +64,8 @@ def main(argv=None):
 
         traceback.print_exc()
         verdict = "SGLang refused the flags" if a.engine == "sglang" else "vllm could not build or load the draft"
-        report = {
-            "engine": a.engine,
-            "ok": False,
-            "captured_hf_layers": None,
-            "problems": [f"{verdict}: {type(e).__name__}: {e}"],
-            "resolved": {},
-            "counts": {"expected": 0, "loaded": 0, "skipped": 0, "missing": 0, "extra": 0},
-        }
-    sys.stdout.flush()
-    print(json.dumps(report, default=str), flush=True)
-    return 0
+        report = refusal(a.engine, verdict, e, captured_hf_layers=None, resolved={})
+    return answer(report)
 
 
 if __name__ == "__main__":

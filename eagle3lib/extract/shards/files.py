@@ -24,15 +24,20 @@ def atomic_write(path, chunks):
     folder, name = os.path.split(os.path.abspath(path))
     tmp = os.path.join(folder, f".{name}.{os.getpid()}.tmp")  # this writer's own: another's is never cut short
     h, n = hashlib.sha256(), 0
-    with open(tmp, "wb") as f, ThreadPoolExecutor(1) as hasher:
-        for chunk in chunks:
-            hashed = hasher.submit(h.update, chunk)
-            f.write(chunk)
-            hashed.result()
-            n += len(chunk)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "wb") as f, ThreadPoolExecutor(1) as hasher:
+            for chunk in chunks:
+                hashed = hasher.submit(h.update, chunk)
+                f.write(chunk)
+                hashed.result()
+                n += len(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except Exception:
+        if os.path.exists(tmp):  # a write cut short (a full disk): its space back at once, not at the next run
+            os.unlink(tmp)
+        raise
     _fsync_dir(folder)
     return h.hexdigest(), n
 

@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 
 from eagle3lib.extract.shards.dtypes import capture_dtype, store_states
 from eagle3lib.extract.shards.files import write_json
-from eagle3lib.extract.shards.format import bytes_per_token, write_shard
+from eagle3lib.extract.shards.format import bytes_per_token, shard_name, write_shard
 from eagle3lib.extract.shards.manifest import (
     MANIFEST,
     begin_manifest,
@@ -35,6 +35,7 @@ from eagle3lib.extract.shards.manifest import (
 )
 from eagle3lib.extract.shards.plan import ShardLayout, plan_shards
 from eagle3lib.extract.shards.tokens import as_token_tensors
+from eagle3lib.run_folder import writing
 
 
 @runtime_checkable
@@ -165,7 +166,8 @@ class ShardWriter:
         """Mark the extraction complete in its manifest (every shard listed)."""
         if not self.manifest["complete"]:
             self.manifest["complete"] = True
-            write_json(os.path.join(self.out_dir, MANIFEST), self.manifest)
+            with writing(os.path.join(self.out_dir, MANIFEST)):
+                write_json(os.path.join(self.out_dir, MANIFEST), self.manifest)
 
     def _shard_tensors(self, first, end, states) -> dict:
         """The tensors of the shard holding sequences [first, end), from their states in token order."""
@@ -189,13 +191,15 @@ class ShardWriter:
     def _write(self, first, end, tensors) -> dict:
         if callable(tensors):
             tensors = self._shard_tensors(first, end, tensors())
-        return write_shard(self.out_dir, tensors, first, self.aux_layer_ids)
+        with writing(os.path.join(self.out_dir, shard_name(first))):  # a full disk names the shard
+            return write_shard(self.out_dir, tensors, first, self.aux_layer_ids)
 
     def _list(self, pending) -> None:
         t = time.perf_counter()
         entry = pending.result()
         self.write_wait_s += time.perf_counter() - t
-        list_shard(self.out_dir, self.manifest, entry)
+        with writing(os.path.join(self.out_dir, MANIFEST)):
+            list_shard(self.out_dir, self.manifest, entry)
 
 
 def extract_with(

@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from eagle3lib.drafter import Drafter, DrafterConfig
 from eagle3lib.drafter.digests import check_digests, damage, record_digests
+from eagle3lib.run_folder import writing
 
 CHECKPOINTS = "checkpoints"
 SET_ASIDE = "checkpoints.previous"  # a run of other params or inputs, kept when a fresh one starts
@@ -35,21 +36,17 @@ def drafter_state(drafter: Drafter) -> dict:
 
 
 def save_drafter(drafter: Drafter, out_dir: Path, contract: dict, extra: dict | None = None) -> Path:
-    """Write the canonical checkpoint folder atomically (temp folder, then rename)."""
+    """Write the canonical checkpoint folder atomically (temp folder, then rename). A write that fails (a full disk)
+    removes the temp folder, leaves any earlier out_dir as it was, and raises an OSError naming out_dir's file."""
     out_dir = Path(out_dir)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    save_file(drafter_state(drafter), str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    (tmp / "config.json").write_text(json.dumps(drafter.cfg.to_hf_dict(), indent=2) + "\n")
-    (tmp / "eagle3.json").write_text(json.dumps(contract, indent=2) + "\n")
-    # the state file last: a folder that has it has everything (a kill between two writes leaves no state)
-    for name, obj in sorted((extra or {}).items(), key=lambda item: not item[0].endswith(".pt")):
-        if name.endswith(".pt"):
-            torch.save(obj, tmp / name)
-        else:
-            (tmp / name).write_text(json.dumps(obj, indent=2) + "\n")
-    record_digests(tmp)
+    try:
+        tmp.mkdir(parents=True)
+        _write_files(drafter, contract, extra or {}, tmp, out_dir)
+    except Exception:  # not a Ctrl-C: as a kill, it leaves the temp folder to the next save
+        shutil.rmtree(tmp, ignore_errors=True)  # its space back, for what the stage writes next
+        raise
     old = out_dir.with_name(out_dir.name + ".old")
     if out_dir.exists():
         shutil.rmtree(old, ignore_errors=True)
@@ -57,6 +54,26 @@ def save_drafter(drafter: Drafter, out_dir: Path, contract: dict, extra: dict | 
     os.replace(tmp, out_dir)
     shutil.rmtree(old, ignore_errors=True)
     return out_dir
+
+
+def _write_files(drafter: Drafter, contract: dict, extra: dict, tmp: Path, out_dir: Path) -> None:
+    """save_drafter's files into tmp, each write's error named by the file in out_dir (run_folder.writing: torch and
+    safetensors report a full disk without the file, or in words)."""
+    with writing(out_dir / "model.safetensors"):
+        save_file(drafter_state(drafter), str(tmp / "model.safetensors"), metadata={"format": "pt"})
+    for name, obj in (("config.json", drafter.cfg.to_hf_dict()), ("eagle3.json", contract)):
+        with writing(out_dir / name):
+            (tmp / name).write_text(json.dumps(obj, indent=2) + "\n")
+    # the state file last: a folder that has it has everything (a kill between two writes leaves no state)
+    for name, obj in sorted(extra.items(), key=lambda item: not item[0].endswith(".pt")):
+        with writing(out_dir / name):
+            if name.endswith(".pt"):
+                with open(tmp / name, "wb") as f:  # a file object: torch's own file writer says nothing of ENOSPC
+                    torch.save(obj, f)
+            else:
+                (tmp / name).write_text(json.dumps(obj, indent=2) + "\n")
+    with writing(out_dir / "sha256.json"):
+        record_digests(tmp)
 
 
 def load_drafter(folder: Path, device="cpu") -> Drafter:
