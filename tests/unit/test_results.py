@@ -124,3 +124,21 @@ def test_a_command_the_runner_refuses_is_caught():
     for line, why in planted.items():
         found = problems(f"python -m benchmarks batches\n{line}")
         assert len(found) == 1 and why in found[0], (line, found)
+
+
+CITED_IN = ("README.md", "docs", "params", "eagle3lib", "notebooks")
+CITATION = re.compile(r"benchmarks/results/([a-z0-9_]+)/([A-Za-z0-9_.-]+)")
+
+
+def test_every_cited_result_folder_exists():
+    """A figure is cited by its result folder: the folder a README, doc, recipe or docstring names must be there."""
+    missing = []
+    for place in CITED_IN:
+        path = ROOT / place
+        for f in (
+            [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in {".md", ".py", ".yaml"})
+        ):
+            for question, folder in CITATION.findall(f.read_text()):
+                if not (ROOT / "benchmarks" / "results" / question / folder.rstrip(".")).is_dir():
+                    missing.append(f"{f.relative_to(ROOT)}: benchmarks/results/{question}/{folder}")
+    assert not missing, "cited result folders that do not exist:\n" + "\n".join(missing)
