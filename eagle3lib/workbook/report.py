@@ -148,7 +148,7 @@ def stage_summary_html(
 
 
 def kept_text(figures: dict) -> str:
-    """What a stopped stage kept (Stage.keep): its measured configurations, and each missing one with why."""
+    """What a stopped stage kept (Stage.save_partial): its measured configurations, and each missing one with why."""
     rows = figures.get("rows", [])
     measured = sorted({r.get("config", "?") for r in rows})
     text = f"Kept in result.json: {len(rows)} rows measured before it stopped ({', '.join(measured) or 'none'})."
