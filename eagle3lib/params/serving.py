@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from eagle3lib.params.schema import ComputeDtype, Section
 
@@ -86,6 +86,28 @@ class BenchParams(Section):
         description="prompts whose speculative decoding is replayed with the HF "
         "target to colour each token by its origin (~10 s per prompt and depth on 2 cores)",
     )
+    schedule: bool = Field(
+        True,
+        description="derive the depth per load from the fixed configurations' measurements, deploy it as the "
+        "engine's own schedule (vLLM's per-batch-size tokens, SGLang's adaptive config) and measure it like them",
+    )
+    slo_itl_p90_ms: float | None = Field(
+        None,
+        gt=0,
+        description="the schedule's latency target: at each load, the fastest configuration whose p90 inter-token "
+        "latency is within it (needs load_prompts > 0); null: the fastest",
+    )
+    load_prompts: int = Field(
+        32,
+        ge=0,
+        description="first-turn prompts each configuration serves at every load point through the engine's own "
+        "serving benchmark, for time to first token and inter-token latency percentiles (0: no load sweep)",
+    )
+    load_rates: list[float] = Field(
+        [],
+        description="Poisson request rates (requests/s) served after the closed-loop points at each concurrency, "
+        "capped at the highest concurrency",
+    )
     dtype: ComputeDtype | None = Field(
         None,
         description="engine --dtype for the benchmark; null = the engine's default (bf16 on CPU), auto = "
@@ -106,11 +128,21 @@ class BenchParams(Section):
                 )
         return v
 
-    @field_validator("context_lengths")
+    @model_validator(mode="after")
+    def _latency_target_needs_latencies(self):
+        if self.slo_itl_p90_ms is not None and self.load_prompts == 0:
+            raise ValueError(
+                "bench.slo_itl_p90_ms needs inter-token latencies, which the load sweep measures: set "
+                "bench.load_prompts above 0, or drop the target"
+            )
+        return self
+
+    @field_validator("context_lengths", "load_rates")
     @classmethod
-    def _lengths(cls, v):
+    def _positive_amounts(cls, v, info):
         if any(x <= 0 for x in v):
-            raise ValueError(f"expected positive token counts, got {v}")
+            what = {"context_lengths": "token counts", "load_rates": "request rates (requests/s)"}[info.field_name]
+            raise ValueError(f"expected positive {what}, got {v}")
         return v
 
     @field_validator("depths", "concurrency")

@@ -8,7 +8,7 @@ import os
 import torch
 
 from eagle3lib import engines
-from eagle3lib.speedup import cost, per_set, prompt_sets, sampling
+from eagle3lib.speedup import cost, per_set, prompt_sets, sampling, under_load
 
 ARTIFACTS = [
     "speedup_vs_depth.png",
@@ -24,6 +24,8 @@ SWEEP_FIGURES = (
     "dtype",
     "baseline_agreement_across_concurrency",
     "restart_per_configuration",
+    "load",
+    "schedule",
 )
 
 
@@ -264,13 +266,19 @@ def _fmt_al(x) -> str:
     return "n/a" if x is None else f"{x:.2f}"
 
 
-def recommendation_text(recommendation: dict) -> str:
-    """The fastest configuration per concurrency with its launch commands."""
-    return "\n".join(
+def recommendation_text(recommendation: dict, scheduled: dict | None = None) -> str:
+    """The fastest configuration per concurrency with its launch commands, then the depth schedule's."""
+    text = "\n".join(
         f"concurrency {c}: {r['config']} at {r['tokens_per_s']} tokens/s ({r['speedup']}x the baseline)\n"
         f"  vLLM:   {r['vllm']}\n  SGLang: {r['sglang']}\n"
         for c, r in recommendation.items()
     )
+    if scheduled:
+        text += (
+            f"\none server for every load, the depth schedule ({scheduled['text']}):\n"
+            f"  vLLM:   {scheduled['vllm']}\n  SGLang: {scheduled['sglang']}\n"
+        )
+    return text
 
 
 def speedup_limits(swept: dict, target_speedup: float = 1.5) -> list[dict]:
@@ -375,4 +383,15 @@ def result(
     if swept.get("cost_model"):
         picks = swept["cost_model"]["picks"]
         headline["cost model picks"] = ", ".join(f"{d} at concurrency {c}" for c, d in picks.items())
-    return {"figures": figures, "headline": headline, "artifacts": ARTIFACTS}
+    if any(r.get("p90_itl_ms") is not None for r in rows):
+        headline["p90 inter-token latency"] = under_load.latency_headline(rows, recommendation)
+    if swept.get("schedule"):
+        against = under_load.schedule_against_fixed(swept["load"])
+        figures["schedule_against_fixed"] = against
+        headline["depth schedule"] = swept["schedule"]["text"] + (
+            f" (mean {against['means']['schedule']:.1f} tokens/s under load, best fixed "
+            f"{max(v for k, v in against['means'].items() if k != 'schedule'):.1f})"
+            if against and "schedule" in against["means"]
+            else ""
+        )
+    return {"figures": figures, "headline": headline, "artifacts": ARTIFACTS + (["load.png"] if swept["load"] else [])}

@@ -1,7 +1,7 @@
 """The sweep's figures regrouped the way papers report them: per prompt set (rows) and depth (column groups),
 per category, and per context length, each with the training stage's prediction where there is one.
 
-Per set figures come from each set's own measurement (sweep.measure); per category and per context length from
+Per set figures come from each set's own measurement (configuration.measure); per category and per context length from
 the statistics read around every request at concurrency 1 (measurement.measure_set), summed over the group.
 """
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import shlex
 
 from eagle3lib import engines
+from eagle3lib.engines.schedule import DepthSchedule
 
 
 def recommend(rows: list[dict], target_dir, drafts: dict) -> dict:
@@ -47,6 +48,8 @@ def table(rows: list[dict]) -> list[dict]:
             "concurrency": r["concurrency"],
             "tokens/s": round(r["tokens_per_s"], 1),
             "ms/token": round(r["tpot_ms"], 1),
+            "ITL p90 ms": figure_text(r.get("p90_itl_ms"), 1),  # under load (speedup/load.py), when measured
+            "TTFT p90 ms": figure_text(r.get("p90_ttft_ms"), 0),
             "speedup": round(r["speedup"], 2),
             "predicted speedup": figure_text(r.get("predicted_speedup"))
             + (" (calibrates)" if r.get("calibration") else ""),
@@ -59,3 +62,21 @@ def table(rows: list[dict]) -> list[dict]:
         }
         for r in rows
     ]
+
+
+def schedule_launch(schedule: dict | None, target_dir, drafts: dict, folder) -> dict | None:
+    """The depth schedule the sweep derived (sweep.Sweep.deploy_schedule's record), as ready-to-paste launch
+    commands: vLLM's carries it in --speculative-config, SGLang's in an adaptive config file written into folder."""
+    if not schedule:
+        return None
+    chosen = DepthSchedule.from_json(schedule["schedule"])
+    return {
+        "schedule": chosen.as_json(),
+        "text": chosen.text(),
+        **{
+            e: shlex.join(
+                engines.launch_command(e, target_dir, drafts.get(e, f"<{e} export>"), chosen, "python", folder)
+            )
+            for e in ("vllm", "sglang")
+        },
+    }

@@ -59,6 +59,21 @@ def config_seconds(speeds: Speeds, prompts: list[dict], max_tokens: int, concurr
     return seconds
 
 
+TOOL_START_S = 20.0  # a serving benchmark's own start per load point (it imports its engine's package)
+
+
+def load_seconds(speeds: Speeds, points, prompts: int, max_tokens: int) -> float:
+    """One configuration's serving load (speedup/load.py) estimate: per point, the tool's start and its batches
+    of max_tokens decode steps at the point's cap in flight, or the arrivals' span when that is longer."""
+    seconds = 0.0
+    for point in points:
+        cap = point.concurrency or max(speeds.step_s)
+        step = speeds.step_s.get(cap) or speeds.step_s[max(speeds.step_s)]
+        busy = math.ceil(prompts / cap) * max_tokens * step
+        seconds += TOOL_START_S + max(busy, prompts / point.rate if point.rate else 0.0)
+    return seconds
+
+
 @dataclass(frozen=True)
 class Fit:
     """The prompts chosen to fit the stage's minutes, with the estimates and speeds they were chosen by."""
@@ -109,12 +124,12 @@ class Fit:
 
 def fit(
     prompts: list[dict], speeds: Speeds, seconds_left: float, configurations: int, max_tokens: int,
-    concurrency: list[int],
+    concurrency: list[int], load_s: float = 0.0,
 ) -> Fit:  # fmt: skip
-    """Every prompt when their estimate, over `configurations` configurations and TAIL_S, fits seconds_left;
-    else the most question-set prompts that fit, without the long-context ones, and at least one first turn of
-    every set (a later turn comes with its first)."""
-    budget = seconds_left - TAIL_S
+    """Every prompt when their estimate, over `configurations` configurations (each also load_s of serving load)
+    and TAIL_S, fits seconds_left; else the most question-set prompts that fit, without the long-context ones,
+    and at least one first turn of every set (a later turn comes with its first)."""
+    budget = seconds_left - TAIL_S - configurations * load_s
 
     def total(chosen):
         return configurations * config_seconds(speeds, chosen, max_tokens, concurrency)

@@ -1,9 +1,11 @@
 """Depth sweeps against a no-speculation baseline (docs/design.md §5).
 
 Configurations: the baseline (no speculation), then each depth in bench.depths in order, or the cost model's
-plan (speedup/plan.py). A depth is a launch flag, so each configuration gets its own server (restarted); inside one
-server every concurrency level is measured with the engine's statistics diffed around it (speedup/measurement.py).
-One warm-up request precedes the measurements. A `Sweep` holds what the configurations measured so far.
+plan (speedup/plan.py), then the depth schedule those measurements imply (speedup/schedule.py). A depth is a
+launch flag, so each configuration gets its own server (speedup/configuration.py); inside one server every
+concurrency level is measured with the engine's statistics diffed around it (speedup/measurement.py), then the
+serving load runs (speedup/load.py). One warm-up request precedes the measurements. A `Sweep` holds what the
+configurations measured so far.
 
 Prompts: the prepare stage's held-out bench split up to its first reply, rendered with the target's
 chat template and sent as token ids (every engine sees the same tokens); greedy, ignore_eos,
@@ -19,7 +21,10 @@ import time
 from tqdm.auto import tqdm
 
 from eagle3lib import engines
-from eagle3lib.speedup import cost, measurement, plan, prompt_sets, sampling, sizing
+from eagle3lib.speedup import cost, load, measurement, plan, prompt_sets, sampling, sizing
+from eagle3lib.speedup import schedule as depth_schedule
+from eagle3lib.speedup.configuration import compare_outputs, run_config
+from eagle3lib.speedup.load import LoadSweep
 from eagle3lib.speedup.recommend import figure_text
 
 # ------------------------------------------------------------------------------ inputs ----
@@ -42,106 +47,6 @@ def predicted(eval_summary: dict, depth: int) -> dict:
     return {**cost.acceptance(cond, depth), "extrapolated_from": len(cond)}
 
 
-# ---------------------------------------------------------------------- a configuration ----
-
-
-def measure(server, prompts: list[dict], max_tokens: int, concurrency: int, generate: dict | None = None) -> dict:
-    """One measurement per set, each set's requests on their own: the row's figures over every set but the
-    context one, and each set's own figures under `sets` (per request figures at concurrency 1, `requests`)."""
-    generate = generate or {}
-    sets, outputs, parts, walls, all_outputs, requests = {}, [], [], 0.0, [], []
-    for name in dict.fromkeys(p["set"] for p in prompts):
-        group = [p for p in prompts if p["set"] == name]
-        m = measurement.measure_set(server, group, max_tokens, concurrency, generate)
-        sets[name] = measurement.figures(server.name, m["parts"], m["outputs"], m["wall"])
-        requests += m["requests"]
-        all_outputs += [
-            {"id": p["id"], "token_ids": o["token_ids"], "text": o["text"]} for p, o in zip(group, m["outputs"])
-        ]
-        if name != prompt_sets.CONTEXT:
-            outputs += m["outputs"]
-            parts += m["parts"]
-            walls += m["wall"]
-    return {
-        "concurrency": concurrency,
-        **measurement.figures(server.name, parts, outputs, walls),
-        "sets": sets,
-        "request_figures": [{k: v for k, v in r.items() if k != "parts"} for r in requests],
-        "request_parts": [r["parts"][0] for r in requests],
-        "outputs": all_outputs,
-    }
-
-
-def run_config(
-    engine_params,
-    target_dir,
-    draft_dir,
-    depth: int | None,
-    prompts: list[dict],
-    max_tokens: int,
-    concurrency: list[int],
-    log_dir,
-    dtype: str | None = None,
-    generate: dict | None = None,
-    prepare=None,
-    sample=None,
-    size=None,
-) -> tuple[list[dict], dict | None]:
-    """Start a server for one configuration, warm it up, measure each concurrency, stop it (always).
-
-    generate: sampling arguments for server.generate (temperature, top_p); size(server) -> the prompts to measure,
-    run after the warm-up (the baseline sizes the sweep there); prepare(server): run after it, before measuring
-    (the baseline answers the first turns there); sample(server) -> the draws of the distribution check.
-    Returns (rows, draws)."""
-    server = engines.make(engine_params, target_dir, draft_dir, depth, log_dir, dtype)
-    with server:
-        warm = server.generate(prompts[0]["prompt_ids"], min(8, max_tokens))  # warm-up, not measured
-        per_token = warm["seconds"] / max(1, warm["completion_tokens"] or 1)  # the prompt's time in it: generous
-        server.request_timeout_s = engines.request_timeout_s(per_token, max_tokens, max(concurrency))
-        if size is not None:
-            prompts = size(server)
-        if prepare is not None:
-            prepare(server)
-        low = min(concurrency)
-        rows = [
-            measure(
-                server, [p for p in prompts if c == low or p["set"] != prompt_sets.CONTEXT], max_tokens, c, generate
-            )
-            for c in concurrency
-        ]
-        draws = sample(server) if sample is not None else None
-    for r in rows:
-        r.update(
-            engine=engine_params.name,
-            depth=depth or 0,
-            config=engines.config_name(depth, dtype),
-            ready_s=server.ready_s,
-            log=str(server.log_path),
-            group=server.group,
-        )
-    return rows, draws
-
-
-def compare_outputs(outputs: list[dict], baseline: list[dict]) -> dict:
-    """{lossless_frac, differences: [{id, first_diff, baseline, speculative}]} by output tokens, each output
-    against the baseline's of the same prompt id (an output that is a prefix of the other differs where the
-    shorter ends)."""
-    diffs = []
-    by_id = {b["id"]: b for b in baseline}
-    missing = [o["id"] for o in outputs if o["id"] not in by_id]
-    if missing:
-        raise ValueError(f"no baseline output for prompt(s) {missing}: compare outputs of the same prompts")
-    for o in outputs:
-        b = by_id[o["id"]]
-        if o["token_ids"] != b["token_ids"]:
-            k = next(
-                (i for i, (x, y) in enumerate(zip(o["token_ids"], b["token_ids"])) if x != y),
-                min(len(o["token_ids"]), len(b["token_ids"])),
-            )
-            diffs.append({"id": o["id"], "first_diff": k, "baseline": b["text"][:200], "speculative": o["text"][:200]})
-    return {"lossless_frac": 1 - len(diffs) / len(outputs), "differences": diffs}
-
-
 def preflight(engine_params, target_dir, draft_dir, depths) -> None:
     """Before any launch: SGLang's own ServerArgs resolution of the launch flags at each depth (EngineError
     lists the problems); vLLM's flags need no resolving ahead."""
@@ -160,9 +65,13 @@ class Sweep:
 
     def __init__(
         self, engine_params, bench_params, target_dir, draft_dir, prompts: list[dict], log_dir,
-        eval_summary: dict | None = None, progress=print, render=None,
+        eval_summary: dict | None = None, progress=print, render=None, load: LoadSweep | None = None,
     ):  # fmt: skip
         self.engine_params, self.bench_params = engine_params, bench_params
+        self.load = load  # the serving load each configuration also serves (speedup/load.py), or None
+        self.load_rows: list[dict] = []
+        self.schedule_rows: list[dict] = []  # the deployed depth schedule's rows (not among the fixed depths')
+        self.schedule: dict | None = None  # deploy_schedule's record
         self.target_dir, self.draft_dir, self.log_dir = target_dir, draft_dir, log_dir
         self.prompts, self.eval_summary, self.render = prompts, eval_summary, render
         self.pending = [p for p in prompts if p["prompt_ids"] is None]
@@ -187,34 +96,71 @@ class Sweep:
         self.bar.total = configurations
 
     def measure(
-        self, depth: int | None, prompts: list[dict], prediction: dict | None = None, note: str = "",
+        self, depth, prompts: list[dict], prediction: dict | None = None, note: str = "",
         calibration: bool = False, concurrency: list[int] | None = None, size=None,
     ) -> list[dict]:  # fmt: skip
-        """One configuration (depth None: the baseline, which goes first) on `prompts` at each concurrency
-        (bench.concurrency unless given): its rows, also added to self.rows. prediction: the cost model's
-        {(depth, concurrency): predicted row} before this measurement; calibration: the model is fitted to it;
-        size(server) -> the prompts (the baseline's size_to)."""
+        """One configuration (depth None: the baseline, which goes first; a depth; or a DepthSchedule) on `prompts`
+        at each concurrency (bench.concurrency unless given): its rows, also added to self.rows (a schedule's to
+        self.schedule_rows). prediction: the cost model's {(depth, concurrency): predicted row} before this
+        measurement; calibration: the model is fitted to it; size(server) -> the prompts (the baseline's size_to).
+        With a load sweep, the server then serves each load point (self.load_rows) and each row gets its
+        concurrency's closed-loop latency figures."""
         bench, name = self.bench_params, engines.config_name(depth, self.bench_params.dtype)
+        schedule = engines.as_schedule(depth)
+        varies = schedule is not None and not schedule.is_fixed  # its depths' draws were each checked already
         self.say(f"[bench] {name}: starting {self.engine_params.name} ({len(prompts)} prompts{note})")
         self.bar.set_postfix_str(name)
         try:
-            got, drawn = run_config(
+            got, drawn, loaded = run_config(
                 self.engine_params, self.target_dir, self.draft_dir, depth, prompts, bench.max_tokens,
                 concurrency or bench.concurrency, self.log_dir, bench.dtype, self.generate,
                 prepare=self._answer_first_turns if depth is None and self.pending else None,
-                sample=self._sample_draws if self.sampled and bench.samples else None,
+                sample=self._sample_draws if self.sampled and bench.samples and not varies else None,
                 size=size,
+                load=self.load.measure if self.load is not None and concurrency is None else None,
             )  # fmt: skip
         except (engines.EngineError, KeyboardInterrupt) as e:
             why = str(e) if isinstance(e, engines.EngineError) else "interrupted (Ctrl-C) while it was measured"
             self.missing.append({"config": name, "why": why})
             raise
+        self.load_rows += loaded
+        for r in got:  # the closed-loop load point at the row's concurrency: its latency figures
+            here = load.latency_at(loaded, r["config"], r["concurrency"])
+            r.update({k: v for k, v in here.items() if k.endswith("_ms")})
         if drawn is not None:
             self._check_draws(depth, drawn)
         prompts = self.prompts if size is not None else prompts
-        measured = [self._add_row(depth, r, prompts, prediction, calibration) for r in got]
+        into = self.schedule_rows if got and got[0]["schedule"] else self.rows
+        measured = [self._add_row(depth, r, prompts, prediction, calibration, into) for r in got]
         self.bar.update(1)
         return measured
+
+    def deploy_schedule(self) -> None:
+        """The depth per load the fixed configurations' rows imply (speedup/schedule.py, bench.slo_itl_p90_ms),
+        deployed as the engine's own schedule and measured like them when it has several steps (one depth best
+        at every load was measured already). An engine that refuses it is recorded with its words, not raised:
+        the fixed configurations' results stand."""
+        derived = depth_schedule.derive(self.rows, self.bench_params.slo_itl_p90_ms)
+        chosen = derived["schedule"]
+        self.schedule = {
+            "schedule": chosen.as_json(),
+            "text": chosen.text(),
+            "steps": derived["steps"],
+            "slo_itl_p90_ms": self.bench_params.slo_itl_p90_ms,
+            "deployed": False,
+            "refused": None,
+        }
+        self.say(f"[bench] depth schedule: {chosen.text()}")
+        if chosen.is_fixed:
+            self.schedule["why_not_deployed"] = "one configuration is the choice at every measured load: measured above"
+            return
+        try:
+            self.measure(chosen, self.prompts, note=", the depth schedule")
+            self.schedule["deployed"] = True
+        except engines.EngineError as e:
+            self.missing.pop()  # recorded here instead: the sweep goes on without it
+            self.schedule["refused"] = str(e)
+            self.say(f"[bench] the engine did not serve the depth schedule: {e}")
 
     def size_to(self, deadline: float, configurations: int):
         """The baseline's size(server): the prompts every configuration measures so that `configurations` of them
@@ -225,7 +171,10 @@ class Sweep:
             bench = self.bench_params
             speeds = sizing.probe(server, self.prompts, bench.concurrency)
             left = deadline - time.time()
-            self.sizing = sizing.fit(self.prompts, speeds, left, configurations, bench.max_tokens, bench.concurrency)
+            loaded = 0.0 if self.load is None else self.load.seconds(speeds)
+            self.sizing = sizing.fit(
+                self.prompts, speeds, left, configurations, bench.max_tokens, bench.concurrency, loaded
+            )
             self.prompts = self.sizing.prompts
             self.pending = [p for p in self.prompts if p["prompt_ids"] is None]
             self.say(f"[bench] {self.sizing.text()}")
@@ -271,10 +220,13 @@ class Sweep:
         if not self.sampled:
             cmp = compare_outputs(outputs, self.baseline_outputs[c])
             row["lossless_frac"] = cmp["lossless_frac"]
-            self.differences.extend(d | {"depth": depth, "concurrency": c} for d in cmp["differences"])
+            found = cmp["differences"]
+            self.differences.extend(
+                d | {"depth": row["depth"], "config": row["config"], "concurrency": c} for d in found
+            )
         return next(x for x in self.rows if x["depth"] == 0 and x["concurrency"] == c)
 
-    def _add_row(self, depth: int | None, r: dict, prompts: list[dict], prediction, calibration: bool) -> dict:
+    def _add_row(self, depth, r: dict, prompts: list[dict], prediction, calibration: bool, into: list) -> dict:
         """A measured row with its speedups, losslessness, predicted acceptance and efficiency, added to rows."""
         base = self._against_baseline(depth, r, r.pop("outputs"))
         r["prompts"] = len([p for p in prompts if p["set"] != prompt_sets.CONTEXT])
@@ -284,15 +236,15 @@ class Sweep:
         r.setdefault("lossless_frac", None if self.sampled else 1.0)
         if depth is None:
             r.update(accept_len=None, per_pos=[], predicted_accept_len=None, predicted_per_pos=[])
-        elif self.eval_summary is not None:
-            pred = predicted(self.eval_summary, depth)
+        elif self.eval_summary is not None and r["depth"]:
+            pred = predicted(self.eval_summary, r["depth"])
             r.update(predicted_accept_len=pred["accept_len"], predicted_per_pos=pred["per_pos"])
         if prediction is not None:
             r["predicted_speedup"] = prediction[(depth, r["concurrency"])]["speedup"]
             r["calibration"] = calibration
         # how much of the acceptance length the speed keeps: tokens/s / (acceptance length x baseline tokens/s)
         r["efficiency"] = r["speedup"] / r["accept_len"] if r.get("accept_len") else None
-        self.rows.append(r)
+        into.append(r)
         self.say(
             f"[bench]   concurrency {r['concurrency']}: {r['tokens_per_s']:.1f} tokens/s, speedup "
             f"{r['speedup']:.2f}"
@@ -325,6 +277,8 @@ class Sweep:
             "seconds": round(time.time() - started, 1),
             "missing": self.missing,
             "sizing": self.sizing.as_dict() | {"text": self.sizing.text()} if self.sizing else None,
+            "load": self.load_rows,
+            "schedule": None if self.schedule is None else self.schedule | {"rows": self.schedule_rows},
         }
 
 
@@ -341,6 +295,7 @@ def benchmark(
     render=None,
     keep=None,
     deadline: float | None = None,
+    load: LoadSweep | None = None,
 ) -> dict:
     """The sweep: the baseline, then the depths worth measuring, at each concurrency (docs/design.md §5).
 
@@ -365,12 +320,19 @@ def benchmark(
     deadline (time.time(), the run's run.minutes): the baseline's server sizes the prompts that every configuration
     measures so that the sweep ends by then (speedup/sizing.py; `sizing` in the result says what and why).
 
+    load (speedup/load.py): each configuration's server also serves these load points through the engine's own
+    serving benchmark (`load` in the result, and each row's closed-loop latency figures). With bench.schedule,
+    the depth per load the measurements imply is deployed as the engine's schedule and measured like the fixed
+    configurations (`schedule` in the result, speedup/schedule.py).
+
     An engine that dies or hangs (EngineError) ends the sweep: keep(partial result), when given, gets the rows
     measured before it and `missing` ({config, why}) first, then the error goes on."""
     started = time.time()
-    sweep = Sweep(engine_params, bench_params, target_dir, draft_dir, prompts, log_dir, eval_summary, progress, render)
+    sweep = Sweep(
+        engine_params, bench_params, target_dir, draft_dir, prompts, log_dir, eval_summary, progress, render, load
+    )
     cost_model = bench_params.pick_depth and eval_summary is not None and measure_costs is not None
-    configurations = plan.expected_configurations(bench_params, cost_model)
+    configurations = plan.expected_configurations(bench_params, cost_model) + int(bench_params.schedule)
     try:
         sweep.measure(None, prompts, size=sweep.size_to(deadline, configurations) if deadline else None)
         model = None
@@ -379,6 +341,8 @@ def benchmark(
         else:
             for depth in bench_params.depths:
                 sweep.measure(depth, sweep.prompts)
+        if bench_params.schedule:
+            sweep.deploy_schedule()
     except (engines.EngineError, KeyboardInterrupt):
         if keep is not None:
             keep(sweep.result(None, started))

@@ -246,3 +246,25 @@ def bench_context(context: list[dict]):
     ax.set_xlabel("prompt length (tokens, mean of the bucket; labels: requests)")
     ax.set_ylabel("acceptance length")
     return _finished(fig, ax, fontsize=8)
+
+
+def load_curves(load_rows: list[dict]):
+    """Output tokens/s and p90 inter-token latency at each load point (closed loop at each concurrency, then the
+    Poisson rates), one line per configuration; the depth schedule drawn thick."""
+    order = sorted({(r["rate"] is not None, r["rate"] or 0.0, r["concurrency"] or 0, r["load"]) for r in load_rows})
+    x = {key[-1]: i for i, key in enumerate(order)}
+    fig, (speed, latency) = plt.subplots(1, 2, figsize=(10, 3.8))
+    for config in dict.fromkeys(r["config"] for r in load_rows):
+        mine = sorted((r for r in load_rows if r["config"] == config), key=lambda r: x[r["load"]])
+        style = {"lw": 3} if mine[0].get("schedule") else {"ls": "--"} if config.startswith("baseline") else {}
+        xs = [x[r["load"]] for r in mine]
+        speed.plot(xs, [r["tokens_per_s"] for r in mine], "o-", label=config, **style)
+        latency.plot(xs, [r.get("p90_itl_ms") for r in mine], "o-", label=config, **style)
+    for ax, label in ((speed, "output tokens/s"), (latency, "p90 inter-token latency (ms)")):
+        ax.set_xticks(range(len(order)), [key[-1] for key in order], rotation=20, ha="right", fontsize=8)
+        ax.set_ylabel(label)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    speed.legend(fontsize=8)
+    fig.tight_layout()
+    return fig

@@ -15,7 +15,7 @@ from test_engines import drafts, need  # noqa: F401  (the learned drafter's expo
 
 from eagle3lib import engines
 from eagle3lib.params import BenchParams, EngineParams
-from eagle3lib.speedup import notebook, prompt_sets, recommend, sweep
+from eagle3lib.speedup import configuration, notebook, prompt_sets, recommend, sweep
 from eagle3lib.train.metrics import acceptance_summary
 from eagle3lib.workbook import report
 
@@ -35,17 +35,17 @@ def test_predicted_matches_the_training_estimate():
 def test_compare_outputs_reports_every_difference():
     base = [{"id": "a", "token_ids": [1, 2, 3], "text": "abc"}, {"id": "b", "token_ids": [4, 5], "text": "de"}]
     spec = [{"id": "a", "token_ids": [1, 2, 3], "text": "abc"}, {"id": "b", "token_ids": [4, 6], "text": "dX"}]
-    cmp = sweep.compare_outputs(spec, base)
+    cmp = configuration.compare_outputs(spec, base)
     assert cmp["lossless_frac"] == 0.5
     assert cmp["differences"] == [{"id": "b", "first_diff": 1, "baseline": "de", "speculative": "dX"}]
     # a prefix is not a match (an engine that stopped early), and outputs pair by prompt id, not by order
     short = [{"id": "b", "token_ids": [4, 5], "text": "de"}, {"id": "a", "token_ids": [1, 2], "text": "ab"}]
-    cmp = sweep.compare_outputs(short, base)
+    cmp = configuration.compare_outputs(short, base)
     assert cmp["lossless_frac"] == 0.5 and [(d["id"], d["first_diff"]) for d in cmp["differences"]] == [("a", 2)]
     longer = [{"id": "a", "token_ids": [1, 2, 3, 9], "text": "abcX"}]
-    assert sweep.compare_outputs(longer, base)["differences"][0]["first_diff"] == 3
+    assert configuration.compare_outputs(longer, base)["differences"][0]["first_diff"] == 3
     with pytest.raises(ValueError, match=r"no baseline output for prompt\(s\) \['z'\]"):
-        sweep.compare_outputs([{"id": "z", "token_ids": [], "text": ""}], base)
+        configuration.compare_outputs([{"id": "z", "token_ids": [], "text": ""}], base)
 
 
 def test_recommendation_table_and_plots(tmp_path):
@@ -94,7 +94,9 @@ def test_real_sweep_is_lossless_in_fp32(drafts, learned, embedded_target, tmp_pa
     assert [p["set"] for p in prompts] == ["held_out"] * 3 + ["chat"] * 2 + extra + ["context"]
     assert all(p["prompt_ids"] == learned["prompts"][0] for p in prompts[:3])
     assert 100 < len(prompts[-1]["prompt_ids"]) <= 200
-    params = BenchParams(depths=[3], concurrency=[1, 3], num_prompts=3, max_tokens=MAX_TOKENS, dtype="float32")
+    params = BenchParams(
+        depths=[3], concurrency=[1, 3], num_prompts=3, max_tokens=MAX_TOKENS, dtype="float32", schedule=False
+    )
     swept = sweep.benchmark(
         EngineParams(extra_args=FAST_START),
         params,

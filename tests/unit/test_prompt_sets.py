@@ -134,7 +134,7 @@ def _vllm_part(drafts, accepted_per_pos):
 
 
 def test_per_set_tables_regroup_rows(tmp_path):
-    """Sets, categories and context buckets from rows shaped as sweep.measure writes them."""
+    """Sets, categories and context buckets from rows shaped as configuration.measure writes them."""
 
     def figures(tps, al=None, requests=2):
         return {"requests": requests, "tokens_per_s": tps, "accept_len": al}
