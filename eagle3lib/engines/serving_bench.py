@@ -3,7 +3,8 @@ arrivals at a request rate, capped at a concurrency) and what a serving engineer
 tokens/s, time to first token and inter-token latency percentiles).
 
 - vLLM: `vllm bench serve` (vllm/benchmarks/serve.py), started through its module for the reason launch_command
-  gives, reading a JSONL of {"prompt"} (its custom dataset) and saving its result JSON.
+  gives, reading the prompts as a ShareGPT-format JSON file (its custom dataset needs pandas, which the vLLM
+  environment lacks) and saving its result JSON. It leaves out prompts over 1,024 tokens.
 - SGLang: `python -m sglang.benchmark.serving` reading a JSONL of {"conversations"} (its custom dataset) and
   appending its result as a JSON line; it imports Hugging Face's `datasets`, which the engine's environment must
   have.
@@ -118,14 +119,15 @@ class VllmBenchServe(ServingBench):
     tool = "vllm bench serve"
 
     def prompts_file(self, texts, max_tokens, path):
-        path.write_text("".join(json.dumps({"prompt": t, "output_tokens": max_tokens}) + "\n" for t in texts))
+        rows = [{"conversations": [{"from": "human", "value": t}, {"from": "gpt", "value": ""}]} for t in texts]
+        path.write_text(json.dumps(rows))
         return path
 
     def command(self, python, server, target_dir, prompts, n, max_tokens, point, out):
         cmd = [python, "-c", VLLM_BENCH, "--backend", "vllm", "--base-url", server.url, "--model", server.model]
         cmd += ["--tokenizer", str(target_dir)]
-        cmd += ["--dataset-name", "custom", "--dataset-path", str(prompts), "--skip-chat-template"]
-        cmd += ["--custom-output-len", str(max_tokens), "--num-prompts", str(n), "--no-oversample"]
+        cmd += ["--dataset-name", "sharegpt", "--dataset-path", str(prompts)]
+        cmd += ["--sharegpt-output-len", str(max_tokens), "--num-prompts", str(n), "--no-oversample"]
         cmd += ["--disable-shuffle", "--ignore-eos", "--temperature", "0", "--seed", "0", "--disable-tqdm"]
         cmd += ["--request-rate", "inf" if point.rate is None else str(point.rate)]
         cmd += [] if point.concurrency is None else ["--max-concurrency", str(point.concurrency)]
@@ -134,6 +136,11 @@ class VllmBenchServe(ServingBench):
 
     def read(self, out):
         return json.loads(out.read_text())
+
+    def fix(self, log_text, python):
+        if "input_requests[0]" in log_text and "IndexError" in log_text:
+            return "it kept none of the prompts: it sends only prompts of 4 to 1,024 tokens"
+        return None
 
 
 class SglangBenchServing(ServingBench):

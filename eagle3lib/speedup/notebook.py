@@ -16,6 +16,7 @@ ARTIFACTS = [
     "acceptance_vs_depth.png",
     "per_position.png",
     "acceptance_vs_context.png",
+    "load.png",
     "provenance.json",
 ]
 SWEEP_FIGURES = (
@@ -24,8 +25,6 @@ SWEEP_FIGURES = (
     "dtype",
     "baseline_agreement_across_concurrency",
     "restart_per_configuration",
-    "load",
-    "schedule",
 )
 
 
@@ -367,6 +366,8 @@ def result(
         "sampling": swept.get("sampling"),
         "sets": sets,
         "sizing": swept.get("sizing"),
+        "load": swept.get("load", []),
+        "schedule": swept.get("schedule"),
     }
     best = best_speculative(rows)
     headline = {
@@ -386,7 +387,7 @@ def result(
     if any(r.get("p90_itl_ms") is not None for r in rows):
         headline["p90 inter-token latency"] = under_load.latency_headline(rows, recommendation)
     if swept.get("schedule"):
-        against = under_load.schedule_against_fixed(swept["load"])
+        against = under_load.schedule_against_fixed(swept.get("load", []))
         figures["schedule_against_fixed"] = against
         headline["depth schedule"] = swept["schedule"]["text"] + (
             f" (mean {against['means']['schedule']:.1f} tokens/s under load, best fixed "
@@ -394,4 +395,4 @@ def result(
             if against and "schedule" in against["means"]
             else ""
         )
-    return {"figures": figures, "headline": headline, "artifacts": ARTIFACTS + (["load.png"] if swept["load"] else [])}
+    return {"figures": figures, "headline": headline, "artifacts": ARTIFACTS}

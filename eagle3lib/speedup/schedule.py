@@ -21,33 +21,33 @@ def fixed_rows(rows: list[dict]) -> list[dict]:
 
 
 def choose(rows: list[dict], concurrency: int, itl_p90_ms: float | None = None) -> dict:
-    """{concurrency, depth, config, tokens_per_s, itl_p90_ms, meets_target, why}: the configuration to run at
+    """{concurrency, depth, config, tokens_per_s, p90_itl_ms, meets_target, why}: the configuration to run at
     `concurrency` (see the module's docstring). rows: the sweep's rows, each with depth, config, concurrency,
-    tokens_per_s and, under load, itl_p90_ms."""
+    tokens_per_s and, under load, p90_itl_ms."""
     here = [r for r in fixed_rows(rows) if r["concurrency"] == concurrency]
     if not here:
         raise ValueError(f"no configuration was measured on every prompt at concurrency {concurrency}")
     fastest = max(here, key=lambda r: r["tokens_per_s"])
     meets, why = None, f"the most output tokens/s of {len(here)} configurations"
     if itl_p90_ms is not None:
-        timed = [r for r in here if r.get("itl_p90_ms") is not None]
+        timed = [r for r in here if r.get("p90_itl_ms") is not None]
         if not timed:
             why += f"; no p90 inter-token latency was measured here to hold against {itl_p90_ms:g} ms"
         else:
-            within = [r for r in timed if r["itl_p90_ms"] <= itl_p90_ms]
+            within = [r for r in timed if r["p90_itl_ms"] <= itl_p90_ms]
             meets = bool(within)
             if within:
                 fastest = max(within, key=lambda r: r["tokens_per_s"])
                 why = f"the most output tokens/s of the {len(within)} with p90 inter-token latency <= {itl_p90_ms:g} ms"
             else:
-                fastest = min(timed, key=lambda r: r["itl_p90_ms"])
+                fastest = min(timed, key=lambda r: r["p90_itl_ms"])
                 why = f"no configuration meets p90 inter-token latency <= {itl_p90_ms:g} ms here: the lowest latency"
     return {
         "concurrency": concurrency,
         "depth": fastest["depth"],
         "config": fastest["config"],
         "tokens_per_s": fastest["tokens_per_s"],
-        "itl_p90_ms": fastest.get("itl_p90_ms"),
+        "p90_itl_ms": fastest.get("p90_itl_ms"),
         "meets_target": meets,
         "why": why,
     }

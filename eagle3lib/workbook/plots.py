@@ -254,6 +254,8 @@ def load_curves(load_rows: list[dict]):
     order = sorted({(r["rate"] is not None, r["rate"] or 0.0, r["concurrency"] or 0, r["load"]) for r in load_rows})
     x = {key[-1]: i for i, key in enumerate(order)}
     fig, (speed, latency) = plt.subplots(1, 2, figsize=(10, 3.8))
+    if not load_rows:
+        speed.text(0.5, 0.5, "no serving load measured (bench.load_prompts: 0)", ha="center", transform=speed.transAxes)
     for config in dict.fromkeys(r["config"] for r in load_rows):
         mine = sorted((r for r in load_rows if r["config"] == config), key=lambda r: x[r["load"]])
         style = {"lw": 3} if mine[0].get("schedule") else {"ls": "--"} if config.startswith("baseline") else {}
@@ -265,6 +267,7 @@ def load_curves(load_rows: list[dict]):
         ax.set_ylabel(label)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-    speed.legend(fontsize=8)
+    if load_rows:
+        speed.legend(fontsize=8)
     fig.tight_layout()
     return fig

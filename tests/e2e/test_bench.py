@@ -14,8 +14,9 @@ from sweep_rows import ROWS
 from test_engines import drafts, need  # noqa: F401  (the learned drafter's exports; a module-scoped fixture)
 
 from eagle3lib import engines
+from eagle3lib.engines.schedule import DepthSchedule
 from eagle3lib.params import BenchParams, EngineParams
-from eagle3lib.speedup import configuration, notebook, prompt_sets, recommend, sweep
+from eagle3lib.speedup import configuration, load, notebook, prompt_sets, recommend, sweep
 from eagle3lib.train.metrics import acceptance_summary
 from eagle3lib.workbook import report
 
@@ -248,3 +249,33 @@ def test_an_engine_killed_mid_sweep_ends_it_naming_the_engine_with_the_rows_kept
         "missing"
     ][0]["why"]
     assert engines.alive_in_group(partial["rows"][0]["group"]) == []
+
+
+def test_vllms_cpu_build_serves_a_depth_schedule_under_the_load_generator(drafts, embedded_target, tmp_path):  # noqa: F811
+    """The real vLLM serves a DepthSchedule (depth 3 for one request in flight, none from two) measured as a
+    configuration of its own: its rows carry each load's depth and the real `vllm bench serve` latency figures,
+    and its greedy outputs equal the baseline's at each concurrency (fp32)."""
+    need("vllm")
+    render = prompt_sets.renderer(embedded_target[1])
+    held_out = [{"id": f"p{i}", "messages": [{"role": "user", "content": PROMPTS[0]}]} for i in range(2)]
+    prompts = prompt_sets.build_prompts(render, ["held_out"], 2, held_out)
+    params = BenchParams(depths=[3], concurrency=[1, 2], num_prompts=2, max_tokens=MAX_TOKENS, dtype="float32")
+    engine = EngineParams(extra_args=FAST_START)
+    texts = load.load_texts(prompts, embedded_target[1].decode, 2)
+    sweeping = load.LoadSweep(load.load_points(params), texts, MAX_TOKENS, engine, drafts["target"], tmp_path / "load")
+    measuring = sweep.Sweep(engine, params, drafts["target"], drafts["vllm"], prompts, tmp_path, load=sweeping)
+    measuring.measure(None, prompts)
+    rows = measuring.measure(DepthSchedule(((1, 3), (2, 0))), prompts)
+    assert [(r["config"], r["depth"], r["concurrency"]) for r in rows] == [
+        ("schedule-3.0-float32", 3, 1),
+        ("schedule-3.0-float32", 0, 2),
+    ]
+    assert measuring.schedule_rows == rows and all(r["lossless_frac"] == 1.0 for r in rows)
+    # speculation at one request in flight, little at two (only while one of them runs alone)
+    assert rows[0]["accept_len"] > 1 and rows[1]["drafts"] < rows[0]["drafts"] / 2
+    assert {(r["config"], r["concurrency"]) for r in measuring.load_rows} == {
+        (c, n) for c in ("baseline-float32", "schedule-3.0-float32") for n in (1, 2)
+    }
+    assert all(r["completed"] == 2 and r["p90_itl_ms"] > 0 and r["p50_ttft_ms"] > 0 for r in measuring.load_rows)
+    assert all(r["p90_itl_ms"] == r2["p90_itl_ms"] for r in rows for r2 in measuring.load_rows
+               if r2["config"] == r["config"] and r2["concurrency"] == r["concurrency"])  # fmt: skip

@@ -46,7 +46,14 @@ def test_the_deployed_schedule_is_the_one_the_measurements_imply(tmp_path, embed
         for i in range(4)
     ]  # fmt: skip
     target_dir = str(embedded_cache[1])  # the tokenizer vllm bench serve counts with
-    sweeping = load.LoadSweep(load.load_points(bench), ["a question"] * 4, 12, engine, target_dir, tmp_path / "load")
+    sweeping = load.LoadSweep(
+        load.load_points(bench),
+        ["a question about the weather in spring"] * 4,
+        12,
+        engine,
+        target_dir,
+        tmp_path / "load",
+    )
     swept = sweep.benchmark(engine, bench, target_dir, "/drafter", prompts, tmp_path, progress=None, load=sweeping)
 
     # measured: depth 3 at 1 in flight, no speculation at 4; nothing meets 5 ms, so the lowest latency, said so
@@ -64,7 +71,11 @@ def test_the_deployed_schedule_is_the_one_the_measurements_imply(tmp_path, embed
     assert all(r["completed"] == 4 and r["p90_itl_ms"] > 10 for r in swept["load"])
     against = under_load.schedule_against_fixed(swept["load"])
     assert [p["best_fixed"] for p in against["points"]] == ["depth3-float32", "baseline-float32"]
-    assert all(p["against_best"] > 0.8 for p in against["points"]), against
+    # at each load the schedule ran the best fixed configuration's depth: its per-token time, as the stand-in sets it
+    # (tokens/s over a fraction of a second is too short a window to compare)
+    best_itl = {(r["config"], r["load"]): r["p90_itl_ms"] for r in swept["load"]}
+    for p in against["points"]:
+        assert abs(p["itl_p90_ms"] / best_itl[(p["best_fixed"], p["load"])] - 1) < 0.15, against
     assert "no configuration meets p90 inter-token latency <= 5 ms" in under_load.schedule_text(
         swept["schedule"], against
     )

@@ -14,7 +14,7 @@ from eagle3lib.speedup import load, schedule, sizing, under_load
 def row(depth, concurrency, tokens_per_s, itl=None, prompts=12, **extra):
     config = "baseline" if depth == 0 else f"depth{depth}"
     return {"depth": depth, "config": config, "concurrency": concurrency, "tokens_per_s": tokens_per_s,
-            "prompts": prompts, "itl_p90_ms": itl, "schedule": None, **extra}  # fmt: skip
+            "prompts": prompts, "p90_itl_ms": itl, "schedule": None, **extra}  # fmt: skip
 
 
 # Speculation pays at low load and loses at high load: depth 3 at 1, depth 1 at 4, none at 8 and 16.
@@ -102,7 +102,7 @@ def test_each_tool_is_asked_for_the_load_point_it_runs(tmp_path):
     point = LoadPoint(2.0, 8)
     vllm = VllmBenchServe().command("py", Server, "/t", tmp_path / "p.jsonl", 8, 64, point, tmp_path / "o.json")
     assert vllm[vllm.index("--request-rate") + 1] == "2.0" and vllm[vllm.index("--max-concurrency") + 1] == "8"
-    assert vllm[vllm.index("--custom-output-len") + 1] == "64" and "--ignore-eos" in vllm
+    assert vllm[vllm.index("--sharegpt-output-len") + 1] == "64" and "--ignore-eos" in vllm
     sglang = SglangBenchServing().command(
         "py", Server, "/t", tmp_path / "p.jsonl", 8, 64, LoadPoint(None, 4), tmp_path / "o"
     )
