@@ -47,8 +47,31 @@ def summarise(run: Path) -> dict:
         print(json.dumps({"stage": stage, "status": result.get("status"), "seconds": s}))
     bench = stage_result(run, "05_benchmark") or {}
     row = {"stages": found, "total_minutes": round(total / 60, 1), "headline": bench.get("headline")}
+    row["figures"] = bench_figures(bench.get("figures") or {})
     print(json.dumps(row))
     return row
+
+
+def bench_figures(figures: dict) -> dict:
+    """The benchmark's numbers a result cites: the recommendation at each concurrency (speedup, acceptance length,
+    p90 inter-token latency under load) and the depth schedule against the fixed configurations under load."""
+    out = {}
+    rows = figures.get("rows") or []
+    for c, rec in (figures.get("recommendation") or {}).items():
+        out[f"speedup_c{c}"] = rec["speedup"]
+        out[f"acceptance_length_c{c}"] = rec.get("accept_len") and round(rec["accept_len"], 3)
+        here = [r for r in rows if str(r["concurrency"]) == c]
+        mine = next((r for r in here if r["config"] == rec["config"]), {})
+        base = next((r for r in here if r["config"].startswith("baseline")), {})
+        out[f"p90_itl_ms_c{c}"] = mine.get("p90_itl_ms") and round(mine["p90_itl_ms"], 1)
+        out[f"baseline_p90_itl_ms_c{c}"] = base.get("p90_itl_ms") and round(base["p90_itl_ms"], 1)
+    against = figures.get("schedule_against_fixed") or {}
+    means = against.get("means") or {}
+    if "schedule" in means:
+        out["schedule_mean_tokens_per_s"] = round(means["schedule"], 2)
+        out["best_fixed_mean_tokens_per_s"] = round(max(v for k, v in means.items() if k != "schedule"), 2)
+        out["schedule_min_against_best"] = round(min(p["against_best"] for p in against["points"]), 3)
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -80,7 +103,7 @@ def dry_run(work: Path) -> list[str]:
 
 def headline(rows: list[dict]) -> dict:
     last = next((r for r in reversed(rows) if "total_minutes" in r), {})
-    return {"total_minutes": last.get("total_minutes"), **(last.get("headline") or {})}
+    return {"stages_minutes": last.get("total_minutes"), **(last.get("figures") or {})}
 
 
 if __name__ == "__main__":

@@ -137,7 +137,7 @@ def test_deploy_served_the_drafter_and_left_no_process(ci_run):
 def test_benchmark_is_lossless_in_fp32_and_measures_acceptance(ci_run):
     r = result(ci_run[0], "05_benchmark")["figures"]
     model = r["cost_model"]
-    plan = model["plan"]  # the cost model's pick first (it calibrates), its neighbours, then bench.depths
+    plan = model["plan"]  # the cost model's pick first (it calibrates), then bench.depths (ci.yaml: no neighbours)
     assert plan[0] == model["calibrated_on"] == model["picks"]["1"] and 5 in plan and len(set(plan)) == len(plan)
     assert [(row["config"], row["concurrency"]) for row in r["rows"]] == [("baseline-float32", 1)] + [
         (f"depth{d}-float32", 1) for d in plan
