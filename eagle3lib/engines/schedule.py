@@ -100,3 +100,9 @@ def as_schedule(depth) -> DepthSchedule | None:
         return None
     schedule = depth if isinstance(depth, DepthSchedule) else DepthSchedule.fixed(depth)
     return schedule if schedule.max_depth > 0 else None
+
+
+def varying(depth) -> DepthSchedule | None:
+    """The DepthSchedule of `depth` when it changes depth with the load (several steps), else None."""
+    schedule = as_schedule(depth)
+    return schedule if schedule is not None and not schedule.is_fixed else None

@@ -35,7 +35,7 @@ def sglang_launch_args(draft_dir, depth: int | DepthSchedule, config_dir=None) -
     """SGLang flags for a chain of `depth` drafted tokens with top-k 1 (docs/design.md §5); for a schedule, its
     deepest chain with the adaptive controller held to the schedule's depth per batch size (its config file
     written into config_dir)."""
-    schedule = depth if isinstance(depth, DepthSchedule) else DepthSchedule.fixed(depth)
+    schedule = as_schedule(depth)
     deepest = schedule.max_depth
     flags = [
         "--speculative-algorithm",

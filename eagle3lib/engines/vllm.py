@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from eagle3lib.engines.interpreter import engine_env
-from eagle3lib.engines.schedule import DepthSchedule
+from eagle3lib.engines.schedule import DepthSchedule, as_schedule
 from eagle3lib.engines.server import EngineError, Server, http_json, http_text, still_runs
 from eagle3lib.engines.serving_bench import VllmBenchServe
 
@@ -139,7 +139,7 @@ def speculative_config(draft_dir, depth: int | DepthSchedule) -> dict:
     use_local_argmax_reduction: the drafter's argmax over its own vocabulary, mapped through d2t
     (LocalArgmaxMixin), the same token as the argmax of the target-wide row it otherwise scatters its logits into,
     without that row."""
-    schedule = depth if isinstance(depth, DepthSchedule) else DepthSchedule.fixed(depth)
+    schedule = as_schedule(depth)
     config = {
         "method": "eagle3",
         "model": str(draft_dir),

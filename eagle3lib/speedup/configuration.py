@@ -5,6 +5,7 @@ The sweep (speedup/sweep.py) runs one per configuration."""
 from __future__ import annotations
 
 from eagle3lib import engines
+from eagle3lib.engines.schedule import varying
 from eagle3lib.speedup import measurement, prompt_sets
 
 
@@ -75,14 +76,13 @@ def run_config(
             for c in concurrency
         ]
         draws = sample(server) if sample is not None else None
-        schedule = engines.as_schedule(depth)
-        varies = schedule is not None and not schedule.is_fixed
-        loaded = load(server, engines.config_name(depth, dtype), schedule.as_json() if varies else None) if load else []
+        schedule, varies = engines.as_schedule(depth), varying(depth)
+        loaded = load(server, engines.config_name(depth, dtype), varies and varies.as_json()) if load else []
     for r in rows:
         r.update(
             engine=engine_params.name,
             depth=schedule.depth_at(r["concurrency"]) if schedule else 0,  # a schedule's: the depth at this load
-            schedule=schedule.as_json() if varies else None,
+            schedule=varies and varies.as_json(),
             config=engines.config_name(depth, dtype),
             ready_s=server.ready_s,
             log=str(server.log_path),

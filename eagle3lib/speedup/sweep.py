@@ -21,6 +21,7 @@ import time
 from tqdm.auto import tqdm
 
 from eagle3lib import engines
+from eagle3lib.engines.schedule import varying
 from eagle3lib.speedup import cost, load, measurement, plan, prompt_sets, sampling, sizing
 from eagle3lib.speedup import schedule as depth_schedule
 from eagle3lib.speedup.configuration import compare_outputs, run_config
@@ -106,8 +107,7 @@ class Sweep:
         With a load sweep, the server then serves each load point (self.load_rows) and each row gets its
         concurrency's closed-loop latency figures."""
         bench, name = self.bench_params, engines.config_name(depth, self.bench_params.dtype)
-        schedule = engines.as_schedule(depth)
-        varies = schedule is not None and not schedule.is_fixed  # its depths' draws were each checked already
+        varies = varying(depth)  # a schedule's depths had their draws checked one by one already
         self.say(f"[bench] {name}: starting {self.engine_params.name} ({len(prompts)} prompts{note})")
         self.bar.set_postfix_str(name)
         try:
