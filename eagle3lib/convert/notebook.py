@@ -3,6 +3,7 @@ them, the launch commands at the benchmark depths, and the stage's result."""
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from eagle3lib import engines
@@ -50,24 +51,36 @@ def gate(p, exports: dict) -> tuple[dict, dict]:
     """Each export loaded back by its engine's own loader (convert.gate.verify). Returns (reports by gate name,
     not_checked: {name: why} for a client not installed here or a layout not exported). The engine this run serves
     with is always checked: its absence raises."""
-    reports, not_checked = {}, {}
-    for name, (engine, layout) in GATE.items():
-        if layout not in exports:
-            not_checked[name] = f"no {layout} export: its layout cannot serve this drafter (layouts.export_refusal)"
-            continue
-        try:
-            reports[name] = verify(
-                exports[layout],
+    not_checked, pending = {}, {}
+    # The clients run side by side: each is a process of its own that spends most of its time importing its
+    # engine (tens of seconds on a CPU), and none reads another's answer.
+    with ThreadPoolExecutor(max_workers=len(GATE)) as pool:
+        for name, (engine, layout) in GATE.items():
+            if layout not in exports:
+                not_checked[name] = f"no {layout} export: its layout cannot serve this drafter (layouts.export_refusal)"
+                continue
+            python = p.engine.python if p.engine.name == engine else None
+            depth = max(p.bench.depths)
+            pending[name] = (
                 engine,
-                target=p.target.name,
-                cache_dir=cache_dir(p),
-                python=p.engine.python if p.engine.name == engine else None,
-                depth=max(p.bench.depths),
+                pool.submit(
+                    verify,
+                    exports[layout],
+                    engine,
+                    target=p.target.name,
+                    cache_dir=cache_dir(p),
+                    python=python,
+                    depth=depth,
+                ),
             )
-        except FileNotFoundError as e:
-            if engine == p.engine.name:
-                raise
-            not_checked[name] = str(e)  # said, not hidden
+        reports = {}
+        for name, (engine, answer) in pending.items():
+            try:
+                reports[name] = answer.result()
+            except FileNotFoundError as e:
+                if engine == p.engine.name:
+                    raise
+                not_checked[name] = str(e)  # said, not hidden
     return reports, not_checked
 
 
