@@ -151,28 +151,64 @@ def test_real_sweep_is_lossless_in_fp32(drafts, learned, embedded_target, tmp_pa
 
 
 @pytest.mark.slow
-def test_a_sweep_short_of_time_measures_every_configuration_on_the_prompts_it_sized(drafts, embedded_target, tmp_path):  # noqa: F811
-    """run.minutes nearly spent: the baseline's server sizes the sweep to the fewest prompts that cover every set,
-    says so, and the depth measures those same prompts, compared with the baseline's outputs."""
+def test_a_sweep_short_of_time_is_sized_and_an_engine_killed_mid_sweep_ends_it_with_the_rows_kept(
+    drafts,  # noqa: F811
+    embedded_target,
+    tmp_path,
+):
+    """run.minutes nearly spent: the baseline's server sizes the sweep to the fewest prompts that cover every set
+    and says so. Then a kill -9 of the depth's vLLM once it is healthy: the sweep ends within two minutes with the
+    engine, its exit status and its log named; keep() gets the baseline's rows on the sized prompts and the depth
+    as missing, with why."""
     need("vllm")
     render = prompt_sets.renderer(embedded_target[1])
     held_out = [{"id": f"p{i}", "messages": [{"role": "user", "content": PROMPTS[i % 2]}]} for i in range(3)]
     prompts = prompt_sets.build_prompts(render, ["held_out"], 3, held_out)
-    params = BenchParams(depths=[1], concurrency=[1], num_prompts=3, max_tokens=MAX_TOKENS, dtype="float32")
-    said = []
-    swept = sweep.benchmark(
-        EngineParams(extra_args=FAST_START), params, drafts["target"], drafts["vllm"], prompts, tmp_path,
-        progress=said.append, render=render, deadline=time.time() + 5,
-    )  # fmt: skip
-    assert [(r["config"], r["prompts"], r["completion_tokens"]) for r in swept["rows"]] == [
-        ("baseline-float32", 1, MAX_TOKENS),
-        ("depth1-float32", 1, MAX_TOKENS),
-    ]
-    assert [p["id"] for p in swept["prompt_list"]] == ["held_out/p0"]
-    assert swept["rows"][1]["lossless_frac"] == 1.0
+    params = BenchParams(depths=[3], concurrency=[1], num_prompts=3, max_tokens=MAX_TOKENS, dtype="float32")
+    log = tmp_path / "vllm-depth3-float32.log"
+    killed = {}
+
+    def kill_the_depths_engine():  # the guard's children, once the server has answered its warm-up
+        while "POST /v1/completions" not in (log.read_text(errors="replace") if log.is_file() else ""):
+            time.sleep(0.1)
+        for pid in guards_children():
+            os.kill(pid, signal.SIGKILL)
+            killed.setdefault("at", time.time())
+
+    def guards_children():
+        me = str(os.getpid())
+        for entry in os.listdir("/proc"):
+            try:
+                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+                cmdline = Path(f"/proc/{fields[1]}/cmdline").read_bytes()
+            except (OSError, IndexError):
+                continue
+            parent_stat = Path(f"/proc/{fields[1]}/stat").read_text().rsplit(")", 1)[1].split()
+            if b"guard.py" in cmdline and parent_stat[1] == me and "vllm" in Path(f"/proc/{entry}/cmdline").read_text():
+                yield int(entry)
+
+    threading.Thread(target=kill_the_depths_engine, daemon=True).start()
+    said, kept = [], []
+    with pytest.raises(engines.EngineError) as err:
+        sweep.benchmark(
+            EngineParams(extra_args=FAST_START), params, drafts["target"], drafts["vllm"], prompts, tmp_path,
+            progress=said.append, render=render, deadline=time.time() + 5, keep=kept.append,
+        )  # fmt: skip
     line = next(x for x in said if "sized to" in x)
     assert "sized to 1 of 3 prompts (the fewest that cover every set, still over it)" in line, line
-    assert notebook.measured_prompts(swept, prompts) == prompts[:1]
+    assert killed and time.time() - killed["at"] < 120
+    text = str(err.value)
+    assert text.startswith("vllm at http://127.0.0.1:") and "exited with status -9" in text and str(log) in text
+    (partial,) = kept
+    assert [(r["config"], r["prompts"], r["completion_tokens"]) for r in partial["rows"]] == [
+        ("baseline-float32", 1, MAX_TOKENS)
+    ]
+    assert [p["id"] for p in partial["prompt_list"]] == ["held_out/p0"]
+    assert notebook.measured_prompts(partial, prompts) == prompts[:1]
+    assert [m["config"] for m in partial["missing"]] == ["depth3-float32"] and "exited with status -9" in partial[
+        "missing"
+    ][0]["why"]
+    assert engines.alive_in_group(partial["rows"][0]["group"]) == []
 
 
 @pytest.mark.slow
@@ -200,55 +236,6 @@ def test_real_sampled_sweep_checks_the_distribution(drafts, embedded_target, tmp
     assert check["passed"] is False and check["p_value"] < 0.01, check  # the engine's defect, caught
     assert "FAILED" in notebook.sampling_text(swept) and "FAILED" in notebook.lossless_headline(swept)
     assert "sampled" in report.table_html(recommend.table(swept["rows"]))
-
-
-@pytest.mark.slow
-def test_an_engine_killed_mid_sweep_ends_it_naming_the_engine_with_the_rows_kept(drafts, embedded_target, tmp_path):  # noqa: F811
-    """kill -9 of the depth's vLLM once it is healthy: the sweep ends within two minutes with the engine, its
-    exit status and its log named; keep() gets the baseline's rows and the depth as missing, with why."""
-    need("vllm")
-    render = prompt_sets.renderer(embedded_target[1])
-    held_out = [{"id": f"p{i}", "messages": [{"role": "user", "content": PROMPTS[0]}]} for i in range(2)]
-    prompts = prompt_sets.build_prompts(render, ["held_out"], 2, held_out)
-    params = BenchParams(depths=[3], concurrency=[1], num_prompts=2, max_tokens=MAX_TOKENS, dtype="float32")
-    log = tmp_path / "vllm-depth3-float32.log"
-    killed = {}
-
-    def kill_the_depths_engine():  # the guard's children, once the server has answered its warm-up
-        while "POST /v1/completions" not in (log.read_text(errors="replace") if log.is_file() else ""):
-            time.sleep(0.1)
-        for pid in guards_children():
-            os.kill(pid, signal.SIGKILL)
-            killed.setdefault("at", time.time())
-
-    def guards_children():
-        me = str(os.getpid())
-        for entry in os.listdir("/proc"):
-            try:
-                fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-                cmdline = Path(f"/proc/{fields[1]}/cmdline").read_bytes()
-            except (OSError, IndexError):
-                continue
-            parent_stat = Path(f"/proc/{fields[1]}/stat").read_text().rsplit(")", 1)[1].split()
-            if b"guard.py" in cmdline and parent_stat[1] == me and "vllm" in Path(f"/proc/{entry}/cmdline").read_text():
-                yield int(entry)
-
-    threading.Thread(target=kill_the_depths_engine, daemon=True).start()
-    kept = []
-    with pytest.raises(engines.EngineError) as err:
-        sweep.benchmark(
-            EngineParams(extra_args=FAST_START), params, drafts["target"], drafts["vllm"], prompts, tmp_path,
-            render=render, keep=kept.append,
-        )  # fmt: skip
-    assert killed and time.time() - killed["at"] < 120
-    text = str(err.value)
-    assert text.startswith("vllm at http://127.0.0.1:") and "exited with status -9" in text and str(log) in text
-    (partial,) = kept
-    assert [r["config"] for r in partial["rows"]] == ["baseline-float32"]
-    assert [m["config"] for m in partial["missing"]] == ["depth3-float32"] and "exited with status -9" in partial[
-        "missing"
-    ][0]["why"]
-    assert engines.alive_in_group(partial["rows"][0]["group"]) == []
 
 
 def test_vllms_cpu_build_serves_a_depth_schedule_under_the_load_generator(drafts, embedded_target, tmp_path):  # noqa: F811
