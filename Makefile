@@ -10,7 +10,7 @@ export OMP_WAIT_POLICY := PASSIVE
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run test test-fast lint lab browser fp8-site ray-site clean-venv
+.PHONY: setup run test test-envs test-fast lint lab browser fp8-site ray-site clean-venv
 
 setup: $(VENV)/.installed
 
@@ -28,7 +28,10 @@ run: setup vllm-env sglang-env
 	$(BIN)/python -m eagle3lib run $(PARAMS)
 
 # The engine environments let the tests run the real vLLM/SGLang load-back gates; Chromium checks the reports.
-test: lint vllm-env sglang-env speculators-env browser fp8-site ray-site
+# `make -j4 test-envs` builds them side by side (each waits mostly on downloads and unpacking).
+TEST_ENVS := setup vllm-env sglang-env speculators-env browser fp8-site ray-site
+test-envs: $(TEST_ENVS)
+test: lint $(TEST_ENVS)
 	$(BIN)/python -m pytest -q -ra --durations=15 tests
 
 # The module tests alone (no stage runs, engines, browsers or the real target's conversion); tests that read an
@@ -43,14 +46,14 @@ lint: setup
 
 # torchao for tests/unit/test_float8.py (FP8 training emulated on the CPU), outside .venv: see pyproject's fp8 extra.
 fp8-site: .fp8-site/.installed
-.fp8-site/.installed:
+.fp8-site/.installed: | $(VENV)/.installed
 	$(BIN)/pip install -q --no-deps --target .fp8-site 'torchao>=0.16'
 	touch $@
 
 # Ray for tests/e2e/test_online_ray.py (train.online_placement: ray on a local cluster), outside .venv: its other
 # dependencies are .venv's already.
 ray-site: .ray-site/.installed
-.ray-site/.installed:
+.ray-site/.installed: | $(VENV)/.installed
 	$(BIN)/pip install -q --no-deps --target .ray-site 'ray==2.60.0' 'msgpack>=1,<2' 'protobuf>=3.20.3'
 	touch $@
 
