@@ -28,7 +28,7 @@ run: setup vllm-env sglang-env
 	$(BIN)/python -m eagle3lib run $(PARAMS)
 
 # The engine environments let the tests run the real vLLM/SGLang load-back gates; Chromium checks the reports.
-# `make -j4 test-envs` builds them side by side (each waits mostly on downloads and unpacking).
+# `make test-envs -j4` builds them side by side (each waits mostly on downloads and unpacking).
 TEST_ENVS := setup vllm-env sglang-env speculators-env browser fp8-site ray-site
 test-envs: $(TEST_ENVS)
 test: lint $(TEST_ENVS)

