@@ -24,21 +24,31 @@ def check_tokens_match(contract: dict, prep_dir: Path) -> None:
 def extract_splits(p, setup: dict, capture: backends.Backend, prep_dir: Path, out: Path) -> dict:
     """extract.splits' tokens (prep_dir/<split>.safetensors) through `capture` (make_capture's, which holds what it
     needs of `setup`) into out/<split>/ shards, one after the other, the target loaded once; {split: result}.
-    With extract.max_minutes the validation split goes first and the training split is cut to what fits the rest
-    (sizing.py), which prints what it was cut to and why (sizing_record reads it back for the result)."""
+    With extract.max_minutes the validation split goes first and the training split is cut to what fits the rest,
+    with extract.max_train_tokens to its first sequences within that many tokens (sizing.py), which prints what it
+    was cut to and why (sizing_record reads it back for the result)."""
     splits = {s: (Path(prep_dir) / f"{s}.safetensors", Path(out) / s) for s in p.extract.splits}
-    if p.extract.max_minutes is None:
+    budget = extract_budget(p, out)
+    if budget is None:
         return capture.extract_splits(splits)
-    budget = sizing.ExtractBudget(Path(out), p.extract.max_minutes)
     results = capture.extract_splits(splits, budget)
     if budget.decision:
         print(budget.decision["text"])
     return results
 
 
+def extract_budget(p, out: Path) -> sizing.ExtractBudget | None:
+    """The cut extract.max_minutes and extract.max_train_tokens ask for, None without either."""
+    if p.extract.max_minutes is None and p.extract.max_train_tokens is None:
+        return None
+    return sizing.ExtractBudget(Path(out), p.extract.max_minutes, p.extract.max_train_tokens)
+
+
 def sizing_record(p, out: Path) -> dict | None:
-    """What extract.max_minutes cut the training split to (sizing.json), None without the limit."""
-    return sizing.ExtractBudget(Path(out), p.extract.max_minutes).recorded() if p.extract.max_minutes else None
+    """What extract.max_minutes or extract.max_train_tokens cut the training split to (sizing.json), None without
+    either."""
+    budget = extract_budget(p, out)
+    return budget.recorded() if budget else None
 
 
 def capture_over_plain_prefill(p, setup: dict, capture: backends.Backend, prep_dir: Path, results: dict, log_dir=None):
@@ -96,6 +106,8 @@ def plan_text(p, contract: dict, tokens: int, free_bytes: int | None = None) -> 
             f"; at most {p.extract.max_minutes:g} min (extract.max_minutes): the val split first, then the train "
             "split's leading sequences that fit the rest at val's rate"
         )
+    if p.extract.max_train_tokens:
+        text += f"; the train split's leading sequences within {p.extract.max_train_tokens:,} tokens (extract.max_train_tokens)"
     if need > free:
         text += f"\nNOT ENOUGH DISK: {need - free:,} bytes short; free space or set run.output_root elsewhere"
     return text
@@ -139,5 +151,5 @@ def result(
         "MB": round(total["bytes"] / 1e6, 1),
     }
     if sized and sized["sequences"] < sized["total_sequences"]:
-        headline["train split (max_minutes)"] = f"{sized['sequences']:,} of {sized['total_sequences']:,} sequences"
+        headline["train split (cut)"] = f"{sized['sequences']:,} of {sized['total_sequences']:,} sequences"
     return {"figures": figures, "headline": headline, "artifacts": [f"{s}/manifest.json" for s in results]}

@@ -136,10 +136,22 @@ class ExtractParams(Section):
         "split cut to its first sequences that fit the rest at val's rate, recorded in sizing.json so a rerun keeps "
         "it (None: every sequence)"
     )  # fmt: skip
+    max_train_tokens: int | None = Field(
+        None, gt=0, description="the train split cut to its first sequences within this many tokens (val whole): one "
+        "prepared dataset at several sizes, each a prefix of the next; with max_minutes, the smaller cut (None: every "
+        "sequence)"
+    )  # fmt: skip
 
     @model_validator(mode="after")
     def _sized_from_val(self):
-        if self.max_minutes is None or not self.splits:  # no splits: online training captures its own states
+        if not self.splits:  # no splits: online training captures its own states
+            return self
+        if self.max_train_tokens is not None and self.backend == "sglang_inprocess":
+            raise ValueError(
+                "extract.max_train_tokens cuts the train split in this process, and extract.backend sglang_inprocess "
+                "extracts in SGLang's interpreter: use hf, vllm or sglang, or set extract.max_train_tokens: null"
+            )
+        if self.max_minutes is None:
             return self
         if "val" not in self.splits:
             raise ValueError(

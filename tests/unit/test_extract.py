@@ -44,7 +44,7 @@ from eagle3lib.extract.shards import (
 )
 from eagle3lib.extract.sizing import SIZING_FILE, ExtractBudget, fitting, prefix
 from eagle3lib.extract.sizing import text as sizing_text
-from eagle3lib.prepare.conversations import save_tokens
+from eagle3lib.prepare.conversations import load_tokens, save_tokens
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 AUX = [2, 3, 3]  # [2, L//2, L-3] for L=6
@@ -622,3 +622,38 @@ def test_extraction_out_of_minutes_times_val_cuts_train_and_a_rerun_keeps_the_cu
 
     results, budget = run(tmp_path / "long", 60.0)
     assert results["train"]["total_sequences"] == 40 and budget.decision["text"].startswith("train split not cut")
+
+
+def test_extraction_to_a_number_of_train_tokens_keeps_a_prefix_and_the_smaller_cut_with_minutes(model, tmp_path):
+    """extract.max_train_tokens: the train split keeps its leading sequences within the tokens (val whole), so that
+    two sizes of one dataset are a prefix of each other; with minutes to spare the tokens decide, with none left
+    the minutes do; a rerun with another size cuts again instead of taking the recorded cut back."""
+    prep = tmp_path / "prep"
+    for name, n, seed in (("train", 40, 1), ("val", 10, 2)):
+        save_tokens(prep / f"{name}.safetensors", random_tokens(n, seed) | {"ids": [f"{name}{i}" for i in range(n)]})
+    starts = load_tokens(prep / "train.safetensors")["seq_starts"]
+    settings = ExtractSettings(AUX, CONTRACT, ShardLayout(torch.float32, 150, 256), 0)
+    backend = HFBackend(HFCapture(model, AUX, 256), settings)
+
+    def run(out, minutes, tokens):
+        budget = ExtractBudget(out, minutes, tokens)
+        files = {s: (prep / f"{s}.safetensors", out / s) for s in ("train", "val")}
+        return backend.extract_splits(files, budget), budget
+
+    small, big = int(starts[12]), int(starts[30]) - 1  # 12 sequences exactly; 29 fit under the 30th's end
+    results, budget = run(tmp_path / "small", None, small)
+    assert results["train"]["total_sequences"] == 12 and results["val"]["total_sequences"] == 10
+    assert budget.decision["text"] == (
+        f"train split sized to its first 12 of 40 sequences ({small:,} tokens): at most {small:,} tokens "
+        "(extract.max_train_tokens)"
+    )
+    results, _ = run(tmp_path / "big", 60.0, big)
+    assert results["train"]["total_sequences"] == 29
+    small_ids = [ids for ids, *_ in ShardSet(tmp_path / "small" / "train")]
+    big_ids = [ids for ids, *_ in ShardSet(tmp_path / "big" / "train")]
+    assert all(torch.equal(a, b) for a, b in zip(small_ids, big_ids[:12], strict=True))
+
+    assert ExtractBudget(tmp_path / "big", 60.0, small).recorded() is None  # another size: cut again, not resumed
+    assert ExtractBudget(tmp_path / "big", 60.0, big).recorded()["sequences"] == 29
+    results, budget = run(tmp_path / "short", 1e-5, big)  # no minutes left: the minutes cut more than the tokens
+    assert results["train"]["total_sequences"] == 1 and "1e-05 min (extract.max_minutes)" in budget.decision["text"]

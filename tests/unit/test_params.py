@@ -76,6 +76,13 @@ def test_wrong_types_and_negative_budgets(tmp_path):
     assert "data.max_seq_len" in msg and "data.regenerate.budget_tokens" in msg and "train.max_tokens" in msg
 
 
+def test_a_train_token_cut_needs_a_backend_that_extracts_from_this_process(tmp_path):
+    f = write(tmp_path, "extract: {backend: sglang_inprocess, max_train_tokens: 600000}\n")
+    with pytest.raises(ParamsError, match=r"extract.max_train_tokens cuts the train split in this process.*use hf"):
+        load_params(f)
+    assert load_params(write(tmp_path, "extract: {max_train_tokens: 600000}\n")).extract.max_train_tokens == 600000
+
+
 @pytest.mark.parametrize("ids", [[2, 15, 30], [0, 15, 27], [2, 2, 27], [27, 15, 2], [2, 15]])
 def test_aux_ids_outside_the_embedded_targets_layers(tmp_path, ids):
     with pytest.raises(ParamsError, match="aux_layer_ids"):
