@@ -97,6 +97,8 @@ def compare(arrays: dict, a: str, b: str, resamples: int = RESAMPLES, rng_seed: 
         mean_point = {c: float(np.mean([point[c][s] for s in sets])) for c in (a, b)}
         mean_boot = {c: np.mean([boot[c][s] for s in sets], axis=0) for c in (a, b)}
         out["mean"] = {"al": mean_point, **summary(mean_point[a] / mean_point[b], mean_boot[a] / mean_boot[b])}
+        # each configuration's own AL interval (the same resamples): what a figure of AL against data draws
+        out["mean"]["al_interval"] = {c: [float(v) for v in np.percentile(mean_boot[c], [2.5, 97.5])] for c in (a, b)}
     return out
 
 

@@ -14,24 +14,43 @@
 #   pick     PICK="CFG ...": which of ours' configurations has the best mean validation est. AL@3 over its seeds
 #   bring    BRING="ours:defaults ...": those drafters (canonical, bf16) and the held-out prompts into $OUT;
 #            restore: drafters brought back earlier, from $G/drafters, for serve
-# Configurations: ours: defaults, rows4-scratch, rows2-scratch, rows1-scratch (the levers: optimizer steps, the
-# early-exit start), muon, muon-ttt3 (speculators' optimizer and TTT length), best3 (the best validation state at
-# depth 3), gputime (equal GPU time), allpos, noise1, noise3, wd1 (the loss on every token, noise on the aux states,
-# weight decay), assistant (the loss on the assistant's tokens only), mla; joined with "+" a configuration takes each
-# lever's overrides; speculators: defaults, sglang (its defaults less norm_before_residual, which SGLang 0.5.17
-# ignores), our-hparams; specforge: defaults, our-hparams (our lr, TTT length, warmup, tokens a step).
+# Configurations: ours: defaults, rows4-scratch, rows2-scratch, rows1-scratch (the levers: optimizer steps, the early-
+# exit start), muon, muon-ttt3 (speculators' optimizer and TTT length), ttt7 (the Llama recipe's), best3 (the best
+# validation state at depth 3), gputime (equal GPU time), allpos, noise1, noise3, wd1 (the loss on every token, noise
+# on the aux states, weight decay), assistant (the loss on the assistant's tokens only), mla; joined with "+" a
+# configuration takes each lever's overrides; speculators: defaults, sglang (its defaults less norm_before_residual,
+# which SGLang 0.5.17 ignores), our-hparams; specforge: defaults, our-hparams (our lr, TTT length, warmup, tokens a
+# step).
+# Data sizes (python -m benchmarks scaling): SIZE=N trains on the first sequences of the prepared train split within N
+# tokens (extract.max_train_tokens; SIZE=all: the whole split), every step's folders under $WORK/size-$SIZE, the
+# prepared conversations shared (carried as $G/prepared/prepared.tgz: every size cuts the same regeneration). The
+# regeneration's levers for `data`: MORE=1 (every embedded conversation, not only the first $CONV), REGEN_ONLY=1
+# (only the conversations the target answered itself), REGEN_MIN (its minutes), REGEN_BS (conversations in
+# flight), REGEN_GRAPHS=N (SGLang's decode CUDA graphs up to batch N); TO=prepare stops after the regeneration.
 set -uo pipefail
 mkdir -p "$WORK"
 DATA_DIR=${DATA_DIR:-$WORK/data}  # the embedded ShareGPT cut (benchmarks/sharegpt_cuts.py), EAGLE's sets beside it
 [ -f "$DATA_DIR/sharegpt-7000.json.xz" ] || "$E3_PYTHON" -m benchmarks.sharegpt_cuts "$DATA_DIR" --benchsets "${BENCHSETS:-../shared/benchsets}" > /dev/null || exit 3
 G=$WORK/carried; W=$WORK
+if [ -n "${SIZE:-}" ]; then
+  [[ $SIZE == all || $SIZE =~ ^[1-9][0-9]*$ ]] || { echo "SIZE=$SIZE: a number of training tokens, or all"; exit 2; }
+  W=$WORK/size-$SIZE; mkdir -p "$W"
+fi
 mkdir -p "$OUT"
 CONV=${CONV:-1500}; REGEN=${REGEN:-200000}; EPOCHS=${EPOCHS:-4}; DRAFT_VOCAB=${DRAFT_VOCAB:-16384}
 ours_env() {
   export PYTHONPATH=$PWD HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 }
-RUN_SET=(--set run.output_root=$W --set run.name=run --set "data.sources=[$DATA_DIR/sharegpt-7000.json.xz]"
+# the regeneration's variables that made the carried conversations, so that every later call asks for the same
+# 00_prepare (another value would prepare afresh)
+[ -f $G/prepared/data-vars.sh ] && . $G/prepared/data-vars.sh
+SOURCES=$DATA_DIR/sharegpt-7000.json.xz; [ "${MORE:-0}" = 1 ] && SOURCES="$SOURCES,$DATA_DIR/sharegpt-rest.json.xz" && CONV=100000
+RUN_SET=(--set run.output_root=$W --set run.name=run --set "data.sources=[$SOURCES]"
          --set data.max_conversations="$CONV" --set data.regenerate.budget_tokens="$REGEN")
+[ "${REGEN_ONLY:-0}" = 1 ] && RUN_SET+=(--set data.regenerate.only_regenerated=true)
+[ -n "${REGEN_MIN:-}" ] && RUN_SET+=(--set data.regenerate.max_minutes="$REGEN_MIN")
+[ -n "${REGEN_BS:-}" ] && RUN_SET+=(--set data.regenerate.batch_size="$REGEN_BS")
+[ -n "${SIZE:-}" ] && [ "$SIZE" != all ] && RUN_SET+=(--set extract.max_train_tokens="$SIZE")
 target_dir() { "$E3_PYTHON" -c "from eagle3lib import target; print(target.embedded_target_dir(target.default_cache_dir()))"; }
 speculators_last() { ls -d "$1"/[0-9]* 2>/dev/null | sort -V | tail -1; }  # its last epoch's checkpoint
 # DR: --drafter TRAINER:CONFIG=DIR of each drafter trained on this machine. speculators' default drafter has
@@ -65,9 +84,16 @@ case "${1:-}" in
     [ -f $G/prepared/prepared.tgz ] && mkdir -p $W/run && tar -C $W/run -xzf $G/prepared/prepared.tgz && echo "data: 00_prepare restored"
     # no CUDA graphs for the regeneration server (its batches of 256 are past the graphs' 8 anyway); it still took
     # 120-152 s to start in the six H200 runs (00_prepare's engine_start_s), against 58-82 s of regeneration
-    timeout -k 20 "${BUDGET_S:-540}" "$E3_PYTHON" -m eagle3lib run params/smollm2-135m-gpu.yaml --to extract "${RUN_SET[@]}" \
-      --set 'engine.extra_args=[--attention-backend,triton,--sampling-backend,pytorch,--mem-fraction-static,"0.3",--context-length,"2048",--disable-cuda-graph]' \
+    GRAPHS=--disable-cuda-graph  # REGEN_GRAPHS=N: decode graphs to batch N (no spaces: one word for --set)
+    [ -n "${REGEN_GRAPHS:-}" ] && GRAPHS="--cuda-graph-max-bs-decode,\"$REGEN_GRAPHS\",--disable-prefill-cuda-graph"
+    timeout -k 20 "${BUDGET_S:-540}" "$E3_PYTHON" -m eagle3lib run params/smollm2-135m-gpu.yaml --to "${TO:-extract}" "${RUN_SET[@]}" \
+      --set "engine.extra_args=[--attention-backend,triton,--sampling-backend,pytorch,--mem-fraction-static,\"0.3\",--context-length,\"2048\",$GRAPHS]" \
       > "$OUT/data.log" 2>&1; rc=$?; tail -n 20 "$OUT/data.log"; [ $rc = 0 ] || exit $rc
+    if [ "${TO:-extract}" = prepare ]; then  # the regeneration alone: its conversations come back for every size
+      cp $W/run/00_prepare/result.json "$OUT/00_prepare_result.json"
+      for v in CONV REGEN MORE REGEN_ONLY REGEN_MIN REGEN_BS REGEN_GRAPHS; do [ -n "${!v:-}" ] && echo "$v=${!v}"; done > "$OUT/data-vars.sh"
+      tar -C $W/run -czf "$OUT/prepared.tgz" 00_prepare && du -h "$OUT/prepared.tgz"; exit 0
+    fi
     T=$(target_dir); rm -rf $W/sf-data $W/spec-data
     "$E3_PYTHON" -m benchmarks.peer_data specforge $W/run/01_extract $W/sf-data || exit 7
     "$E3_PYTHON" -m benchmarks.peer_data speculators $W/run/01_extract $W/spec-data --target "$T" || exit 8
@@ -91,7 +117,8 @@ case "${1:-}" in
       case $LEVER in defaults) L=() ;; rows4-scratch) L=(--set train.batch_rows=4 "${S0[@]}") ;;
         rows2-scratch) L=(--set train.batch_rows=2 "${S0[@]}") ;; rows1-scratch) L=(--set train.batch_rows=1 "${S0[@]}") ;;
         muon) L=(--set train.optimizer=muon) ;; muon-ttt3) L=(--set train.optimizer=muon --set train.ttt_steps=3) ;;
-        ttt3) L=(--set train.ttt_steps=3) ;; seq2048) L=(--set train.max_seq_len=2048) ;; lr2e-3) L=(--set train.lr=2e-3) ;;
+        ttt3) L=(--set train.ttt_steps=3) ;; ttt7) L=(--set train.ttt_steps=7) ;;
+        seq2048) L=(--set train.max_seq_len=2048) ;; lr2e-3) L=(--set train.lr=2e-3) ;;
         vocab32k) L=(--set train.draft_vocab_size=32000) ;; decay1) L=(--set train.step_weight_decay=1.0) ;;
         top1) L=(--set train.loss_target=top_token) ;;
         # regularizers for scarce data: the loss on every token, noise on the aux states, weight decay
@@ -208,9 +235,10 @@ save_file({k: v.bfloat16() if v.is_floating_point() else v for k, v in load_file
       tar -C $W/bring -cf - "$name" | split -b 15000000 - "$OUT/drafter-${name//:/-}.tar.part-" || exit 7
     done
     cp $W/run/00_prepare/bench.jsonl "$OUT/bench.jsonl"; ls -la "$OUT"; exit 0 ;;
-  restore)
-    mkdir -p $W/carried $W/run/00_prepare && cp $G/drafters/bench.jsonl $W/run/00_prepare/ || exit 3
-    for part in $G/drafters/drafter-*.tar.part-aa; do
+  restore)  # a size's drafters from $G/drafters-$SIZE
+    D=$G/drafters${SIZE:+-$SIZE}
+    mkdir -p $W/carried $W/run/00_prepare && cp $D/bench.jsonl $W/run/00_prepare/ || exit 3
+    for part in $D/drafter-*.tar.part-aa; do
       cat "${part%aa}"* | tar -C $W/carried -xf - || exit 4
     done
     ls $W/carried; exit 0 ;;

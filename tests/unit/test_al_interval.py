@@ -44,6 +44,9 @@ def test_equal_drafters_give_one_and_a_lead_is_seen():
     assert out[("ours:lead", 3)]["seeds"] == {"ours:lead": 3, "peer:defaults": 3}
     assert out[("ours:lead", 3)]["prompts"] == {"gsm8k": 60, "mt_bench": 60}
     assert "ours:lead / peer:defaults | 3 | 3 / 3" in al_interval.table(list(out.values()))
+    # each configuration's own AL interval holds its point; the prompts' spread makes it far wider than the ratio's
+    for config, (low, high) in lead_mean["al_interval"].items():
+        assert low < lead_mean["al"][config] < high and (high - low) / lead_mean["al"][config] > 0.03
 
 
 def test_seed_spread_widens_the_interval():
