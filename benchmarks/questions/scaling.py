@@ -10,10 +10,12 @@ and serves them in the next:
     SIZE=600000 python -m benchmarks scaling gpu-plan data         # the cut, its extraction, the peers' formats
     SIZE=600000 JOBS="ours:defaults:0 ... speculators:sglang:2" python -m benchmarks scaling gpu-plan launch
     SIZE=600000 python -m benchmarks scaling gpu-plan wait
-    SIZE=600000 python -m benchmarks scaling gpu-plan serve         # summary.json: served_al's rows
+    SIZE=600000 SETS=held_out,mt_bench,humaneval,$D/gsm8k.jsonl,$D/sum.jsonl,$D/qa.jsonl,$D/alpaca.jsonl \
+        python -m benchmarks scaling gpu-plan serve                 # summary.json: served_al's rows ($D: $WORK/data)
 
-(the prepared conversations of the first call, carried as $WORK/carried/prepared/, serve every size.) Then, on any
-machine, the figure from each size's served summaries:
+The prepared conversations of the first call, carried as $WORK/carried/prepared/, serve every size; a size's
+drafters go out with BRING="..." `bring` and come back as $WORK/carried/drafters-$SIZE for `restore` and `serve`.
+Then, on any machine, the figure from each size's served summaries:
 
     python -m benchmarks scaling --size 600000=summary-600k.json --size 2000000=summary-2m.json ... \\
         --ours ours:defaults --peer speculators:sglang
