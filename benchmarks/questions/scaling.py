@@ -181,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def dry_run(work: Path) -> list[str]:
     """The figure from a served summary already in the results (one size: ~646 k tokens, 3 seeds a trainer)."""
-    summary = Path(__file__).resolve().parents[1] / "results" / "peers" / "h100-2026-12-05" / "summary-d3.json"
+    summary = Path(__file__).resolve().parents[1] / "results/peers/h100-2026-12-05/summary-d3.json"
     return ["--size", f"645974={summary}", "--ours", "ours:allpos", "--resamples", "500", "--out",
             str(work / OUT_FILE)]  # fmt: skip
 
