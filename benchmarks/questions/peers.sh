@@ -8,7 +8,8 @@
 # $SPECULATORS_PYTHON, $SPECFORGE_PYTHON (benchmarks/gpu_host/setup.sh). Steps:
 #   data     prepare (regeneration) + extract, then the peers' data formats
 #   ours|specforge|speculators [CONFIG [SEED]]   one trainer, one configuration: GPU time, peak memory
-#   launch   every trainer x configuration at once, in the background (setsid: they outlive the command)
+#   launch   every trainer x configuration at once, in the background (setsid: they outlive the command), the
+#            jobs spread over the GPUs in turn (GPUS=0,1,...: which)
 #   wait     until those finish (WAIT_S at most), then their records into $OUT
 #   offline  every drafter's AL by our trainer's validation (no engine); serve: served AL (summary.json into $OUT)
 #   pick     PICK="CFG ...": which of ours' configurations has the best mean validation est. AL@3 over its seeds
@@ -180,13 +181,20 @@ json.dump(r, open(f, 'w'), indent=1)" "$OUT/train_ours-$NAME.json" "$BUDGET" "$S
       > "$OUT/train_speculators-$NAME.log" 2>&1; rc=$?; tail -n 15 "$OUT/train_speculators-$NAME.log"; exit $rc ;;
   launch)
     mkdir -p $W/out $W/jobs; rm -f $W/jobs/*
+    # the GPUs the jobs take in turn, one each: GPUS (ids, comma-separated), else CUDA_VISIBLE_DEVICES', else every
+    # GPU nvidia-smi lists; none: the jobs see what this command sees. On one GPU they run side by side.
+    IFS=, read -r -a GPU_IDS <<< "${GPUS:-${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | paste -sd,)}}"
+    [ ${#GPU_IDS[@]} -gt 0 ] || GPU_IDS=("")
+    n=0
     for job in ${JOBS:-specforge:defaults specforge:our-hparams speculators:defaults speculators:sglang \
                speculators:our-hparams ours:defaults ours:rows4-scratch ours:rows1-scratch ours:muon ours:muon-ttt3}; do
       J=$(job_file "$job"); touch "$J.job"; cs=${job#*:}; cfg=${cs%%:*}; seed=""; [[ $cs == *:* ]] && seed=${cs#*:}
+      gpu=${GPU_IDS[$(( n % ${#GPU_IDS[@]} ))]}; n=$((n + 1))
       # its own session (setsid), so that the job outlives the command; it writes its exit status when it ends
-      setsid -f bash -c 'OUT="$1" bash "$2" "$3" "$4" $6 > "$5.log" 2>&1 < /dev/null; echo "rc $?" > "$5.done"' \
-        _ "$W/out" "$0" "${job%%:*}" "$cfg" "$J" "$seed"
-      echo "launched $job"; sleep 2
+      setsid -f bash -c '[ -n "$7" ] && export CUDA_VISIBLE_DEVICES=$7; echo "CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-}"
+        OUT="$1" bash "$2" "$3" "$4" $6 > "$5.log" 2>&1 < /dev/null; echo "rc $?" > "$5.done"' \
+        _ "$W/out" "$0" "${job%%:*}" "$cfg" "$J" "$seed" "$gpu" > "$J.gpu" 2>&1
+      echo "launched $job${gpu:+ on GPU $gpu}"; sleep 2
     done; exit 0 ;;
   wait)
     t0=$(date +%s)

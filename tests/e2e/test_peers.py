@@ -3,6 +3,7 @@ the same tokens, mask and states; SpecForge's inputs follow its conventions; ser
 The peers' training and serving run on the H200 (python -m benchmarks peers)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -165,3 +166,29 @@ def test_served_al_rows_and_means():
         ("ours", 3, 1.4), ("ours", 5, 1.5), ("speculators", 3, 1.7), ("speculators", 5, 1.8)}  # fmt: skip
     (mean,) = served_al.mean_over_sets(rows)
     assert mean["trainer"] == "ours" and mean["served_al_mean"] == 1.75 and mean["sets"] == 2
+
+
+def test_launched_jobs_take_the_gpus_in_turn_and_wait_records_each_exit(tmp_path):
+    """peers.sh's launch gives job i the i-th of GPUS (modulo their number) through CUDA_VISIBLE_DEVICES, as its
+    job sees it; wait collects every job's exit. The jobs are trainers' steps that stop at once here (no data)."""
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "sharegpt-7000.json.xz").write_bytes(b"")  # the cut is there: the script does not make it
+    jobs = ["ours:defaults:0", "speculators:sglang:0", "ours:defaults:1"]
+    env = dict(os.environ, GPUS="3,5", JOBS=" ".join(jobs), DATA_DIR=str(data), WAIT_S="120")
+    work, raw = tmp_path / "work", tmp_path / "raw"
+    plan = [sys.executable, "-m", "benchmarks", "peers", "gpu-plan"]
+    where = ["--work", str(work), "--raw", str(raw)]
+    launched = subprocess.run([*plan, "launch", *where], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert launched.returncode == 0, launched.stdout + launched.stderr
+    assert [line for line in launched.stdout.splitlines() if line.startswith("launched")] == [
+        "launched ours:defaults:0 on GPU 3", "launched speculators:sglang:0 on GPU 5", "launched ours:defaults:1 on GPU 3"
+    ]  # fmt: skip
+    waited = subprocess.run([*plan, "wait", *where], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert waited.returncode == 0 and "still running" not in waited.stdout, waited.stdout + waited.stderr
+    seen = {f.stem: f.read_text().strip() for f in (work / "jobs").glob("*.gpu")}
+    assert seen == {"ours-defaults-s0": "CUDA_VISIBLE_DEVICES=3", "speculators-sglang-s0": "CUDA_VISIBLE_DEVICES=5",
+                    "ours-defaults-s1": "CUDA_VISIBLE_DEVICES=3"}  # fmt: skip
+    exits = {f.stem: f.read_text().strip() for f in (work / "jobs").glob("*.done")}
+    assert set(exits) == set(seen) and all(rc.startswith("rc ") and rc != "rc 0" for rc in exits.values())
+    assert (raw / "train-records.tgz").is_file()
