@@ -177,7 +177,7 @@ def test_launched_jobs_take_the_gpus_in_turn_and_wait_records_each_exit(tmp_path
     jobs = ["ours:defaults:0", "speculators:sglang:0", "ours:defaults:1"]
     env = dict(os.environ, GPUS="3,5", JOBS=" ".join(jobs), DATA_DIR=str(data), WAIT_S="120")
     work, raw = tmp_path / "work", tmp_path / "raw"
-    plan = [sys.executable, "-m", "benchmarks", "peers", "gpu-plan"]
+    plan = [sys.executable, "-m", "benchmarks", "--out", str(tmp_path / "results"), "peers", "gpu-plan"]
     where = ["--work", str(work), "--raw", str(raw)]
     launched = subprocess.run([*plan, "launch", *where], cwd=ROOT, env=env, capture_output=True, text=True)
     assert launched.returncode == 0, launched.stdout + launched.stderr
