@@ -181,9 +181,9 @@ json.dump(r, open(f, 'w'), indent=1)" "$OUT/train_ours-$NAME.json" "$BUDGET" "$S
       > "$OUT/train_speculators-$NAME.log" 2>&1; rc=$?; tail -n 15 "$OUT/train_speculators-$NAME.log"; exit $rc ;;
   launch)
     mkdir -p $W/out $W/jobs; rm -f $W/jobs/*
-    # the GPUs the jobs take in turn, one each: GPUS (ids, comma-separated), else CUDA_VISIBLE_DEVICES', else every
-    # GPU nvidia-smi lists; none: the jobs see what this command sees. On one GPU they run side by side.
-    IFS=, read -r -a GPU_IDS <<< "${GPUS:-${CUDA_VISIBLE_DEVICES:-$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | paste -sd,)}}"
+    # the GPUs the jobs take in turn, one each: GPUS (ids, comma-separated), else CUDA_VISIBLE_DEVICES' (when set),
+    # else every GPU nvidia-smi lists; none: the jobs see what this command sees. On one GPU they run side by side.
+    IFS=, read -r -a GPU_IDS <<< "${GPUS:-${CUDA_VISIBLE_DEVICES-$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | paste -sd,)}}"
     [ ${#GPU_IDS[@]} -gt 0 ] || GPU_IDS=("")
     n=0
     for job in ${JOBS:-specforge:defaults specforge:our-hparams speculators:defaults speculators:sglang \
