@@ -17,7 +17,7 @@ mkdir -p "$WORK"
 DATA_DIR=${DATA_DIR:-$WORK/data}  # the embedded ShareGPT cut (benchmarks/sharegpt_cuts.py), EAGLE's sets beside it
 [ -f "$DATA_DIR/sharegpt-7000.json.xz" ] || "$E3_PYTHON" -m benchmarks.sharegpt_cuts "$DATA_DIR" --benchsets "${BENCHSETS:-../shared/benchsets}" > /dev/null || exit 3
 W=$WORK; mkdir -p "$OUT"
-export PYTHONPATH=$PWD HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
 SGL=$SGLANG_PYTHON
 FLAGS='[--attention-backend,triton,--sampling-backend,pytorch,--mem-fraction-static,"0.3"]'
 NAME=online-${MODE:-smol}

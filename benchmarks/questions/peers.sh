@@ -40,7 +40,7 @@ fi
 mkdir -p "$OUT"
 CONV=${CONV:-1500}; REGEN=${REGEN:-200000}; EPOCHS=${EPOCHS:-4}; DRAFT_VOCAB=${DRAFT_VOCAB:-16384}
 ours_env() {
-  export PYTHONPATH=$PWD HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 }
 # the regeneration's variables that made the carried conversations, so that every later call asks for the same
 # 00_prepare (another value would prepare afresh)

@@ -27,7 +27,7 @@ SHAREGPT=$DATA_DIR/sharegpt-7000.json.xz
 MORE=${MORE:-$(cat $W/more 2> /dev/null || echo 0)}
 SOURCES=$SHAREGPT; [ "$MORE" = 1 ] && SOURCES="$SHAREGPT,$DATA_DIR/sharegpt-rest.json.xz"  # peers.sh stage5's
 ours_env() {
-  export PYTHONPATH=$PWD HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
+  export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 }
 RUN=$W/release-smollm2
 shipped_status() {  # N: what `shipped` has done so far, its log's last N lines
